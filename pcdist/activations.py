@@ -1,0 +1,130 @@
+"""Elementwise activations with their fused derivative kernels.
+
+Each activation gives u = f(a), computed in place where that is exact, and the
+error signal d = e * f'(a) as ONE kernel (aten's ``*_backward`` ops), written into
+a preallocated buffer. Most derivatives are read from the output u, so the
+pre-activation buffer can be overwritten by u; gelu (and leaky_relu with a
+negative slope) need the input a itself and say so with ``needs_input``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Activation", "ACTIVATIONS", "activation_from_module", "get_activation"]
+
+_aten = torch.ops.aten
+
+ACTIVATIONS = ("tanh", "relu", "leaky_relu", "gelu", "hard_tanh", "sigmoid", "identity")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """f and e * f'(a) for one elementwise activation; hashable, so layers group by it."""
+
+    name: str
+    negative_slope: float = 0.01  # leaky_relu
+    approximate: str = "none"  # gelu: "none" (erf) or "tanh"
+    min_val: float = -1.0  # hard_tanh
+    max_val: float = 1.0  # hard_tanh
+
+    def __post_init__(self):
+        if self.name not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.name!r}; allowed: {', '.join(ACTIVATIONS)}")
+        if self.approximate not in ("none", "tanh"):
+            raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {self.approximate!r}")
+        if not (math.isfinite(self.min_val) and math.isfinite(self.max_val) and self.min_val < self.max_val):
+            raise ValueError(f"hard_tanh needs min_val < max_val, got {self.min_val}, {self.max_val}")
+
+    @property
+    def needs_input(self) -> bool:
+        """True if f'(a) cannot be read from u = f(a), so a must be kept."""
+        return self.name == "gelu" or (self.name == "leaky_relu" and self.negative_slope < 0)
+
+    def __call__(self, a: Tensor) -> Tensor:
+        """u = f(a) into a new tensor."""
+        return self.forward(a, torch.empty_like(a))
+
+    def forward(self, a: Tensor, out: Tensor) -> Tensor:
+        """u = f(a) written into ``out`` (which may be ``a`` itself unless needs_input)."""
+        n = self.name
+        if n == "tanh":
+            return torch.tanh(a, out=out)
+        if n == "sigmoid":
+            return torch.sigmoid(a, out=out)
+        if n == "relu":
+            return torch.clamp(a, min=0, out=out)
+        if n == "hard_tanh":
+            return torch.clamp(a, self.min_val, self.max_val, out=out)
+        if n == "leaky_relu":
+            return _aten.leaky_relu.out(a, self.negative_slope, out=out)
+        if n == "gelu":
+            return _aten.gelu.out(a, approximate=self.approximate, out=out)
+        return out if out is a else out.copy_(a)  # identity
+
+    def grad(self, e: Tensor, a: Tensor, u: Tensor, out: Tensor) -> Tensor:
+        """out = e * f'(a), one fused kernel; ``a`` is only read when needs_input."""
+        n = self.name
+        if n == "tanh":
+            return _aten.tanh_backward.grad_input(e, u, grad_input=out)
+        if n == "sigmoid":
+            return _aten.sigmoid_backward.grad_input(e, u, grad_input=out)
+        if n == "relu":
+            return _aten.threshold_backward.grad_input(e, u, 0, grad_input=out)
+        if n == "hard_tanh":
+            return _aten.hardtanh_backward.grad_input(e, u, self.min_val, self.max_val, grad_input=out)
+        if n == "leaky_relu":
+            src, is_result = (a, False) if self.needs_input else (u, True)
+            return _aten.leaky_relu_backward.grad_input(e, src, self.negative_slope, is_result, grad_input=out)
+        if n == "gelu":
+            return _aten.gelu_backward.grad_input(e, a, approximate=self.approximate, grad_input=out)
+        return out if out is e else out.copy_(e)  # identity
+
+    def to_module(self) -> nn.Module:
+        """The equivalent torch.nn module."""
+        n = self.name
+        if n == "tanh":
+            return nn.Tanh()
+        if n == "sigmoid":
+            return nn.Sigmoid()
+        if n == "relu":
+            return nn.ReLU()
+        if n == "hard_tanh":
+            return nn.Hardtanh(self.min_val, self.max_val)
+        if n == "leaky_relu":
+            return nn.LeakyReLU(self.negative_slope)
+        if n == "gelu":
+            return nn.GELU(approximate=self.approximate)
+        return nn.Identity()
+
+
+def get_activation(name: str, **kwargs) -> Activation:
+    """An Activation by name ("tanh", "relu", ...), with its options as keywords."""
+    return Activation(name, **kwargs)
+
+
+def activation_from_module(module: nn.Module) -> Activation:
+    """The Activation equivalent to a torch.nn activation module."""
+    if isinstance(module, nn.Tanh):
+        return Activation("tanh")
+    if isinstance(module, nn.Sigmoid):
+        return Activation("sigmoid")
+    if isinstance(module, nn.ReLU):
+        return Activation("relu")
+    if isinstance(module, nn.LeakyReLU):
+        return Activation("leaky_relu", negative_slope=float(module.negative_slope))
+    if isinstance(module, nn.GELU):
+        return Activation("gelu", approximate=module.approximate)
+    if isinstance(module, nn.Hardtanh):  # also nn.ReLU6 (a Hardtanh(0, 6))
+        return Activation("hard_tanh", min_val=float(module.min_val), max_val=float(module.max_val))
+    if isinstance(module, nn.Identity):
+        return Activation("identity")
+    raise ValueError(
+        f"unsupported activation module {type(module).__name__}; supported: Tanh, ReLU, LeakyReLU, "
+        "GELU, Hardtanh, Sigmoid, Identity"
+    )
+

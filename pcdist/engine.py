@@ -1,0 +1,210 @@
+"""Fused phases of predictive-coding inference for one contiguous slice of layers.
+
+Shape letters: K layers in a group, B batch, I input width, O output width,
+N value nodes in a block.
+
+A ``Stage`` holds the value nodes of the layers [first, stop) of a PCNetwork for
+one batch size, stored as *node blocks*: runs of consecutive nodes of equal width
+in one tensor h_NBO. The inputs of a group's K layers are then the view
+h_NBO[i:i+K] and their outputs h_NBO[i+1:i+K+1], with no copy, and every phase of
+a group is one batched kernel:
+
+    predict    a = baddbmm(b, h_in, w_KIO);  u = f(a)
+    error      e = h_out - u;  d = e * f'(a)          (d = -dE/da; output: y - u or y - softmax(u))
+    update     v_in = beta * v_in - d @ w_KIO^T        (back-projection, fused into the GEMM)
+               v += e (momentum only);  h -= x_lr * v   (one pass per node block)
+    weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
+
+The stage never touches torch.distributed: a neighbour's boundary tensors are
+exchanged through ``recv_input`` / ``send_backproj`` / ``recv_backproj``, which a
+layer-parallel driver fills and reads between the phases. A single process owns
+every layer, so it has no boundary at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .energies import output_energy, output_signal
+from .network import LayerGroup, PCNetwork
+
+__all__ = ["Stage"]
+
+
+class _Block:
+    """Value nodes [lo, lo + N) of one width, with momentum v and errors e."""
+
+    def __init__(self, lo: int, N: int, B: int, width: int, separate_errors: bool, **kw):
+        self.lo, self.N = lo, N
+        self.h_NBO = torch.zeros(N, B, width, **kw)
+        self.v_NBO = torch.zeros(N, B, width, **kw)
+        # Without momentum v is the gradient itself: the errors are written straight into it.
+        self.e_NBO = torch.zeros(N, B, width, **kw) if separate_errors else self.v_NBO
+
+
+class _Group:
+    """Views and scratch buffers of one LayerGroup inside a Stage."""
+
+    def __init__(self, g: LayerGroup, blk_in: _Block, blk_out: _Block, B: int):
+        s, K = g.first, g.K
+        self.g, self.K, self.act = g, K, g.spec.activation
+        i, o = s - 1 - blk_in.lo, s - blk_out.lo
+        self.h_in = blk_in.h_NBO[i : i + K]
+        self.v_in = blk_in.v_NBO[i : i + K]
+        self.h_out = blk_out.h_NBO[o : o + K]
+        self.e_out = blk_out.e_NBO[o : o + K]
+        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        self.a = torch.empty(K, B, g.spec.out_features, **kw)
+        # u overwrites a unless f'(a) must be read from a itself (gelu).
+        self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
+        self.d = torch.empty_like(self.a)
+        self.cached = False  # u = f(a) is current for the present inputs and weights
+
+    def predict(self) -> None:
+        """a = b + h_in @ w; u = f(a): all K layers in one kernel each."""
+        g = self.g
+        torch.baddbmm(g.bias.unsqueeze(1), self.h_in, g.weight, out=self.a)
+        if self.act is not None:
+            self.act.forward(self.a, out=self.u)
+        self.cached = True
+
+
+class Stage:
+    """Preallocated value nodes and the fused PC phases of a PCNetwork's layer slice."""
+
+    def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0):
+        self.net, self.B, self.mu = net, batch_size, float(x_momentum)
+        p = net.groups[0].weight
+        kw = dict(dtype=p.dtype, device=p.device)
+        L, first, stop = net.num_layers, net.first, net.stop
+        widths = net.dims
+        self.blocks: list[_Block] = []
+        n = first - 1
+        while n < stop:  # nodes first-1 .. stop-1, in runs of equal width
+            m = n
+            while m + 1 < stop and widths[m + 1] == widths[n]:
+                m += 1
+            self.blocks.append(_Block(n, m - n + 1, batch_size, widths[n], self.mu != 0.0, **kw))
+            n = m + 1
+        self.groups = [
+            _Group(g, self._block_of(g.first - 1), self._block_of(g.first), batch_size) for g in net.groups
+        ]
+        self.output = self.groups[-1] if stop == L + 1 else None
+        # Owned hidden nodes: first .. min(stop - 1, L - 1); one contiguous slot range per block.
+        hi_node = min(stop - 1, L - 1)
+        self._hidden = []
+        for blk in self.blocks:
+            lo, hi = max(blk.lo, first), min(blk.lo + blk.N - 1, hi_node)
+            if lo <= hi:
+                sl = slice(lo - blk.lo, hi - blk.lo + 1)
+                self._hidden.append((blk.h_NBO[sl], blk.v_NBO[sl], blk.e_NBO[sl]))
+        # Boundary tensors of a layer slice (views; unused when the slice is the whole network).
+        blk0, blkN = self.blocks[0], self.blocks[-1]
+        self.recv_input = blk0.h_NBO[0]  # h_{first-1}: x, or the upstream neighbour's last node
+        self.send_backproj = blk0.v_NBO[0]  # -W_first^T d_first for the upstream neighbour
+        self.recv_backproj = torch.zeros_like(blkN.h_NBO[-1]) if self.output is None else None
+        self._step = 0
+
+    def _block_of(self, node: int) -> _Block:
+        return next(b for b in self.blocks if b.lo <= node < b.lo + b.N)
+
+    def node(self, n: int) -> Tensor:
+        """The value node h_n [B, width] (a view)."""
+        blk = self._block_of(n)
+        return blk.h_NBO[n - blk.lo]
+
+    # -- phases -------------------------------------------------------------------
+    def begin(self, x: Tensor | None, y: Tensor | None) -> None:
+        """Start a batch: clamp the input (first slice) and the target (last slice)."""
+        if x is not None:
+            self.recv_input.copy_(x)
+        if y is not None and self.output is not None:
+            self.output.h_out[0].copy_(y)
+        for gr in self.groups:
+            gr.cached = False
+        self._step = 0
+
+    def feedforward(self, groups: list[_Group] | None = None) -> None:
+        """h_l <- u_l for every hidden node of the slice, layer by layer (a chain)."""
+        for gr in self.groups if groups is None else groups:
+            g, act = gr.g, gr.act
+            h = gr.h_in[0]
+            for k in range(gr.K):
+                torch.addmm(g.bias[k], h, g.weight[k], out=gr.a[k])
+                h = gr.a[k] if act is None else act.forward(gr.a[k], out=gr.u[k])
+            if gr is not self.output:
+                gr.h_out.copy_(gr.u)
+            gr.cached = True
+
+    def errors(self, need_all_deltas: bool = False) -> None:
+        """Predictions (where stale), errors e and signals d = e * f'(a) of every layer.
+
+        The first global layer's d only feeds its weight gradient, so it is skipped
+        unless ``need_all_deltas``.
+        """
+        for gr in self.groups:
+            if not gr.cached:
+                gr.predict()
+            if gr is self.output:
+                output_signal(self.net.energy, gr.u[0], gr.h_out[0], gr.d[0])
+                continue
+            torch.sub(gr.h_out, gr.u, out=gr.e_out)
+            if need_all_deltas or gr.g.first > 1:
+                gr.act.grad(gr.e_out, gr.a, gr.u, out=gr.d)
+
+    def backproject(self) -> None:
+        """v_in <- beta * v_in - d @ W for every layer that has a free input node.
+
+        Every hidden node receives exactly one back-projection (from the layer
+        above it), so beta applies its momentum exactly once: 1 without momentum
+        (v holds e), mu with momentum, 0 on the first step of a batch.
+        """
+        beta = 1.0 if self.mu == 0.0 else (self.mu if self._step > 0 else 0.0)
+        for gr in self.groups:
+            if gr.g.first == 1:
+                continue
+            if gr is self.groups[0]:
+                self.send_backproj.zero_()  # boundary slot: not owned, a pure message
+            gr.v_in.baddbmm_(gr.d, gr.g.weight.transpose(1, 2), beta=beta, alpha=-1.0)
+        if self.recv_backproj is not None:
+            last_v = self.blocks[-1].v_NBO[-1]
+            last_v.mul_(beta).add_(self.recv_backproj)
+
+    def update_values(self, x_lr: float) -> None:
+        """v += e (momentum only); h -= x_lr * v on the owned hidden nodes."""
+        for h, v, e in self._hidden:
+            if self.mu != 0.0:  # else v is e already
+                v.add_(e)
+            h.add_(v, alpha=-x_lr)
+        for gr in self.groups:
+            if gr.g.first > 1:
+                gr.cached = False
+        self._step += 1
+
+    def weight_grads(self) -> None:
+        """Write dF/dw and dF/db of every owned layer into .grad (F = batch mean of E)."""
+        scale = -1.0 / self.B
+        for gr in self.groups:
+            w, b = gr.g.weight, gr.g.bias
+            if w.grad is None:
+                w.grad = torch.empty_like(w)
+            if b.grad is None:
+                b.grad = torch.empty_like(b)
+            w.grad.baddbmm_(gr.h_in.transpose(1, 2), gr.d, beta=0.0, alpha=scale)
+            torch.sum(gr.d, dim=1, out=b.grad).mul_(scale)
+
+    def weights_changed(self) -> None:
+        """Mark every prediction stale after an optimizer step."""
+        for gr in self.groups:
+            gr.cached = False
+
+    def layer_energies(self) -> Tensor:
+        """Batch-mean energy of each owned layer [L_owned], from the last ``errors``."""
+        parts = []
+        for gr in self.groups:
+            if gr is self.output:
+                parts.append(output_energy(self.net.energy, gr.u[0], gr.h_out[0], gr.d[0]).reshape(1))
+            else:
+                parts.append(0.5 * gr.e_out.square().sum((1, 2)))
+        return torch.cat(parts) / self.B

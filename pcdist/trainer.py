@@ -1,0 +1,120 @@
+"""Training steps of predictive coding (PC and incremental PC) on a PCNetwork."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .engine import Stage
+from .network import PCNetwork
+
+__all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
+
+ALGORITHMS = ("pc", "ipc")
+
+
+class PCTrainer:
+    """Runs PC training steps: feed-forward init, T Jacobi inference steps, weight update.
+
+    ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation
+    after inference; ``"ipc"`` takes a weight step at every inference step from the
+    same evaluation as the value step. ``scheduler`` (any torch LR scheduler) is
+    stepped after every optimizer step.
+    """
+
+    def __init__(
+        self,
+        net: PCNetwork,
+        optimizer: torch.optim.Optimizer,
+        T: int = 20,
+        x_lr: float = 0.1,
+        x_momentum: float = 0.0,
+        algorithm: str = "pc",
+        scheduler=None,
+    ):
+        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+            raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
+        if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
+            raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
+        if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
+            raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
+        self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
+        self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
+        self._stage: Stage | None = None
+
+    def stage(self, batch_size: int) -> Stage:
+        """The preallocated Stage for this batch size (rebuilt when it changes)."""
+        if self._stage is None or self._stage.B != batch_size:
+            self._stage = Stage(self.net, batch_size, self.x_momentum)
+        return self._stage
+
+    @torch.no_grad()
+    def step(self, x: Tensor, y: Tensor) -> dict:
+        """One training step on a batch; returns the batch-mean energy F and its per-layer terms."""
+        st = self.stage(self._check_batch(x, y))
+        st.begin(x, y)
+        st.feedforward()
+        if self.algorithm == "pc":
+            for _ in range(self.T):
+                st.errors()
+                st.backproject()
+                st.update_values(self.x_lr)
+            st.errors(need_all_deltas=True)
+            energies = st.layer_energies()
+            st.weight_grads()
+            self._optimizer_step(st)
+        else:
+            for t in range(self.T):
+                st.errors(need_all_deltas=True)
+                if t == self.T - 1:
+                    energies = st.layer_energies()
+                st.backproject()
+                st.weight_grads()
+                st.update_values(self.x_lr)
+                self._optimizer_step(st)
+        layer = energies.tolist()
+        return {"energy": math.fsum(layer), "layer_energies": layer}
+
+    def _optimizer_step(self, st: Stage) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        st.weights_changed()
+
+    def _check_batch(self, x: Tensor, y: Tensor) -> int:
+        d_in, d_out = self.net.dims[0], self.net.dims[-1]
+        if x.ndim != 2 or x.shape[1] != d_in:
+            raise ValueError(f"x must have shape [batch, {d_in}] (the model's input width), got {list(x.shape)}")
+        if y.ndim != 2 or y.shape[1] != d_out or y.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"y must have shape [{x.shape[0]}, {d_out}] (batch, the model's output width; one-hot labels), "
+                f"got {list(y.shape)}"
+            )
+        return x.shape[0]
+
+    def value_nodes(self) -> list[Tensor]:
+        """Copies of the value nodes h_0 .. h_L at the end of the last step's inference."""
+        if self._stage is None:
+            raise RuntimeError("value_nodes() is only defined after a step()")
+        st = self._stage
+        return [st.node(n).clone() for n in range(self.net.first - 1, self.net.stop)]
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_ratio: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up from 0 to the base LR over ``warmup_steps``, then cosine decay to final_ratio x base."""
+    if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps:
+        raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
