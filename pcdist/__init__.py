@@ -1,0 +1,27 @@
+"""pcdist: predictive-coding networks with every layer working at once.
+
+On one device, same-shape layers are fused into batched kernels; across ranks,
+each rank owns a contiguous slice of layers (see the README).
+"""
+
+from .activations import ACTIVATIONS, Activation, get_activation
+from .energies import ENERGIES
+from .fuse import FusedModules, fuse
+from .network import LayerSpec, PCNetwork
+from .trainer import ALGORITHMS, PCTrainer, warmup_cosine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "ALGORITHMS",
+    "ENERGIES",
+    "Activation",
+    "FusedModules",
+    "LayerSpec",
+    "PCNetwork",
+    "PCTrainer",
+    "fuse",
+    "get_activation",
+    "warmup_cosine",
+]
