@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["Activation", "ACTIVATIONS", "activation_from_module", "get_activation"]
@@ -46,11 +47,11 @@ class Activation:
         return self.name == "gelu" or (self.name == "leaky_relu" and self.negative_slope < 0)
 
     def __call__(self, a: Tensor) -> Tensor:
-        """u = f(a) into a new tensor."""
-        return self.forward(a, torch.empty_like(a))
+        """u = f(a) into a new tensor (differentiable by autograd)."""
+        return self.forward(a)
 
-    def forward(self, a: Tensor, out: Tensor) -> Tensor:
-        """u = f(a) written into ``out`` (which may be ``a`` itself unless needs_input)."""
+    def forward(self, a: Tensor, out: Tensor | None = None) -> Tensor:
+        """u = f(a), written into ``out`` if given (which may be ``a`` itself unless needs_input)."""
         n = self.name
         if n == "tanh":
             return torch.tanh(a, out=out)
@@ -61,10 +62,14 @@ class Activation:
         if n == "hard_tanh":
             return torch.clamp(a, self.min_val, self.max_val, out=out)
         if n == "leaky_relu":
+            if out is None:
+                return F.leaky_relu(a, self.negative_slope)
             return _aten.leaky_relu.out(a, self.negative_slope, out=out)
         if n == "gelu":
+            if out is None:
+                return F.gelu(a, approximate=self.approximate)
             return _aten.gelu.out(a, approximate=self.approximate, out=out)
-        return out if out is a else out.copy_(a)  # identity
+        return a if out is None or out is a else out.copy_(a)  # identity
 
     def grad(self, e: Tensor, a: Tensor, u: Tensor, out: Tensor) -> Tensor:
         """out = e * f'(a), one fused kernel; ``a`` is only read when needs_input."""

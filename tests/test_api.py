@@ -1,0 +1,113 @@
+"""The public API: construction, round trips, structure of the fused groups, errors."""
+
+import pytest
+import torch
+from torch import nn
+
+import pcdist
+from pcdist.network import group_layers
+
+
+def seq_of(dims, act=nn.Tanh):
+    mods = []
+    for i in range(len(dims) - 1):
+        mods.append(nn.Linear(dims[i], dims[i + 1]))
+        if i < len(dims) - 2:
+            mods.append(act())
+    return nn.Sequential(*mods)
+
+
+def test_round_trip_and_forward_match_the_sequential():
+    """from_sequential copies the weights exactly; to_sequential and net(x) give them back."""
+    torch.manual_seed(0)
+    seq = seq_of([7, 16, 16, 16, 5]).double()
+    net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
+    x = torch.randn(9, 7, dtype=torch.float64)
+    torch.testing.assert_close(net(x), seq(x), atol=1e-14, rtol=0)
+    back = net.to_sequential()
+    for p, q in zip(seq.parameters(), back.parameters()):
+        assert torch.equal(p, q)
+    assert [type(m) for m in back] == [type(m) for m in seq]
+
+
+def test_same_shape_hidden_layers_are_one_stacked_group():
+    """Layer 1 and the output layer stand alone; equal hidden layers share one [K, I, O] tensor."""
+    net = pcdist.PCNetwork.from_dims([64] + [128] * 33 + [10])
+    shapes = [tuple(g.weight.shape) for g in net.groups]
+    assert shapes == [(1, 64, 128), (32, 128, 128), (1, 128, 10)]
+    assert len(list(net.parameters())) == 6
+    # A change of activation or width starts a new group.
+    specs = [pcdist.LayerSpec(4, 8, pcdist.Activation("tanh")), pcdist.LayerSpec(8, 8, pcdist.Activation("tanh")),
+             pcdist.LayerSpec(8, 8, pcdist.Activation("tanh")), pcdist.LayerSpec(8, 8, pcdist.Activation("relu")),
+             pcdist.LayerSpec(8, 3, None)]
+    assert group_layers(specs, 1, 6) == [(1, 2), (2, 4), (4, 5), (5, 6)]
+
+
+def test_float32_tracks_float64():
+    """The same training in float32 stays within float32 round-off of float64."""
+    torch.manual_seed(1)
+    seq = seq_of([6, 32, 32, 32, 4])
+    x, y = torch.randn(16, 6), torch.eye(4)[torch.randint(0, 4, (16,))]
+    out = {}
+    for dt in (torch.float32, torch.float64):
+        net = pcdist.PCNetwork.from_sequential(seq.to(dt), energy="se")
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=10, x_lr=0.1, x_momentum=0.5)
+        for _ in range(3):
+            e = tr.step(x.to(dt), y.to(dt))["energy"]
+        out[dt] = (e, tr.value_nodes()[2].double(), net.to_sequential()[0].weight.double())
+    assert abs(out[torch.float32][0] - out[torch.float64][0]) < 1e-5
+    torch.testing.assert_close(out[torch.float32][1], out[torch.float64][1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[torch.float32][2], out[torch.float64][2], atol=1e-5, rtol=0)
+
+
+def test_batch_size_change_reallocates():
+    """A smaller last batch works (buffers follow the batch size)."""
+    net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3)
+    for B in (8, 3, 8):
+        stats = tr.step(torch.randn(B, 5), torch.eye(3)[torch.randint(0, 3, (B,))])
+        assert len(stats["layer_energies"]) == 2 and tr.value_nodes()[1].shape == (B, 8)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4, bias=False), nn.Tanh(), nn.Linear(4, 2))), "no bias"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Tanh())), "output layer"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Softmax(-1), nn.Linear(4, 2))), "unsupported activation module Softmax"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2))), "layer 1 outputs 4 features but layer 2 expects 5"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Tanh(), nn.Linear(3, 2))), "before the first nn.Linear"),
+        (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], energy="mse"), "unknown energy 'mse'"),
+        (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], activation="swish"), "unknown activation 'swish'"),
+        (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive widths"),
+    ],
+)
+def test_bad_networks_name_the_problem(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(T=0), "T \\(inference steps\\) must be an integer >= 1"),
+        (dict(T=2.5), "T \\(inference steps\\) must be an integer >= 1"),
+        (dict(x_lr=0.0), "x_lr .* must be a finite number > 0"),
+        (dict(x_lr=float("nan")), "x_lr .* must be a finite number > 0"),
+        (dict(x_momentum=1.0), "x_momentum must be in \\[0, 1\\)"),
+        (dict(algorithm="bp"), "unknown algorithm 'bp'"),
+    ],
+)
+def test_bad_trainer_arguments_name_the_problem(kwargs, message):
+    net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    with pytest.raises(ValueError, match=message):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+
+
+def test_bad_batches_name_the_expected_shape():
+    net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"x must have shape \[batch, 5\]"):
+        tr.step(torch.randn(4, 6), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"y must have shape \[4, 3\]"):
+        tr.step(torch.randn(4, 5), torch.zeros(4, 2))
