@@ -1,0 +1,28 @@
+"""Shared test setup: make ``tests/`` (for ``import reference``, the independent autograd
+reference in tests/reference.py) and the repository root (for ``import pcdist`` from the
+source tree) importable under any pytest import mode."""
+import os
+import sys
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_TESTS_DIR)
+for _p in (_ROOT, _TESTS_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's tiny-tensor tests with one intra-op thread (restored afterwards).
+
+    On a small, busy CPU box, multi-threaded kernels on [B, 8]-sized tensors can cost
+    milliseconds each in thread hand-off; one thread is faster and the results identical.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,209 @@
+"""pcdist against the independent autograd reference (tests/reference.py), in float64.
+
+After every ``trainer.step`` the value nodes, energy, layer energies, weights/biases
+(via ``net.to_sequential()``) and the feed-forward output must equal the reference
+to 1e-10.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from reference import ReferenceTrainer, feed_forward_values, split_layers
+
+pcdist = pytest.importorskip("pcdist")
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ATOL = 1e-10
+DT = torch.float64
+
+ACTIVATIONS = {
+    "tanh": lambda: nn.Tanh(),
+    "relu": lambda: nn.ReLU(),
+    "leaky_relu": lambda: nn.LeakyReLU(negative_slope=0.1),
+    "gelu": lambda: nn.GELU(),
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "hardtanh": lambda: nn.Hardtanh(),
+    "sigmoid": lambda: nn.Sigmoid(),
+    "identity": lambda: nn.Identity(),
+}
+ACT_NAMES = list(ACTIVATIONS)
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.01),
+}
+
+DIMS = {  # name: (dims, same activation in every hidden layer?)
+    "1hidden": ([5, 7, 3], False),
+    "2hidden": ([6, 8, 8, 4], False),
+    "4hidden_same_act": ([5, 9, 9, 9, 9, 3], True),  # layers 2-4: one fusable 9x9 run
+    "4hidden_mixed_act": ([5, 9, 9, 9, 9, 3], False),
+    "nonuniform": ([6, 8, 5, 8, 3], False),
+}
+
+BATCH_SIZES = (5, 7, 6)  # one per step: different random batches
+
+
+def make_seq(dims, acts, seed):
+    """Random float64 Sequential Linear, act, ..., Linear; ``acts`` = one name per hidden layer."""
+    torch.manual_seed(seed)
+    mods = []
+    for l in range(len(dims) - 1):
+        mods.append(nn.Linear(dims[l], dims[l + 1]))
+        if l < len(dims) - 2:
+            mods.append(ACTIVATIONS[acts[l]]())
+    return nn.Sequential(*mods).to(DT)
+
+
+def make_batch(B, d_in, d_out, gen):
+    x = torch.randn(B, d_in, generator=gen, dtype=DT)
+    y = nn.functional.one_hot(torch.randint(0, d_out, (B,), generator=gen), d_out).to(DT)
+    return x, y
+
+
+def make_pair(seq, make_opt, T, x_lr, x_momentum, algorithm, energy):
+    """pcdist trainer and reference trainer built from the same Sequential."""
+    net = pcdist.PCNetwork.from_sequential(seq, energy=energy)
+    trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=x_lr,
+                               x_momentum=x_momentum, algorithm=algorithm)
+    ref = ReferenceTrainer(seq, make_opt, T=T, x_lr=x_lr, x_momentum=x_momentum,
+                           algorithm=algorithm, energy=energy)
+    return net, trainer, ref
+
+
+def assert_same_sequential(seq, ref_seq, what):
+    mods, ref_mods = list(seq), list(ref_seq)
+    assert [type(m) for m in mods] == [type(m) for m in ref_mods], f"{what}: structure"
+    for m, r in zip(mods, ref_mods):
+        if isinstance(r, nn.LeakyReLU):
+            assert m.negative_slope == r.negative_slope, f"{what}: LeakyReLU slope"
+        if isinstance(r, nn.GELU):
+            assert m.approximate == r.approximate, f"{what}: GELU approximate"
+    for l, ((lin, _), (rlin, _)) in enumerate(zip(split_layers(seq), split_layers(ref_seq)), 1):
+        assert_close(lin.weight.detach(), rlin.weight.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{what}: W_{l}: {m}")
+        assert_close(lin.bias.detach(), rlin.bias.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{what}: b_{l}: {m}")
+
+
+def assert_matches(net, trainer, ref, stats, ref_stats, x, what):
+    L = len(split_layers(ref.seq))
+    # value nodes at the end of inference
+    hs, ref_hs = trainer.value_nodes(), ref.value_nodes()
+    assert len(hs) == L + 1, f"{what}: value_nodes() must return L+1 tensors"
+    for l, (h, r) in enumerate(zip(hs, ref_hs)):
+        assert_close(h.detach(), r, atol=ATOL, rtol=0, msg=lambda m: f"{what}: h_{l}: {m}")
+    # energies of the specified evaluation
+    assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=ATOL, rel=0), f"{what}: energy"
+    assert len(stats["layer_energies"]) == L, f"{what}: layer_energies length"
+    for l, (e, r) in enumerate(zip(stats["layer_energies"], ref_stats["layer_energies"]), 1):
+        assert float(e) == pytest.approx(r, abs=ATOL, rel=0), f"{what}: layer_energies[{l}]"
+    assert sum(map(float, stats["layer_energies"])) == pytest.approx(float(stats["energy"]), abs=ATOL, rel=0)
+    # weights after the update(s)
+    assert_same_sequential(net.to_sequential(), ref.seq, what)
+    # feed-forward prediction
+    with torch.no_grad():
+        assert_close(net(x), ref.seq(x), atol=ATOL, rtol=0, msg=lambda m: f"{what}: net(x): {m}")
+
+
+def run_and_compare(seq, make_opt, T, x_lr, x_momentum, algorithm, energy, seed):
+    net, trainer, ref = make_pair(seq, make_opt, T, x_lr, x_momentum, algorithm, energy)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    d_in, d_out = seq[0].in_features, seq[-1].out_features
+    for s, B in enumerate(BATCH_SIZES):
+        x, y = make_batch(B, d_in, d_out, gen)
+        stats = trainer.step(x, y)
+        ref_stats = ref.step(x, y)
+        assert_matches(net, trainer, ref, stats, ref_stats, x, what=f"step {s}")
+    return net, trainer, ref
+
+
+# -- every activation x both energies (pc, no value momentum); two equal 8x8 hidden layers
+@pytest.mark.parametrize("energy", ["se", "ce"])
+@pytest.mark.parametrize("act", ACT_NAMES)
+def test_activations(act, energy):
+    seq = make_seq([6, 8, 8, 8, 4], [act] * 3, seed=ACT_NAMES.index(act))
+    run_and_compare(seq, OPTIMIZERS["sgd_momentum"], T=5, x_lr=0.1, x_momentum=0.0,
+                    algorithm="pc", energy=energy, seed=1)
+
+
+# -- algorithm x value momentum x optimizer x depth x energy (full product, 80 small cases).
+#    Hidden activations cycle through all of them (mixed per layer unless the depth says same).
+GRID = [(a, m, o, d, e) for a in ["pc", "ipc"] for m in [0.0, 0.5] for o in OPTIMIZERS
+        for d in DIMS for e in ["se", "ce"]]
+
+
+@pytest.mark.parametrize("algorithm,x_momentum,opt_name,dims_name,energy", GRID,
+                         ids=[f"{a}-mu{m}-{o}-{d}-{e}" for a, m, o, d, e in GRID])
+def test_grid(algorithm, x_momentum, opt_name, dims_name, energy):
+    i = GRID.index((algorithm, x_momentum, opt_name, dims_name, energy))
+    dims, same_act = DIMS[dims_name]
+    acts = [ACT_NAMES[(i + (0 if same_act else k)) % len(ACT_NAMES)] for k in range(len(dims) - 2)]
+    T = 4 + i % 4  # T in 4..7
+    seq = make_seq(dims, acts, seed=100 + i)
+    run_and_compare(seq, OPTIMIZERS[opt_name], T=T, x_lr=0.1, x_momentum=x_momentum,
+                    algorithm=algorithm, energy=energy, seed=i)
+
+
+# -- the comparison is not vacuous: values move, inference lowers the energy, weights change
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_nontrivial(algorithm):
+    seq = make_seq([5, 9, 9, 9, 3], ["tanh", "gelu", "leaky_relu"], seed=7)
+    seq0 = copy.deepcopy(seq)
+    net, trainer, ref = make_pair(seq, OPTIMIZERS["adamw"], T=7, x_lr=0.05, x_momentum=0.0,
+                                  algorithm=algorithm, energy="se")
+    gen = torch.Generator().manual_seed(7)
+    for s, B in enumerate(BATCH_SIZES):
+        x, y = make_batch(B, 5, 3, gen)
+        ref_init = feed_forward_values(ref.seq, x, y)
+        F_init = ref.energy_at(ref_init)
+        stats, ref_stats = trainer.step(x, y), ref.step(x, y)
+        assert_matches(net, trainer, ref, stats, ref_stats, x, what=f"step {s}")
+        for l in range(1, 4):  # hidden value nodes moved away from the feed-forward pass
+            assert (ref.value_nodes()[l] - ref_init[l]).abs().max() > 1e-5
+        if algorithm == "pc":  # weights unchanged before the final evaluation: inference lowered F
+            assert ref_stats["energy"] < F_init - 1e-4
+        assert min(ref_stats["layer_energies"][:3]) > 1e-9  # hidden errors are non-zero after inference
+    for (lin, _), (lin0, _) in zip(split_layers(net.to_sequential()), split_layers(seq0)):
+        assert (lin.weight.detach() - lin0.weight).abs().max() > 1e-3
+        assert (lin.bias.detach() - lin0.bias).abs().max() > 1e-3
+
+
+def test_from_sequential_copies_weights():
+    """from_sequential copies: round trip before training, and training leaves ``seq`` untouched."""
+    seq = make_seq([5, 7, 7, 3], ["gelu_tanh", "sigmoid"], seed=3)
+    seq0 = copy.deepcopy(seq)
+    net, trainer, _ = make_pair(seq, OPTIMIZERS["sgd_momentum"], T=3, x_lr=0.1, x_momentum=0.0,
+                                algorithm="pc", energy="ce")
+    assert_same_sequential(net.to_sequential(), seq0, "round trip")
+    x, y = make_batch(6, 5, 3, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert_close(net(x), seq0(x), atol=ATOL, rtol=0)
+    trainer.step(x, y)
+    assert_same_sequential(seq, seq0, "original Sequential after training")
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_float32_close(algorithm):
+    """Smoke test in float32 (the dtype follows the Sequential): loose tolerance."""
+    seq64 = make_seq([6, 8, 8, 8, 4], ["tanh"] * 3, seed=11)
+    seq = copy.deepcopy(seq64).float()
+    ref = ReferenceTrainer(seq64, OPTIMIZERS["adamw"], T=5, x_lr=0.1, x_momentum=0.5,
+                           algorithm=algorithm, energy="ce")
+    net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
+    trainer = pcdist.PCTrainer(net, OPTIMIZERS["adamw"](net.parameters()), T=5, x_lr=0.1,
+                               x_momentum=0.5, algorithm=algorithm)
+    gen = torch.Generator().manual_seed(11)
+    for B in BATCH_SIZES:
+        x, y = make_batch(B, 6, 4, gen)
+        stats, ref_stats = trainer.step(x.float(), y.float()), ref.step(x, y)
+        assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=1e-5)
+        for h, r in zip(trainer.value_nodes(), ref.value_nodes()):
+            assert h.dtype == torch.float32
+            assert_close(h.detach().double(), r, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        out = net(x.float())
+        assert out.dtype == torch.float32
+        assert_close(out.double(), ref.seq(x), atol=1e-5, rtol=0)
