@@ -44,7 +44,11 @@ class _Block:
 
 
 class _Group:
-    """Views and scratch buffers of one LayerGroup inside a Stage."""
+    """Views and scratch buffers of one LayerGroup inside a Stage.
+
+    Parameter views are taken once: optimizers update parameters in place, and the
+    trainer rebuilds its Stage if a parameter's storage is replaced.
+    """
 
     def __init__(self, g: LayerGroup, blk_in: _Block, blk_out: _Block, B: int):
         s, K = g.first, g.K
@@ -54,17 +58,19 @@ class _Group:
         self.v_in = blk_in.v_NBO[i : i + K]
         self.h_out = blk_out.h_NBO[o : o + K]
         self.e_out = blk_out.e_NBO[o : o + K]
+        self.w_KIO, self.w_KOI = g.weight, g.weight.transpose(1, 2)
+        self.b_K1O = g.bias.unsqueeze(1)
         kw = dict(dtype=g.weight.dtype, device=g.weight.device)
         self.a = torch.empty(K, B, g.spec.out_features, **kw)
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
         self.d = torch.empty_like(self.a)
+        self.layers = [(g.bias[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         self.cached = False  # u = f(a) is current for the present inputs and weights
 
     def predict(self) -> None:
         """a = b + h_in @ w; u = f(a): all K layers in one kernel each."""
-        g = self.g
-        torch.baddbmm(g.bias.unsqueeze(1), self.h_in, g.weight, out=self.a)
+        torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
         if self.act is not None:
             self.act.forward(self.a, out=self.u)
         self.cached = True
@@ -91,6 +97,9 @@ class Stage:
             _Group(g, self._block_of(g.first - 1), self._block_of(g.first), batch_size) for g in net.groups
         ]
         self.output = self.groups[-1] if stop == L + 1 else None
+        # Squared-error output: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
+        se_out = self.output is not None and net.energy == "se"
+        self._y_minus_b = torch.empty_like(self.output.a) if se_out else None
         # Owned hidden nodes: first .. min(stop - 1, L - 1); one contiguous slot range per block.
         hi_node = min(stop - 1, L - 1)
         self._hidden = []
@@ -121,18 +130,17 @@ class Stage:
             self.recv_input.copy_(x)
         if y is not None and self.output is not None:
             self.output.h_out[0].copy_(y)
-        for gr in self.groups:
-            gr.cached = False
+        self.weights_changed()
         self._step = 0
 
     def feedforward(self, groups: list[_Group] | None = None) -> None:
         """h_l <- u_l for every hidden node of the slice, layer by layer (a chain)."""
         for gr in self.groups if groups is None else groups:
-            g, act = gr.g, gr.act
+            act = gr.act
             h = gr.h_in[0]
-            for k in range(gr.K):
-                torch.addmm(g.bias[k], h, g.weight[k], out=gr.a[k])
-                h = gr.a[k] if act is None else act.forward(gr.a[k], out=gr.u[k])
+            for b, w, a, u in gr.layers:
+                torch.addmm(b, h, w, out=a)
+                h = a if act is None else act.forward(a, out=u)
             if gr is not self.output:
                 gr.h_out.copy_(gr.u)
             gr.cached = True
@@ -144,6 +152,9 @@ class Stage:
         unless ``need_all_deltas``.
         """
         for gr in self.groups:
+            if gr is self.output and self._y_minus_b is not None:
+                torch.baddbmm(self._y_minus_b, gr.h_in, gr.w_KIO, alpha=-1.0, out=gr.d)
+                continue
             if not gr.cached:
                 gr.predict()
             if gr is self.output:
@@ -166,7 +177,7 @@ class Stage:
                 continue
             if gr is self.groups[0]:
                 self.send_backproj.zero_()  # boundary slot: not owned, a pure message
-            gr.v_in.baddbmm_(gr.d, gr.g.weight.transpose(1, 2), beta=beta, alpha=-1.0)
+            gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=beta, alpha=-1.0)
         if self.recv_backproj is not None:
             last_v = self.blocks[-1].v_NBO[-1]
             last_v.mul_(beta).add_(self.recv_backproj)
@@ -195,9 +206,11 @@ class Stage:
             torch.sum(gr.d, dim=1, out=b.grad).mul_(scale)
 
     def weights_changed(self) -> None:
-        """Mark every prediction stale after an optimizer step."""
+        """Mark every prediction stale after an optimizer step (and at a new batch)."""
         for gr in self.groups:
             gr.cached = False
+        if self._y_minus_b is not None:
+            torch.sub(self.output.h_out, self.output.b_K1O, out=self._y_minus_b)
 
     def layer_energies(self) -> Tensor:
         """Batch-mean energy of each owned layer [L_owned], from the last ``errors``."""

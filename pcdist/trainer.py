@@ -47,9 +47,11 @@ class PCTrainer:
         self._stage: Stage | None = None
 
     def stage(self, batch_size: int) -> Stage:
-        """The preallocated Stage for this batch size (rebuilt when it changes)."""
-        if self._stage is None or self._stage.B != batch_size:
-            self._stage = Stage(self.net, batch_size, self.x_momentum)
+        """The preallocated Stage for this batch size, rebuilt when the batch size or a
+        parameter's storage changes (e.g. after ``net.to(...)``)."""
+        key = (batch_size, *(p.data_ptr() for p in self.net.parameters()))
+        if self._stage is None or self._stage_key != key:
+            self._stage, self._stage_key = Stage(self.net, batch_size, self.x_momentum), key
         return self._stage
 
     @torch.no_grad()

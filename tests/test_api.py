@@ -111,3 +111,17 @@ def test_bad_batches_name_the_expected_shape():
         tr.step(torch.randn(4, 6), torch.zeros(4, 3))
     with pytest.raises(ValueError, match=r"y must have shape \[4, 3\]"):
         tr.step(torch.randn(4, 5), torch.zeros(4, 2))
+
+
+def test_moving_the_network_after_building_the_trainer():
+    """net.double() after the trainer exists must not leave the engine on stale storage."""
+    torch.manual_seed(2)
+    seq = seq_of([5, 8, 8, 3])
+    net = pcdist.PCNetwork.from_sequential(seq)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3)
+    x, y = torch.randn(4, 5), torch.eye(3)[[0, 1, 2, 0]]
+    tr.step(x, y)
+    net.double()
+    tr.optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    tr.step(x.double(), y.double())
+    assert tr.value_nodes()[1].dtype == torch.float64
