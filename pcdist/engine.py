@@ -219,5 +219,5 @@ class Stage:
             if gr is self.output:
                 parts.append(output_energy(self.net.energy, gr.u[0], gr.h_out[0], gr.d[0]).reshape(1))
             else:
-                parts.append(0.5 * gr.e_out.square().sum((1, 2)))
+                parts.append(0.5 * torch.linalg.vector_norm(gr.e_out.flatten(1), dim=1).square())
         return torch.cat(parts) / self.B
