@@ -133,25 +133,33 @@ class Stage:
         self.weights_changed()
         self._step = 0
 
-    def feedforward(self, groups: list[_Group] | None = None) -> None:
-        """h_l <- u_l for every hidden node of the slice, layer by layer (a chain)."""
-        for gr in self.groups if groups is None else groups:
+    def feedforward(self, rows: slice | None = None) -> None:
+        """h_l <- u_l for every hidden node of the slice, layer by layer (a chain).
+
+        ``rows`` restricts the pass to a micro-batch (the pipelined init of a layer slice).
+        """
+        for gr in self.groups:
             act = gr.act
-            h = gr.h_in[0]
+            h = gr.h_in[0] if rows is None else gr.h_in[0][rows]
             for b, w, a, u in gr.layers:
+                if rows is not None:
+                    a, u = a[rows], u[rows]
                 torch.addmm(b, h, w, out=a)
                 h = a if act is None else act.forward(a, out=u)
             if gr is not self.output:
-                gr.h_out.copy_(gr.u)
+                if rows is None:
+                    gr.h_out.copy_(gr.u)
+                else:
+                    gr.h_out[:, rows].copy_(gr.u[:, rows])
             gr.cached = True
 
-    def errors(self, need_all_deltas: bool = False) -> None:
-        """Predictions (where stale), errors e and signals d = e * f'(a) of every layer.
+    def errors(self, groups: list[_Group] | None = None, need_all_deltas: bool = False) -> None:
+        """Predictions (where stale), errors e and signals d = e * f'(a) of the groups (default all).
 
         The first global layer's d only feeds its weight gradient, so it is skipped
         unless ``need_all_deltas``.
         """
-        for gr in self.groups:
+        for gr in self.groups if groups is None else groups:
             if gr is self.output and self._y_minus_b is not None:
                 torch.baddbmm(self._y_minus_b, gr.h_in, gr.w_KIO, alpha=-1.0, out=gr.d)
                 continue
@@ -164,23 +172,34 @@ class Stage:
             if need_all_deltas or gr.g.first > 1:
                 gr.act.grad(gr.e_out, gr.a, gr.u, out=gr.d)
 
-    def backproject(self) -> None:
-        """v_in <- beta * v_in - d @ W for every layer that has a free input node.
+    @property
+    def _beta(self) -> float:
+        """Weight of the old v in the back-projection GEMM.
 
-        Every hidden node receives exactly one back-projection (from the layer
-        above it), so beta applies its momentum exactly once: 1 without momentum
-        (v holds e), mu with momentum, 0 on the first step of a batch.
+        Every hidden node receives exactly one back-projection (from the layer above
+        it), so beta applies the momentum exactly once: 1 without momentum (v holds
+        e), mu with momentum, 0 on the first step of a batch.
         """
-        beta = 1.0 if self.mu == 0.0 else (self.mu if self._step > 0 else 0.0)
-        for gr in self.groups:
+        return 1.0 if self.mu == 0.0 else (self.mu if self._step > 0 else 0.0)
+
+    def backproject(self, groups: list[_Group] | None = None) -> None:
+        """v_in <- beta * v_in - d @ W for the groups (default all) whose input node is free.
+
+        The first group of a slice that starts past layer 1 writes its input slot
+        afresh (beta 0): that node is the upstream neighbour's, and the slot holds
+        the message ``send_backproj``.
+        """
+        beta = self._beta
+        for gr in self.groups if groups is None else groups:
             if gr.g.first == 1:
                 continue
-            if gr is self.groups[0]:
-                self.send_backproj.zero_()  # boundary slot: not owned, a pure message
-            gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=beta, alpha=-1.0)
-        if self.recv_backproj is not None:
-            last_v = self.blocks[-1].v_NBO[-1]
-            last_v.mul_(beta).add_(self.recv_backproj)
+            gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=0.0 if gr is self.groups[0] else beta, alpha=-1.0)
+        if groups is None and self.recv_backproj is not None:
+            self.add_received_backproj()
+
+    def add_received_backproj(self) -> None:
+        """v_last <- beta * v_last + the downstream neighbour's message (-W^T d of its first layer)."""
+        self.blocks[-1].v_NBO[-1].mul_(self._beta).add_(self.recv_backproj)
 
     def update_values(self, x_lr: float) -> None:
         """v += e (momentum only); h -= x_lr * v on the owned hidden nodes."""

@@ -33,14 +33,15 @@ class LayerSpec:
 def group_layers(specs: Sequence[LayerSpec], first: int, stop: int) -> list[tuple[int, int]]:
     """Split layers [first, stop) (1-based) into runs [s, t) of equal shape and activation.
 
-    Layer 1 (clamped input, prediction constant during inference) and the output
-    layer L are always groups of their own.
+    The slice's first layer (layer 1: clamped input, prediction constant during
+    inference; or the layer fed by an upstream rank, computed once its input arrives)
+    and the output layer L are always groups of their own.
     """
     L = len(specs)
     runs: list[tuple[int, int]] = []
     s = first
     for l in range(first + 1, stop + 1):
-        boundary = l == stop or l == 2 or l == L or specs[l - 1] != specs[s - 1]
+        boundary = l == stop or l == first + 1 or l == L or specs[l - 1] != specs[s - 1]
         if boundary:
             runs.append((s, l))
             s = l

@@ -1,0 +1,45 @@
+"""Layer partition: contiguous, non-empty, and optimal in the largest slice's FLOPs."""
+
+import itertools
+import random
+
+import pytest
+
+from pcdist.network import LayerSpec
+from pcdist.partition import layer_flops, partition_layers
+
+
+def brute_force_bottleneck(costs, P):
+    """Smallest possible max slice cost over all ways to cut L layers into P slices."""
+    L = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, L), P - 1):
+        bounds = (0, *cuts, L)
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_is_contiguous_and_optimal(seed):
+    rng = random.Random(seed)
+    L = rng.randint(1, 9)
+    P = rng.randint(1, L)
+    costs = [rng.choice([1, 3, 10, 50, 100]) for _ in range(L)]
+    slices = partition_layers(costs, P)
+    assert len(slices) == P and slices[0][0] == 1 and slices[-1][1] == L + 1
+    assert all(a < b for a, b in slices) and all(s[1] == t[0] for s, t in zip(slices, slices[1:]))
+    worst = max(sum(costs[a - 1 : b - 1]) for a, b in slices)
+    assert worst == brute_force_bottleneck(costs, P)
+
+
+def test_balanced_by_flops_not_by_count():
+    """A wide input layer weighs as much as many narrow ones."""
+    specs = [LayerSpec(4096, 64, None)] + [LayerSpec(64, 64, None)] * 7
+    costs = [layer_flops(s) for s in specs]
+    assert partition_layers(costs, 2) == [(1, 2), (2, 9)]
+
+
+def test_more_ranks_than_layers_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"parallel.layer=4 ranks but the model has only 3 layers"):
+        partition_layers([1, 1, 1], 4)
