@@ -111,6 +111,7 @@ class Stage:
         # Boundary tensors of a layer slice (views; unused when the slice is the whole network).
         blk0, blkN = self.blocks[0], self.blocks[-1]
         self.recv_input = blk0.h_NBO[0]  # h_{first-1}: x, or the upstream neighbour's last node
+        self.send_node = blkN.h_NBO[-1] if self.output is None else None  # h_{stop-1}, for downstream
         self.send_backproj = blk0.v_NBO[0]  # -W_first^T d_first for the upstream neighbour
         self.recv_backproj = torch.zeros_like(blkN.h_NBO[-1]) if self.output is None else None
         self._step = 0

@@ -94,6 +94,7 @@ class PCNetwork(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         init: bool = True,
+        seed: int | None = None,
     ):
         super().__init__()
         if not specs:
@@ -113,12 +114,15 @@ class PCNetwork(nn.Module):
             LayerGroup(s, t - s, self.specs[s - 1], dtype=dtype, device=device) for s, t in group_layers(self.specs, first, stop)
         )
         if init:
-            self.reset_parameters()
+            self.reset_parameters(seed)
 
     # -- construction -------------------------------------------------------------
     @classmethod
     def from_dims(cls, dims: Sequence[int], activation: str | Activation = "tanh", energy: str = "se", **kw) -> "PCNetwork":
-        """An MLP with widths ``dims`` (input, hidden..., output), nn.Linear's default init."""
+        """An MLP with widths ``dims`` (input, hidden..., output), nn.Linear's default init.
+
+        Keywords go to the constructor: ``layers=(a, b)`` for a slice, ``seed``, ``dtype``, ``device``.
+        """
         if len(dims) < 2 or any(int(d) < 1 for d in dims):
             raise ValueError(f"model dims must be at least two positive widths, got {list(dims)}")
         act = activation if isinstance(activation, Activation) else get_activation(activation)
@@ -127,24 +131,31 @@ class PCNetwork(nn.Module):
         return cls(specs, energy=energy, **kw)
 
     @classmethod
-    def from_sequential(cls, seq: nn.Sequential, energy: str = "se") -> "PCNetwork":
-        """A PCNetwork with a copy of the weights of Linear, activation, ..., Linear."""
+    def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None) -> "PCNetwork":
+        """A PCNetwork with a copy of the weights of Linear, activation, ..., Linear (or of a slice)."""
         specs, linears = _parse_sequential(seq)
         p = linears[0].weight
-        net = cls(specs, energy=energy, dtype=p.dtype, device=p.device, init=False)
-        with torch.no_grad():
-            for l, lin in enumerate(linears, start=1):
-                net.layer_weight(l).copy_(lin.weight.T)
-                net.layer_bias(l).copy_(lin.bias)
+        net = cls(specs, energy=energy, layers=layers, dtype=p.dtype, device=p.device, init=False)
+        state = {}
+        for l, lin in enumerate(linears, start=1):
+            state[f"layers.{l}.weight"], state[f"layers.{l}.bias"] = lin.weight, lin.bias
+        net.load_layer_state_dict(state)
         return net
 
-    def reset_parameters(self) -> None:
-        """nn.Linear's default init, layer by layer: U(-1/sqrt(in), 1/sqrt(in))."""
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """nn.Linear's default init, U(-1/sqrt(in), 1/sqrt(in)), layer by layer.
+
+        With a ``seed``, layer l draws from its own generator seeded by (seed, l), so
+        the weights do not depend on how the layers are split over ranks.
+        """
         with torch.no_grad():
             for g in self.groups:
                 bound = 1.0 / math.sqrt(g.spec.in_features)
-                g.weight.uniform_(-bound, bound)
-                g.bias.uniform_(-bound, bound)
+                for l in g.layers:
+                    gen = None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + l)
+                    w, b = self.layer_weight(l), self.layer_bias(l)
+                    w.copy_(torch.rand(w.shape, generator=gen, dtype=w.dtype).mul_(2 * bound).sub_(bound))
+                    b.copy_(torch.rand(b.shape, generator=gen, dtype=b.dtype).mul_(2 * bound).sub_(bound))
 
     # -- structure ----------------------------------------------------------------
     @property
@@ -174,6 +185,29 @@ class PCNetwork(nn.Module):
         """b_l [out] of global layer l, a view into its group's stacked bias."""
         g, k = self._locate(l)
         return g.bias[k]
+
+    def layer_state_dict(self) -> dict[str, Tensor]:
+        """The owned layers' weights keyed by global layer index, in nn.Linear's layout:
+        ``layers.{l}.weight`` [out, in] and ``layers.{l}.bias`` [out]."""
+        out = {}
+        for g in self.groups:
+            for l in g.layers:
+                out[f"layers.{l}.weight"] = self.layer_weight(l).T.detach().clone()
+                out[f"layers.{l}.bias"] = self.layer_bias(l).detach().clone()
+        return out
+
+    def load_layer_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load the owned layers from a (possibly larger) dict keyed by global layer index."""
+        with torch.no_grad():
+            for g in self.groups:
+                for l in g.layers:
+                    for name, dst in (("weight", self.layer_weight(l).T), ("bias", self.layer_bias(l))):
+                        key = f"layers.{l}.{name}"
+                        if key not in state:
+                            raise KeyError(f"missing {key!r} in the layer state (owned layers {self.first}..{self.stop - 1})")
+                        if tuple(state[key].shape) != tuple(dst.shape):
+                            raise ValueError(f"{key}: shape {list(state[key].shape)} does not match the model's {list(dst.shape)}")
+                        dst.copy_(state[key])
 
     # -- evaluation ---------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .engine import Stage
 from .network import PCNetwork
+from .parallel import Parallel
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
 
@@ -22,6 +23,10 @@ class PCTrainer:
     after inference; ``"ipc"`` takes a weight step at every inference step from the
     same evaluation as the value step. ``scheduler`` (any torch LR scheduler) is
     stepped after every optimizer step.
+
+    ``parallel`` places a layer slice of a torch.distributed job (see
+    ``pcdist.parallel.Parallel.from_mesh``); ``net`` then owns exactly that slice.
+    Without it the trainer is the single-process case of the same schedule.
     """
 
     def __init__(
@@ -33,6 +38,7 @@ class PCTrainer:
         x_momentum: float = 0.0,
         algorithm: str = "pc",
         scheduler=None,
+        parallel: Parallel | None = None,
     ):
         if isinstance(T, bool) or not isinstance(T, int) or T < 1:
             raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
@@ -42,7 +48,10 @@ class PCTrainer:
             raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
-        self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
+        parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
+        if (net.first, net.stop) != tuple(parallel.layers):
+            raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is {parallel.layers}")
+        self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self._stage: Stage | None = None
 
@@ -55,33 +64,46 @@ class PCTrainer:
         return self._stage
 
     @torch.no_grad()
-    def step(self, x: Tensor, y: Tensor) -> dict:
-        """One training step on a batch; returns the batch-mean energy F and its per-layer terms."""
-        st = self.stage(self._check_batch(x, y))
-        st.begin(x, y)
-        st.feedforward()
+    def step(self, x: Tensor, y: Tensor, log: bool = True) -> dict:
+        """One training step on a batch; returns the batch-mean energy F and its per-layer terms.
+
+        With ``log=False`` no energy is computed or gathered (nothing to synchronise
+        on); in a parallel run only the logging rank gets the stats, others get {}.
+        """
+        B = self._check_batch(x, y)
+        st, par = self.stage(B), self.parallel
+        st.begin(x if par.is_first else None, y if par.is_last else None)
+        par.feedforward(st)
+        energies = None
         if self.algorithm == "pc":
             for _ in range(self.T):
-                st.errors()
-                st.backproject()
+                par.errors(st)
+                par.backproject(st)
                 st.update_values(self.x_lr)
-            st.errors(need_all_deltas=True)
-            energies = st.layer_energies()
+            par.errors(st, need_all_deltas=True)
+            if log:
+                energies = st.layer_energies()
             st.weight_grads()
             self._optimizer_step(st)
         else:
             for t in range(self.T):
-                st.errors(need_all_deltas=True)
-                if t == self.T - 1:
+                par.errors(st, need_all_deltas=True)
+                if log and t == self.T - 1:
                     energies = st.layer_energies()
-                st.backproject()
+                par.backproject(st)
                 st.weight_grads()
                 st.update_values(self.x_lr)
                 self._optimizer_step(st)
-        layer = energies.tolist()
+        if energies is None:
+            return {}
+        full = par.gather_layer_energies(energies, B)
+        if full is None:
+            return {}
+        layer = full.tolist()
         return {"energy": math.fsum(layer), "layer_energies": layer}
 
     def _optimizer_step(self, st: Stage) -> None:
+        self.parallel.reduce_grads(list(self.net.parameters()), st.B)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -99,7 +121,11 @@ class PCTrainer:
         return x.shape[0]
 
     def value_nodes(self) -> list[Tensor]:
-        """Copies of the value nodes h_0 .. h_L at the end of the last step's inference."""
+        """Copies of the value nodes h_0 .. h_L at the end of the last step's inference.
+
+        On a layer slice [a, b): h_{a-1} .. h_{b-1}, where h_{a-1} (for a > 1) is the
+        copy last received from the upstream rank, not a node this rank owns.
+        """
         if self._stage is None:
             raise RuntimeError("value_nodes() is only defined after a step()")
         st = self._stage

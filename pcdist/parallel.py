@@ -1,0 +1,239 @@
+"""Where a rank sits in the (data, layer) mesh, and its point-to-point boundary exchange.
+
+Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by FLOPs)
+and trades two tensors of shape [B, width] with each neighbour per inference step:
+
+    forward exchange   send h_{b_r - 1} to r + 1, receive h_{a_r - 1} from r - 1
+    backward exchange  send -W_{a_r}^T d_{a_r} to r - 1, receive the same from r + 1
+
+each as one ``batch_isend_irecv`` over the Stage's preallocated views, with the
+interior layers computing while the messages fly. The data axis splits the batch;
+weight gradients are all-reduced over it only, in one flat bucket. A single process
+is the case with no neighbours and no data peers: every exchange is empty.
+
+The PC maths lives in ``engine.Stage``; this module only moves its boundary tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .engine import Stage
+from .network import LayerSpec
+from .partition import layer_flops, partition_layers
+
+__all__ = ["ParallelDims", "Parallel", "PeerError", "init_distributed", "backend_for"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh axes: ``data`` x ``layer`` must equal the world size."""
+
+    data: int = 1
+    layer: int = 1
+
+    def validate(self, world_size: int, num_layers: int | None = None) -> None:
+        """Raise ValueError naming every factor if the mesh cannot be built."""
+        for name, v in (("parallel.data", self.data), ("parallel.layer", self.layer)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.data * self.layer != world_size:
+            raise ValueError(
+                f"mesh parallel.data={self.data} x parallel.layer={self.layer} = {self.data * self.layer} ranks, "
+                f"but the world size is {world_size}; choose factors whose product is {world_size}"
+            )
+        if num_layers is not None and self.layer > num_layers:
+            raise ValueError(
+                f"parallel.layer={self.layer} ranks but the model has only {num_layers} layers; "
+                f"use parallel.layer <= {num_layers}"
+            )
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device | str | None = None, timeout_s: float = 300.0) -> torch.device:
+    """Join the process group torchrun describes (env:// rendezvous); returns this rank's device.
+
+    On GPUs every rank binds ``cuda:LOCAL_RANK`` and the NCCL group is created
+    eagerly; on CPUs the backend is gloo. A peer that stops answering raises after
+    ``timeout_s`` instead of hanging.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **kw)
+    return device
+
+
+class PeerError(RuntimeError):
+    """A point-to-point exchange with a neighbouring rank failed or timed out."""
+
+
+def _wait(reqs) -> None:
+    """Wait for (work, peer, what, timeout) tuples; a failure names both ranks."""
+    for work, peer, what, timeout in reqs:
+        try:
+            work.wait(timeout)
+        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
+            me = dist.get_rank()
+            raise PeerError(
+                f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
+                f"(is rank {peer} alive?): {e}"
+            ) from e
+
+
+class Parallel:
+    """This rank's layer slice, its neighbours on the layer axis and its data-axis group.
+
+    ``Parallel.single(num_layers)`` is the single-process case (no peers at all);
+    ``Parallel.from_mesh(dims, specs)`` builds the (data, layer) DeviceMesh of a
+    torch.distributed job.
+    """
+
+    def __init__(self, layers: tuple[int, int], num_layers: int, prev: int | None = None, next: int | None = None,
+                 data_group=None, data_size: int = 1, layer_rank: int = 0, layer_size: int = 1,
+                 logging_rank: int | None = None, micro_batches: int = 1, data_rank: int = 0,
+                 timeout_s: float = 300.0):
+        self.layers, self.num_layers = layers, num_layers
+        self.prev, self.next = prev, next
+        self.data_group, self.data_size = data_group, data_size
+        self.layer_rank, self.layer_size = layer_rank, layer_size
+        self.data_rank = data_rank
+        self.timeout = timedelta(seconds=timeout_s)
+        self.logging_rank = logging_rank  # global rank that gathers stats; None: no gathering needed
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
+        self.micro_batches = micro_batches
+        self._flat_grad: Tensor | None = None
+
+    @classmethod
+    def single(cls, num_layers: int) -> "Parallel":
+        return cls((1, num_layers + 1), num_layers)
+
+    @classmethod
+    def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerSpec], device: torch.device | str = "cpu",
+                  micro_batches: int = 1, timeout_s: float = 300.0) -> "Parallel":
+        """Build the (data, layer) mesh over the initialised process group and place this rank."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims.validate(dist.get_world_size(), len(specs))
+        mesh = init_device_mesh(torch.device(device).type, (dims.data, dims.layer), mesh_dim_names=("data", "layer"))
+        lr, P = mesh.get_local_rank("layer"), dims.layer
+        layer_group = mesh.get_group("layer")
+        peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
+        slices = partition_layers([layer_flops(s) for s in specs], P)
+        # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
+        logging = int(mesh.mesh[0, P - 1])
+        return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,
+                   next=peer(lr + 1) if lr < P - 1 else None,
+                   data_group=mesh.get_group("data") if dims.data > 1 else None, data_size=dims.data,
+                   layer_rank=lr, layer_size=P, logging_rank=logging, micro_batches=micro_batches,
+                   data_rank=mesh.get_local_rank("data"), timeout_s=timeout_s)
+
+    @property
+    def is_first(self) -> bool:
+        return self.prev is None
+
+    @property
+    def is_last(self) -> bool:
+        return self.next is None
+
+    @property
+    def is_logging(self) -> bool:
+        return self.logging_rank is None or dist.get_rank() == self.logging_rank
+
+    # -- point to point -----------------------------------------------------------
+    def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str):
+        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``."""
+        ops, peers = [], []
+        if to is not None:
+            ops.append(dist.P2POp(dist.isend, send, to))
+            peers.append((to, f"{what} send"))
+        if frm is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, frm))
+            peers.append((frm, f"{what} receive"))
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
+
+    def feedforward(self, st: Stage) -> None:
+        """The feed-forward init, pipelined over micro-batches across the layer slices."""
+        if self.prev is None and self.next is None:
+            st.feedforward()
+            return
+        M = min(self.micro_batches, st.B)
+        bounds = [st.B * m // M for m in range(M + 1)]
+        sends = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            rows = slice(lo, hi)
+            _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
+            st.feedforward(rows)
+            if self.next is not None:
+                sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
+        _wait(sends)
+
+    def errors(self, st: Stage, need_all_deltas: bool = False) -> None:
+        """Forward exchange around the errors: interior groups compute while h_{a-1} arrives."""
+        reqs = self._p2p(st.send_node, self.next, st.recv_input, self.prev, "forward exchange")
+        st.errors(st.groups[1:], need_all_deltas)
+        _wait(reqs)
+        st.errors(st.groups[:1], need_all_deltas)
+
+    def backproject(self, st: Stage) -> None:
+        """Backward exchange around the back-projections: the message upstream leaves first."""
+        st.backproject(st.groups[:1])
+        reqs = self._p2p(st.send_backproj, self.prev, st.recv_backproj, self.next, "backward exchange")
+        st.backproject(st.groups[1:])
+        _wait(reqs)
+        if self.next is not None:
+            st.add_received_backproj()
+
+    # -- data axis ----------------------------------------------------------------
+    def reduce_grads(self, params: list[Tensor], local_batch: int) -> None:
+        """Batch-weighted mean of the weight gradients over the data axis, in one flat bucket."""
+        if self.data_group is None:
+            return
+        flat = self._flat_grad
+        n = sum(p.numel() for p in params)
+        if flat is None or flat.numel() != n + 1:
+            flat = self._flat_grad = torch.zeros(n + 1, dtype=params[0].dtype, device=params[0].device)
+        off = 0
+        for p in params:  # grads live in the bucket: no copy in or out
+            view = flat[off : off + p.numel()].view_as(p)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+            off += p.numel()
+        flat[:-1].mul_(local_batch)
+        flat[-1] = local_batch
+        dist.all_reduce(flat, group=self.data_group)
+        flat[:-1].div_(flat[-1])
+
+    def gather_layer_energies(self, local: Tensor, local_batch: int) -> Tensor | None:
+        """Per-layer batch-mean energies of the whole network on the logging rank (None elsewhere)."""
+        if self.logging_rank is None:
+            return local
+        vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=local.device)
+        a, b = self.layers
+        vec[a - 1 : b - 1] = local.to(torch.float64) * local_batch
+        if self.layer_rank == 0:
+            vec[-1] = local_batch
+        dist.reduce(vec, dst=self.logging_rank)
+        return vec[:-1] / vec[-1] if self.is_logging else None

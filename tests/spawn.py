@@ -1,0 +1,73 @@
+"""Run a function on N real torch.distributed processes (gloo on CPU), with a deadline.
+
+Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT on a free port) and one intra-op thread. A worker's exception comes back
+to the test as WorkerError with its traceback; a run past the deadline is killed and
+reported, never left hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, errq):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world, *args)
+    except BaseException as e:  # report, then fail the process
+        errq.put((rank, type(e).__name__, str(e), traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn, world: int, *args, timeout: float = 120.0) -> None:
+    """Run fn(rank, world, *args) on `world` processes; raise WorkerError on any failure."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors:
+        errors.sort()
+        raise WorkerError("\n".join(f"rank {r}: {name}: {msg}\n{tb}" for r, name, msg, tb in errors))
+    if alive:
+        raise WorkerError(f"ranks {alive} still running after {timeout:.0f}s (killed)")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise WorkerError(f"workers exited abnormally: {bad}")
