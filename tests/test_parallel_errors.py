@@ -1,0 +1,63 @@
+"""Bad meshes and dead peers give clear errors on real processes, never a hang."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import pcdist
+from pcdist.parallel import Parallel, ParallelDims, init_distributed
+from spawn import WorkerError, run
+from test_layer_parallel import specs_of
+
+
+def build_mesh(rank, world, data, layer, dims):
+    init_distributed(timeout_s=30)
+    Parallel.from_mesh(ParallelDims(data, layer), specs_of(dims))
+
+
+def test_more_layer_ranks_than_layers():
+    with pytest.raises(WorkerError, match=r"parallel.layer=2 ranks but the model has only 1 layers"):
+        run(build_mesh, 2, 1, 2, (5, 3), timeout=60)
+
+
+def test_mesh_that_does_not_factor_the_world_size():
+    with pytest.raises(WorkerError, match=r"parallel.data=3 x parallel.layer=1 = 3 ranks, but the world size is 2"):
+        run(build_mesh, 2, 3, 1, (5, 8, 3), timeout=60)
+
+
+def test_validation_happens_before_any_process_group():
+    with pytest.raises(ValueError, match=r"parallel.data=2 x parallel.layer=2 = 4 ranks, but the world size is 2"):
+        ParallelDims(2, 2).validate(2)
+    with pytest.raises(ValueError, match=r"parallel.layer must be an integer >= 1, got 0"):
+        ParallelDims(1, 0).validate(1)
+
+
+def die_or_hang(rank, world, mode, timeout_s):
+    init_distributed(timeout_s=timeout_s)
+    specs = specs_of((6, 8, 8, 4))
+    par = Parallel.from_mesh(ParallelDims(1, 2), specs, timeout_s=timeout_s)
+    net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=5, parallel=par)
+    x, y = torch.randn(4, 6), torch.eye(4)
+    tr.step(x, y)
+    if rank == 1:
+        if mode == "exit":
+            os._exit(0)  # dies silently mid-run: no error of its own
+        time.sleep(3 * timeout_s)  # hangs
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        tr.step(x, y)
+    finally:
+        print(f"rank 0 gave up after {time.monotonic() - t0:.1f}s", flush=True)
+
+
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_dead_or_hung_peer_raises_naming_the_peer(mode):
+    """The surviving rank raises an error that names rank 1, within the configured timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 0: .* with rank 1 failed or timed out after 4s"):
+        run(die_or_hang, 2, mode, 4.0, timeout=60)
+    assert time.monotonic() - t0 < 45
