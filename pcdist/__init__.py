@@ -1,13 +1,15 @@
 """pcdist: predictive-coding networks with every layer working at once.
 
 On one device, same-shape layers are fused into batched kernels; across ranks,
-each rank owns a contiguous slice of layers (see the README).
+each rank owns a contiguous slice of layers and trades boundary tensors with its
+neighbours (see the README).
 """
 
 from .activations import ACTIVATIONS, Activation, get_activation
 from .energies import ENERGIES
 from .fuse import FusedModules, fuse
-from .network import LayerSpec, PCNetwork
+from .network import LayerSpec, PCNetwork, mlp_specs
+from .parallel import Parallel, ParallelDims, init_distributed
 from .trainer import ALGORITHMS, PCTrainer, warmup_cosine
 
 __version__ = "0.1.0"
@@ -19,9 +21,13 @@ __all__ = [
     "Activation",
     "FusedModules",
     "LayerSpec",
+    "Parallel",
+    "ParallelDims",
     "PCNetwork",
     "PCTrainer",
     "fuse",
     "get_activation",
+    "init_distributed",
+    "mlp_specs",
     "warmup_cosine",
 ]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .activations import Activation, activation_from_module, get_activation
 from .energies import check_energy
 
-__all__ = ["LayerSpec", "LayerGroup", "PCNetwork", "group_layers"]
+__all__ = ["LayerSpec", "LayerGroup", "PCNetwork", "group_layers", "mlp_specs"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,15 @@ class LayerSpec:
     in_features: int
     out_features: int
     activation: Activation | None
+
+
+def mlp_specs(dims: Sequence[int], activation: str | Activation = "tanh") -> list[LayerSpec]:
+    """LayerSpecs of an MLP with widths ``dims`` (input, hidden..., output); no activation on the output."""
+    if len(dims) < 2 or any(isinstance(d, bool) or int(d) != d or int(d) < 1 for d in dims):
+        raise ValueError(f"model dims must be at least two positive integer widths, got {list(dims)}")
+    act = activation if isinstance(activation, Activation) else get_activation(activation)
+    L = len(dims) - 1
+    return [LayerSpec(int(dims[l]), int(dims[l + 1]), act if l < L - 1 else None) for l in range(L)]
 
 
 def group_layers(specs: Sequence[LayerSpec], first: int, stop: int) -> list[tuple[int, int]]:
@@ -123,12 +132,7 @@ class PCNetwork(nn.Module):
 
         Keywords go to the constructor: ``layers=(a, b)`` for a slice, ``seed``, ``dtype``, ``device``.
         """
-        if len(dims) < 2 or any(int(d) < 1 for d in dims):
-            raise ValueError(f"model dims must be at least two positive widths, got {list(dims)}")
-        act = activation if isinstance(activation, Activation) else get_activation(activation)
-        L = len(dims) - 1
-        specs = [LayerSpec(int(dims[l]), int(dims[l + 1]), act if l < L - 1 else None) for l in range(L)]
-        return cls(specs, energy=energy, **kw)
+        return cls(mlp_specs(dims, activation), energy=energy, **kw)
 
     @classmethod
     def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None) -> "PCNetwork":

@@ -17,6 +17,7 @@ The PC maths lives in ``engine.Stage``; this module only moves its boundary tens
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -84,8 +85,12 @@ class PeerError(RuntimeError):
     """A point-to-point exchange with a neighbouring rank failed or timed out."""
 
 
-def _wait(reqs) -> None:
-    """Wait for (work, peer, what, timeout) tuples; a failure names both ranks."""
+def _wait(reqs) -> float:
+    """Wait for (work, peer, what, timeout) tuples; returns the seconds spent blocked.
+
+    A failure names both ranks.
+    """
+    t0 = time.perf_counter()
     for work, peer, what, timeout in reqs:
         try:
             work.wait(timeout)
@@ -95,6 +100,7 @@ def _wait(reqs) -> None:
                 f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
                 f"(is rank {peer} alive?): {e}"
             ) from e
+    return time.perf_counter() - t0
 
 
 class Parallel:
@@ -120,6 +126,7 @@ class Parallel:
             raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
         self._flat_grad: Tensor | None = None
+        self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
 
     @classmethod
     def single(cls, num_layers: int) -> "Parallel":
@@ -136,7 +143,7 @@ class Parallel:
         lr, P = mesh.get_local_rank("layer"), dims.layer
         layer_group = mesh.get_group("layer")
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
-        slices = partition_layers([layer_flops(s) for s in specs], P)
+        slices = partition_layers([layer_flops(s, l) for l, s in enumerate(specs, start=1)], P)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
         logging = int(mesh.mesh[0, P - 1])
         return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,
@@ -182,17 +189,23 @@ class Parallel:
         sends = []
         for lo, hi in zip(bounds, bounds[1:]):
             rows = slice(lo, hi)
-            _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
+            self.comm_seconds += _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
             st.feedforward(rows)
             if self.next is not None:
                 sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
-        _wait(sends)
+        self.comm_seconds += _wait(sends)
 
     def errors(self, st: Stage, need_all_deltas: bool = False) -> None:
-        """Forward exchange around the errors: interior groups compute while h_{a-1} arrives."""
+        """Forward exchange around the errors: interior groups compute while h_{a-1} arrives.
+
+        Right after the feed-forward init no node has moved, so nothing is exchanged.
+        """
+        if st.steps_taken == 0:
+            st.errors(None, need_all_deltas)
+            return
         reqs = self._p2p(st.send_node, self.next, st.recv_input, self.prev, "forward exchange")
         st.errors(st.groups[1:], need_all_deltas)
-        _wait(reqs)
+        self.comm_seconds += _wait(reqs)
         st.errors(st.groups[:1], need_all_deltas)
 
     def backproject(self, st: Stage) -> None:
@@ -200,7 +213,7 @@ class Parallel:
         st.backproject(st.groups[:1])
         reqs = self._p2p(st.send_backproj, self.prev, st.recv_backproj, self.next, "backward exchange")
         st.backproject(st.groups[1:])
-        _wait(reqs)
+        self.comm_seconds += _wait(reqs)
         if self.next is not None:
             st.add_received_backproj()
 
@@ -223,7 +236,9 @@ class Parallel:
             off += p.numel()
         flat[:-1].mul_(local_batch)
         flat[-1] = local_batch
+        t0 = time.perf_counter()
         dist.all_reduce(flat, group=self.data_group)
+        self.comm_seconds += time.perf_counter() - t0
         flat[:-1].div_(flat[-1])
 
     def gather_layer_energies(self, local: Tensor, local_batch: int) -> Tensor | None:

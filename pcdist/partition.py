@@ -9,9 +9,15 @@ from .network import LayerSpec
 __all__ = ["layer_flops", "partition_layers"]
 
 
-def layer_flops(spec: LayerSpec) -> int:
-    """FLOPs per sample of one inference step of a layer: predict and back-project GEMMs + elementwise."""
-    return 4 * spec.in_features * spec.out_features + 6 * spec.out_features
+def layer_flops(spec: LayerSpec, index: int = 2) -> int:
+    """FLOPs per sample of one inference step of global layer ``index``.
+
+    A layer predicts (one GEMM), back-projects (another) and does elementwise work.
+    Layer 1 does neither GEMM during PC inference: its input is clamped, so its
+    prediction is computed once per batch and it has no free node to project to.
+    """
+    gemms = 0 if index == 1 else 4 * spec.in_features * spec.out_features
+    return gemms + 6 * spec.out_features
 
 
 def partition_layers(costs: Sequence[int], P: int) -> list[tuple[int, int]]:

@@ -79,7 +79,7 @@ def test_batch_size_change_reallocates():
         (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Tanh(), nn.Linear(3, 2))), "before the first nn.Linear"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], energy="mse"), "unknown energy 'mse'"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], activation="swish"), "unknown activation 'swish'"),
-        (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive widths"),
+        (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive integer widths"),
     ],
 )
 def test_bad_networks_name_the_problem(build, message):

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.network import LayerSpec
 from pcdist.parallel import Parallel, ParallelDims, init_distributed
 from spawn import WorkerError, run
 
@@ -43,12 +42,6 @@ CASES = {
 }
 
 
-def specs_of(dims):
-    act = pcdist.Activation("tanh")
-    L = len(dims) - 1
-    return [LayerSpec(dims[l], dims[l + 1], act if l < L - 1 else None) for l in range(L)]
-
-
 def make_optimizer(case, params):
     if case.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -66,12 +59,12 @@ def batches(case):
 
 
 def initial_state(case):
-    net = pcdist.PCNetwork(specs_of(case.dims), energy=case.energy, dtype=DT, seed=7)
+    net = pcdist.PCNetwork(pcdist.mlp_specs(case.dims), energy=case.energy, dtype=DT, seed=7)
     return net.layer_state_dict()
 
 
 def single_process(case):
-    net = pcdist.PCNetwork(specs_of(case.dims), energy=case.energy, dtype=DT, init=False)
+    net = pcdist.PCNetwork(pcdist.mlp_specs(case.dims), energy=case.energy, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
                           x_momentum=case.x_momentum, algorithm=case.algorithm)
@@ -84,7 +77,7 @@ def single_process(case):
 
 def worker(rank, world, case, out_dir):
     init_distributed(timeout_s=60)
-    specs = specs_of(case.dims)
+    specs = pcdist.mlp_specs(case.dims)
     par = Parallel.from_mesh(ParallelDims(case.data, case.layer), specs, micro_batches=case.micro_batches, timeout_s=60)
     net = pcdist.PCNetwork(specs, energy=case.energy, layers=par.layers, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))

@@ -9,12 +9,11 @@ import torch
 import pcdist
 from pcdist.parallel import Parallel, ParallelDims, init_distributed
 from spawn import WorkerError, run
-from test_layer_parallel import specs_of
 
 
 def build_mesh(rank, world, data, layer, dims):
     init_distributed(timeout_s=30)
-    Parallel.from_mesh(ParallelDims(data, layer), specs_of(dims))
+    Parallel.from_mesh(ParallelDims(data, layer), pcdist.mlp_specs(dims))
 
 
 def test_more_layer_ranks_than_layers():
@@ -36,7 +35,7 @@ def test_validation_happens_before_any_process_group():
 
 def die_or_hang(rank, world, mode, timeout_s):
     init_distributed(timeout_s=timeout_s)
-    specs = specs_of((6, 8, 8, 4))
+    specs = pcdist.mlp_specs((6, 8, 8, 4))
     par = Parallel.from_mesh(ParallelDims(1, 2), specs, timeout_s=timeout_s)
     net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=5, parallel=par)
