@@ -14,8 +14,8 @@ message sizes the schedule actually sends. Assumptions, all overridable:
 * Per inference step each boundary carries two messages of B*d*bytes (one each way).
   The forward message overlaps the interior layers' predictions and the backward
   one their back-projections (K-1 layers of GEMMs each); only the excess shows.
-* The feed-forward init is a pipeline over M micro-batches: (M + P - 1)/M times the
-  one-slice time. The data axis all-reduces the rank's K*d^2 weights once per batch
+* The feed-forward init is a pipeline over M = max(--micro-batches, P) micro-batches:
+  (M + P - 1)/M times the one-slice time; GEMM efficiency is taken as constant. The data axis all-reduces the rank's K*d^2 weights once per batch
   (ring: 2(D-1)/D of the bytes over InfiniBand when D spans nodes), not overlapped.
 
     python benchmarks/scaling_model.py --width 4096 --batch 256 --layers-per-rank 8
@@ -32,7 +32,8 @@ OUT = Path(__file__).resolve().parent / "results"
 
 def step_time(P: int, D: int, a) -> dict:
     """Modelled seconds per training step of one (D x P) configuration."""
-    B, d, K, T, M, by = a.batch, a.width, a.layers_per_rank, a.T, a.micro_batches, a.bytes
+    B, d, K, T, by = a.batch, a.width, a.layers_per_rank, a.T, a.bytes
+    M = max(a.micro_batches, P)  # at least one micro-batch per slice in flight
     gemm = 2 * B * d * d / (a.tflops * 1e12)  # one predict or back-projection GEMM of one layer
     elem = 6 * B * d * by / (a.hbm * 1e9)  # elementwise passes of one layer
     layer_eval = 2 * gemm + elem
@@ -43,7 +44,8 @@ def step_time(P: int, D: int, a) -> dict:
     hidden = (K - 1) * gemm  # interior work that overlaps each message
     exposed = 2 * max(0.0, t_msg - hidden) + (2 * a.launch_us * 1e-6 if P > 1 else 0.0)
     evals = (T + 1) * (K * layer_eval + exposed)
-    init = (M + P - 1) / M * K * (gemm + elem / 3) + (P - 1) * t_msg  # one predict GEMM + activation per layer
+    t_micro = (lat * 1e-6 + msg / M / (bw * 1e9)) if P > 1 else 0.0  # one micro-batch hop
+    init = (M + P - 1) / M * K * (gemm + elem / 3) + (P - 1) * t_micro  # one predict GEMM + activation per layer
     wbytes = K * d * d * by
     allreduce = 0.0 if D == 1 else 2 * (D - 1) / D * wbytes / (a.ib * 1e9) + 2 * (D - 1) * a.ib_lat * 1e-6
     total = evals + init + allreduce
@@ -54,7 +56,7 @@ def step_time(P: int, D: int, a) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=256, help="samples per data replica")
+    ap.add_argument("--batch", type=int, default=1024, help="samples per data replica")
     ap.add_argument("--layers-per-rank", type=int, default=8)
     ap.add_argument("--T", type=int, default=20)
     ap.add_argument("--micro-batches", type=int, default=8)

@@ -142,6 +142,10 @@ class Parallel:
         mesh = init_device_mesh(torch.device(device).type, (dims.data, dims.layer), mesh_dim_names=("data", "layer"))
         lr, P = mesh.get_local_rank("layer"), dims.layer
         layer_group = mesh.get_group("layer")
+        # Every rank of the group joins one collective first: NCCL then has its
+        # communicator before the first point-to-point batch.
+        dev = torch.device(device)
+        dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
         slices = partition_layers([layer_flops(s, l) for l, s in enumerate(specs, start=1)], P)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
