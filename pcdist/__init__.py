@@ -10,6 +10,7 @@ from .energies import ENERGIES
 from .fuse import FusedModules, fuse
 from .network import LayerSpec, PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
+from .run import train
 from .trainer import ALGORITHMS, PCTrainer, warmup_cosine
 
 __version__ = "0.1.0"
@@ -29,5 +30,6 @@ __all__ = [
     "get_activation",
     "init_distributed",
     "mlp_specs",
+    "train",
     "warmup_cosine",
 ]

@@ -221,6 +221,28 @@ class Parallel:
         if self.next is not None:
             st.add_received_backproj()
 
+    def predict(self, net, x: Tensor) -> Tensor | None:
+        """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""
+        if self.prev is None and self.next is None:
+            return net(x)
+        h = x
+        if self.prev is not None:
+            h = torch.empty(x.shape[0], net.dims[net.first - 1], dtype=x.dtype, device=x.device)
+            self.comm_seconds += _wait(self._p2p(None, None, h, self.prev, "prediction"))
+        out = net(h).contiguous()
+        if self.next is not None:
+            self.comm_seconds += _wait(self._p2p(out, self.next, None, None, "prediction"))
+            return None
+        return out
+
+    def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
+        """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
+        vec = torch.tensor(values, dtype=torch.float64, device=device)
+        if self.logging_rank is None:
+            return vec.tolist()
+        dist.reduce(vec, dst=self.logging_rank)
+        return vec.tolist() if self.is_logging else None
+
     # -- data axis ----------------------------------------------------------------
     def reduce_grads(self, params: list[Tensor], local_batch: int) -> None:
         """Batch-weighted mean of the weight gradients over the data axis, in one flat bucket."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -69,17 +70,22 @@ class PCTrainer:
 
         With ``log=False`` no energy is computed or gathered (nothing to synchronise
         on); in a parallel run only the logging rank gets the stats, others get {}.
+        ``stats["phase_s"]`` holds this rank's host seconds per phase (feed-forward
+        init, inference, weight update; on GPUs kernels may still be in flight).
         """
         B = self._check_batch(x, y)
         st, par = self.stage(B), self.parallel
+        clock = [time.perf_counter()]
         st.begin(x if par.is_first else None, y if par.is_last else None)
         par.feedforward(st)
+        clock.append(time.perf_counter())
         energies = None
         if self.algorithm == "pc":
             for _ in range(self.T):
                 par.errors(st)
                 par.backproject(st)
                 st.update_values(self.x_lr)
+            clock.append(time.perf_counter())
             par.errors(st, need_all_deltas=True)
             if log:
                 energies = st.layer_energies()
@@ -94,13 +100,37 @@ class PCTrainer:
                 st.weight_grads()
                 st.update_values(self.x_lr)
                 self._optimizer_step(st)
+            clock.append(time.perf_counter())
+        clock.append(time.perf_counter())
         if energies is None:
             return {}
         full = par.gather_layer_energies(energies, B)
         if full is None:
             return {}
         layer = full.tolist()
-        return {"energy": math.fsum(layer), "layer_energies": layer}
+        phases = dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))
+        return {"energy": math.fsum(layer), "layer_energies": layer, "phase_s": phases}
+
+    @torch.no_grad()
+    def trace(self, x: Tensor, y: Tensor) -> list[list[float]] | None:
+        """Per-layer energies at the init and after each of the T inference steps, weights untouched.
+
+        Every rank must call it; the logging rank gets the list, others None.
+        """
+        B = self._check_batch(x, y)
+        st, par = self.stage(B), self.parallel
+        st.begin(x if par.is_first else None, y if par.is_last else None)
+        par.feedforward(st)
+        out = []
+        for t in range(self.T + 1):
+            par.errors(st)
+            full = par.gather_layer_energies(st.layer_energies(), B)
+            if full is not None:
+                out.append(full.tolist())
+            if t < self.T:
+                par.backproject(st)
+                st.update_values(self.x_lr)
+        return out if par.is_logging else None
 
     def _optimizer_step(self, st: Stage) -> None:
         self.parallel.reduce_grads(list(self.net.parameters()), st.B)

@@ -1,0 +1,213 @@
+"""Structured configuration of a training run, validated before any process group exists.
+
+Hydra composes ``conf/`` into a DictConfig; ``load_config`` merges it onto these
+dataclasses (an unknown key or a wrong type names the key) and ``validate`` checks
+every value's range (the message names the key and what is allowed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from .activations import ACTIVATIONS
+from .energies import ENERGIES
+from .trainer import ALGORITHMS
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig", "TrainerConfig",
+           "LoggerConfig", "load_config", "validate", "DATASETS"]
+
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+
+
+@dataclass
+class ModelConfig:
+    dims: list[int] = field(default_factory=lambda: [64, 128, 128, 10])
+    """Widths: input, hidden..., output. Must match the data (input features, classes)."""
+    activation: str = "tanh"
+    """Hidden activation: tanh, relu, leaky_relu, gelu, hard_tanh, sigmoid, identity."""
+    energy: str = "se"
+    """Output energy: se (squared error) or ce (cross-entropy)."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10."""
+    root: Optional[str] = None
+    """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10)."""
+    val_fraction: float = 0.2
+    """digits: held-out fraction (fixed stratified split)."""
+    synthetic_train: int = 2048
+    """synthetic: number of training samples from the random teacher network."""
+    synthetic_val: int = 512
+    """synthetic: number of validation samples."""
+
+
+@dataclass
+class PCConfig:
+    T: int = 20
+    """Inference steps per batch (>= 1)."""
+    x_lr: float = 0.1
+    """Value-node learning rate (> 0)."""
+    x_momentum: float = 0.0
+    """Value-node SGD momentum in [0, 1), reset every batch."""
+    algorithm: str = "pc"
+    """pc (one weight step per batch) or ipc (a weight step at every inference step)."""
+    init: str = "ff"
+    """Value-node init: ff (feed-forward pass)."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """adamw or sgd."""
+    lr: float = 1e-3
+    """Peak weight learning rate (> 0)."""
+    weight_decay: float = 1e-4
+    """Decoupled (adamw) or L2 (sgd) weight decay (>= 0)."""
+    momentum: float = 0.9
+    """sgd: momentum in [0, 1)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: (beta1, beta2), each in [0, 1)."""
+    warmup_steps: int = 50
+    """Linear warm-up steps (>= 0) before the cosine decay."""
+    schedule: str = "cosine"
+    """cosine (warm-up then cosine decay to final_lr_ratio) or constant (warm-up then flat)."""
+    final_lr_ratio: float = 0.0
+    """cosine: final LR as a fraction of lr, in [0, 1]."""
+
+
+@dataclass
+class ParallelConfig:
+    layer: int = 1
+    """Ranks on the layer axis (each owns a contiguous slice of layers)."""
+    data: int = 1
+    """Ranks on the data axis (each gets a shard of every batch). layer x data = world size."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
+    micro_batches: int = 4
+    """Micro-batches of the pipelined feed-forward init (>= 1)."""
+    timeout_s: float = 300.0
+    """Seconds before a silent peer turns into an error (> 0)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 600
+    """Training steps (batches) in all (>= 1)."""
+    batch_size: int = 64
+    """Global batch size (>= 1, at least parallel.data)."""
+    eval_every: int = 50
+    """Validate every N steps and at the end (>= 1)."""
+    log_every: int = 10
+    """Gather and log the training energy every N steps (>= 1)."""
+    ckpt_every: int = 200
+    """Write a checkpoint every N steps and at the end (>= 1)."""
+    ckpt_keep: int = 3
+    """Checkpoints kept on disk (>= 1)."""
+    seed: int = 0
+    """Seed of the weights (per global layer), data order and everything else."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
+    dtype: str = "float32"
+    """float32 or float64."""
+    threads: int = 0
+    """torch threads per rank on CPU; 0 = cores / local ranks."""
+    progress: str = "auto"
+    """Progress bar: auto (on an interactive terminal), on, off."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    """wandb or none (metrics.jsonl is always written)."""
+    mode: str = "offline"
+    """wandb mode: offline (files in the run directory), online, disabled."""
+    project: str = "pcdist"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team or user); None: your default."""
+    run_name: Optional[str] = None
+    """wandb run name; None: wandb picks one."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pc: PCConfig = field(default_factory=PCConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: Optional[str] = None
+    """Where the run writes; train.py sets it to Hydra's run directory."""
+
+
+def load_config(cfg: Any) -> Config:
+    """A validated Config from a DictConfig/dict (unknown keys and wrong types name the key)."""
+    base = OmegaConf.structured(Config)
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {k: v for k, v in (cfg or {}).items() if k not in ("hydra", "experiment")}
+    try:
+        merged = OmegaConf.merge(base, cfg)
+    except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
+        raise ValueError(f"invalid config: {e}".split("\n    full_key")[0].strip()) from e
+    conf = OmegaConf.to_object(merged)
+    validate(conf)
+    return conf
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config {key}={value!r} is invalid: allowed {allowed}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(c: Config) -> None:
+    """Raise ValueError naming the first key whose value is out of range."""
+    m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
+    _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
+    _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
+    _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
+    _check(d.name in DATASETS, "data.name", d.name, ", ".join(DATASETS))
+    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a fraction in (0, 1)")
+    _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
+    _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
+    _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
+    _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
+    _check(pc.algorithm in ALGORITHMS, "pc.algorithm", pc.algorithm, ", ".join(ALGORITHMS))
+    _check(pc.init == "ff", "pc.init", pc.init, "ff (feed-forward init)")
+    _check(o.name in ("adamw", "sgd"), "optim.name", o.name, "adamw, sgd")
+    _check(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a finite number > 0")
+    _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
+    _check(_finite(o.momentum) and 0 <= o.momentum < 1, "optim.momentum", o.momentum, "a number in [0, 1)")
+    _check(len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
+           "two numbers in [0, 1)")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
+    _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
+    _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
+    _check(p.layer >= 1, "parallel.layer", p.layer, "an integer >= 1")
+    _check(p.layer <= len(m.dims) - 1, "parallel.layer", p.layer,
+           f"at most the number of layers ({len(m.dims) - 1}, from model.dims)")
+    _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
+    _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
+    _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")
+    _check(_finite(p.timeout_s) and p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "a number of seconds > 0")
+    for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
+        _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
+    _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
+    _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
+    _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")
+    _check(t.threads >= 0, "trainer.threads", t.threads, "an integer >= 0 (0: automatic)")
+    _check(t.progress in ("auto", "on", "off"), "trainer.progress", t.progress, "auto, on, off")
+    _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")
+    _check(lg.mode in ("offline", "online", "disabled"), "logger.mode", lg.mode, "offline, online, disabled")

@@ -1,0 +1,197 @@
+"""``train(cfg)``: one training run, from a config to final metrics, on 1 to N ranks.
+
+The same function runs in a single process (tests call it directly) and on every
+rank of ``torchrun``: it validates the config, joins the process group, places the
+rank in the (data, layer) mesh, loads the data, resumes from the newest valid
+checkpoint of the run directory, trains, evaluates, checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, load_config
+from .data import DataError, load_dataset, one_hot
+from .metrics import make_logger
+from .network import PCNetwork, mlp_specs
+from .parallel import Parallel, ParallelDims, init_distributed
+from .trainer import PCTrainer, warmup_cosine
+
+__all__ = ["train"]
+
+
+def _device(c: Config) -> torch.device:
+    want = c.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+
+
+def _optimizer(c: Config, params, total_steps: int):
+    o = c.optim
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    warm = min(o.warmup_steps, total_steps)
+    if o.schedule == "cosine":
+        return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
+
+
+def _check_data(c: Config, ds) -> None:
+    if ds.num_features != c.model.dims[0]:
+        raise DataError(f"data {c.data.name} has {ds.num_features} input features but model.dims[0]="
+                        f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
+    if ds.num_classes != c.model.dims[-1]:
+        raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    for name, x in (("train", ds.x_train), ("val", ds.x_val)):
+        if not torch.isfinite(x).all():
+            raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
+    if len(ds.x_train) < c.trainer.batch_size:
+        raise DataError(f"data {c.data.name} has {len(ds.x_train)} training samples, fewer than "
+                        f"trainer.batch_size={c.trainer.batch_size}")
+
+
+def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
+    """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
+    per_epoch = n // B
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    return perm[i * B : (i + 1) * B]
+
+
+def train(cfg) -> dict:
+    """Train as configured; returns the final metrics (complete on the logging rank)."""
+    c = load_config(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ParallelDims(c.parallel.data, c.parallel.layer).validate(world, len(c.model.dims) - 1)
+    device = _device(c)
+    if c.parallel.backend == "nccl" and device.type != "cuda":
+        raise ValueError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    distributed = world > 1
+    if distributed:
+        init_distributed(device, timeout_s=c.parallel.timeout_s)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device.type == "cpu":
+        torch.set_num_threads(c.trainer.threads or max(1, (os.cpu_count() or 1) // local))
+    try:
+        return _run(c, device, distributed)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(c: Config, device: torch.device, distributed: bool) -> dict:
+    dtype = getattr(torch, c.trainer.dtype)
+    specs = mlp_specs(c.model.dims, c.model.activation)
+    if distributed:
+        par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
+                                 micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
+    else:
+        par = Parallel.single(len(specs))
+    ds = load_dataset(c.data.name, c.data.root, c.model.dims, c.trainer.seed, c.data.val_fraction,
+                      c.data.synthetic_train, c.data.synthetic_val)
+    _check_data(c, ds)
+    net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
+    opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
+    trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
+                        scheduler=sched, parallel=par)
+    run_dir = Path(c.run_dir or f"runs/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    is_rank0 = not distributed or dist.get_rank() == 0
+    start = 0
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, net, opt)
+        sched.load_state_dict(meta["scheduler"])
+        for g in opt.param_groups:
+            g["lr"] = meta["lr"]
+        torch.set_rng_state(meta["rng"])
+        start = int(meta["step"])
+    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
+    try:
+        if par.is_logging and ckpt is not None:
+            print(f"resumed from {ckpt} at step {start}", flush=True)
+        result = _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0)
+        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device, dtype)
+        trace = trainer.trace(x, y)  # collective: every rank takes part
+        if trace is not None:
+            logger.log_trace(trace)
+        result["run_dir"] = str(run_dir)
+        return result
+    finally:
+        logger.close()
+
+
+def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
+    """This data rank's share of a global batch, on the device, labels one-hot."""
+    idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
+    x = ds.x_train[idx].to(device=device, dtype=dtype)
+    y = one_hot(ds.labels_train[idx], ds.num_classes, dtype).to(device)
+    return x, y
+
+
+def _evaluate(c: Config, ds, net: PCNetwork, par: Parallel, device, dtype) -> float | None:
+    """Validation accuracy (one feed-forward pass, argmax), summed over the data axis on the logging rank."""
+    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
+    correct = 0
+    with torch.no_grad():
+        for chunk in torch.split(rows, 1024):
+            logits = par.predict(net, ds.x_val[chunk].to(device=device, dtype=dtype))
+            if logits is not None:
+                correct += int((logits.argmax(1).cpu() == ds.labels_val[chunk]).sum())
+    total = len(rows) if par.is_last else 0
+    summed = par.sum_to_logging([correct, total])
+    return None if summed is None else summed[0] / max(1.0, summed[1])
+
+
+def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0) -> dict:
+    t_cfg = c.trainer
+    result: dict = {"step": start}
+    last_t, last_step = time.perf_counter(), start
+    comm0 = par.comm_seconds
+    for step in range(start, t_cfg.max_steps):
+        idx = _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed)
+        x, y = _shard(c, ds, par, idx, device, dtype)
+        log = (step + 1) % t_cfg.log_every == 0 or step + 1 == t_cfg.max_steps
+        stats = trainer.step(x, y, log=log)
+        done = step + 1
+        if log and stats:
+            energy = stats["energy"]
+            if not math.isfinite(energy):
+                bad = next(l for l, e in enumerate(stats["layer_energies"], 1) if not math.isfinite(e))
+                raise FloatingPointError(f"step {done}: energy is {energy} (layer {bad}'s energy is "
+                                         f"{stats['layer_energies'][bad - 1]}); lower optim.lr or pc.x_lr")
+            now = time.perf_counter()
+            elapsed = now - last_t
+            metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
+                       "perf/samples_per_s": (done - last_step) * t_cfg.batch_size / elapsed,
+                       "perf/step_s": elapsed / (done - last_step),
+                       "perf/comm_fraction": (par.comm_seconds - comm0) / elapsed,
+                       **{f"train/layer_energy/{l}": e for l, e in enumerate(stats["layer_energies"], 1)},
+                       **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
+            logger.log(metrics, done)
+            logger.progress(done, f"F={energy:.4g}")
+            result.update(metrics)
+            last_t, last_step, comm0 = now, done, par.comm_seconds
+        if done % t_cfg.eval_every == 0 or done == t_cfg.max_steps:
+            acc = _evaluate(c, ds, net, par, device, dtype)
+            if acc is not None:
+                logger.log({"val/accuracy": acc}, done)
+                result["val/accuracy"] = acc
+        if done % t_cfg.ckpt_every == 0 or done == t_cfg.max_steps:
+            meta = {"step": done, "model": [list(net.dims), [s.activation.name if s.activation else None for s in net.specs]],
+                    "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state()}
+            save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0, leader=is_rank0)
+        result["step"] = done
+    return result

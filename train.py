@@ -1,0 +1,33 @@
+"""pcdist's training entry point (a thin Hydra wrapper over ``pcdist.train``).
+
+    python train.py [overrides]                                   # one process
+    torchrun --standalone --nproc_per_node=2 train.py parallel.layer=2
+    python train.py --help                                        # every config group and key
+"""
+
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import pcdist
+
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank
+    # writes the resolved config.yaml itself), and all agree on the run directory (conf/config.yaml).
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    cfg.run_dir = HydraConfig.get().runtime.output_dir
+    result = pcdist.train(cfg)
+    if "val/accuracy" in result:
+        print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
