@@ -8,6 +8,8 @@
 import os
 import sys
 
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig

@@ -98,7 +98,9 @@ class ParallelConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 600
-    """Training steps (batches) in all (>= 1)."""
+    """Training steps (batches) in all (>= 1); the LR schedule spans them."""
+    stop_at: Optional[int] = None
+    """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
     batch_size: int = 64
     """Global batch size (>= 1, at least parallel.data)."""
     eval_every: int = 50
@@ -204,6 +206,7 @@ def validate(c: Config) -> None:
     _check(_finite(p.timeout_s) and p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "a number of seconds > 0")
     for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
         _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
+    _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
     _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")

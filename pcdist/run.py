@@ -160,10 +160,11 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
     result: dict = {"step": start}
     last_t, last_step = time.perf_counter(), start
     comm0 = par.comm_seconds
-    for step in range(start, t_cfg.max_steps):
+    end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
+    for step in range(start, end):
         idx = _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed)
         x, y = _shard(c, ds, par, idx, device, dtype)
-        log = (step + 1) % t_cfg.log_every == 0 or step + 1 == t_cfg.max_steps
+        log = (step + 1) % t_cfg.log_every == 0 or step + 1 == end
         stats = trainer.step(x, y, log=log)
         done = step + 1
         if log and stats:
@@ -184,12 +185,12 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
             logger.progress(done, f"F={energy:.4g}")
             result.update(metrics)
             last_t, last_step, comm0 = now, done, par.comm_seconds
-        if done % t_cfg.eval_every == 0 or done == t_cfg.max_steps:
+        if done % t_cfg.eval_every == 0 or done == end:
             acc = _evaluate(c, ds, net, par, device, dtype)
             if acc is not None:
                 logger.log({"val/accuracy": acc}, done)
                 result["val/accuracy"] = acc
-        if done % t_cfg.ckpt_every == 0 or done == t_cfg.max_steps:
+        if done % t_cfg.ckpt_every == 0 or done == end:
             meta = {"step": done, "model": [list(net.dims), [s.activation.name if s.activation else None for s in net.specs]],
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state()}
             save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0, leader=is_rank0)

@@ -4,6 +4,9 @@ source tree) importable under any pytest import mode."""
 import os
 import sys
 
+# Strict conditional numerical reproducibility: MKL results independent of memory alignment.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS_DIR)
 for _p in (_ROOT, _TESTS_DIR):
