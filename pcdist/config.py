@@ -159,7 +159,9 @@ def load_config(cfg: Any) -> Config:
     try:
         merged = OmegaConf.merge(base, cfg)
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
-        raise ValueError(f"invalid config: {e}".split("\n    full_key")[0].strip()) from e
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).split("\n")[0].strip()
+        raise ValueError(f"invalid config key {key}: {msg}") from e
     conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
