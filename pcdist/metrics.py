@@ -115,7 +115,7 @@ class RunLogger(NullLogger):
             ax.set_yscale("symlog", linthresh=1e-6)
             ax.set_xlabel("inference step")
             ax.set_ylabel("batch-mean layer energy")
-            ax.set_title("energy per layer during inference (last batch)")
+            ax.set_title("energy per layer during inference (one batch, final weights)")
             if len(self.trace[0]) <= 12:
                 ax.legend(fontsize=7)
             fig.tight_layout()
