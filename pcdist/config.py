@@ -99,6 +99,8 @@ class ParallelConfig:
 class TrainerConfig:
     max_steps: int = 600
     """Training steps (batches) in all (>= 1); the LR schedule spans them."""
+    epochs: Optional[int] = None
+    """If set, overrides max_steps: epochs x (training samples // batch_size) steps."""
     stop_at: Optional[int] = None
     """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
     batch_size: int = 64
@@ -208,6 +210,7 @@ def validate(c: Config) -> None:
     _check(_finite(p.timeout_s) and p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "a number of seconds > 0")
     for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
         _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
+    _check(t.epochs is None or t.epochs >= 1, "trainer.epochs", t.epochs, "null or an integer >= 1")
     _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")

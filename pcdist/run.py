@@ -103,6 +103,8 @@ def _run(c: Config, device: torch.device, distributed: bool) -> dict:
     ds = load_dataset(c.data.name, c.data.root, c.model.dims, c.trainer.seed, c.data.val_fraction,
                       c.data.synthetic_train, c.data.synthetic_val)
     _check_data(c, ds)
+    if c.trainer.epochs is not None:
+        c.trainer.max_steps = c.trainer.epochs * (len(ds.x_train) // c.trainer.batch_size)
     net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,

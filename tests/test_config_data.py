@@ -45,6 +45,12 @@ def test_every_preset_composes_and_trains(preset, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
 
 
+def test_epochs_set_the_number_of_steps(tmp_path):
+    """trainer.epochs=2 on digits (1437 training samples, batch 64): 2 x 22 = 44 steps."""
+    result = pcdist.train(composed(*SMALL, "trainer.epochs=2", "trainer.max_steps=1", f"run_dir={tmp_path}"))
+    assert result["step"] == 44
+
+
 def test_cifar10_files_train(tmp_path):
     root = make_cifar10(tmp_path / "cifar")
     result = pcdist.train(composed(*SMALL, "data=cifar10", f"data.root={root}", "model.dims=[3072,64,10]",
