@@ -35,12 +35,17 @@ class CheckpointError(RuntimeError):
 
 
 def _atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary name, fsync, rename; a failed write (disk full) leaves nothing behind."""
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {path} failed (disk full?): {e}") from e
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,102 @@
+"""Checkpoints: a damaged newest checkpoint falls back to the previous one; a failed write
+never damages what is on disk; a checkpoint of another model shape is refused."""
+
+import json
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import pcdist
+from pcdist.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def train_two_checkpoints(run_dir: Path) -> None:
+    pcdist.train({"logger": {"name": "none"}, "run_dir": str(run_dir),
+                  "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8, "log_every": 4, "progress": "off"}})
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    train_two_checkpoints(run_dir)
+    return run_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_manifest", "delete_layer_file"])
+def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tmp_path, damage):
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    newest = run / "checkpoints" / "step-00000008"
+    layer_file = next(newest.glob("layers-*.pt"))
+    if damage == "truncate":
+        layer_file.write_bytes(layer_file.read_bytes()[:100])
+    elif damage == "flip":
+        raw = bytearray(layer_file.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        layer_file.write_bytes(bytes(raw))
+    elif damage == "delete_manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        layer_file.unlink()
+    with pytest.warns(UserWarning, match=f"skipping damaged checkpoint {newest}"):
+        found = latest_checkpoint(run)
+    assert found == run / "checkpoints" / "step-00000004"
+
+
+def test_resume_after_a_damaged_checkpoint_redoes_the_lost_steps(two_checkpoints, tmp_path):
+    """Training resumes from step 4 and ends where an undamaged run ends."""
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    (run / "checkpoints" / "step-00000008" / "meta.pt").write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        train_two_checkpoints(run)
+    good = torch.load(next((two_checkpoints / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
+    redone = torch.load(next((run / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
+    for k, v in good["layers"].items():
+        torch.testing.assert_close(redone["layers"][k], v, atol=1e-6, rtol=0)
+
+
+WRITER = textwrap.dedent("""
+    import resource, signal, sys, torch, pcdist
+    from pcdist.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+    run_dir = sys.argv[1]
+    net = pcdist.PCNetwork.from_dims([64, 512, 512, 10], seed=0)
+    opt = torch.optim.AdamW(net.parameters())
+    meta = torch.load(latest_checkpoint(run_dir) / "meta.pt", weights_only=True)
+    meta["step"] = 99
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)               # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the disk is 'full' at 200 kB per file
+    try:
+        save_checkpoint(run_dir, 99, net, opt, meta, keep=1, writer=True, leader=True)
+    except CheckpointError as e:
+        print("write failed:", e)
+        sys.exit(7)
+""")
+
+
+def test_a_failed_write_never_damages_the_previous_checkpoint(two_checkpoints, tmp_path):
+    """A writer that hits a file-size limit mid-checkpoint (disk full) leaves the previous one intact."""
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints/step-00000008").iterdir()}
+    out = subprocess.run([sys.executable, "-c", WRITER, str(run)], capture_output=True, text=True)
+    assert out.returncode == 7 and "write failed" in out.stdout and "disk full" in out.stdout, out.stderr[-2000:]
+    assert not (run / "checkpoints/step-00000099").exists(), "a failed checkpoint must not be published"
+    assert latest_checkpoint(run) == run / "checkpoints/step-00000008"
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints/step-00000008").iterdir()} == before
+    net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
+    assert load_checkpoint(run / "checkpoints/step-00000008", net, None)["step"] == 8
+
+
+def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
+    net = pcdist.PCNetwork.from_dims([64, 256, 10], activation="gelu")
+    with pytest.raises(CheckpointError, match=r"was written by a model with dims/activations \[\[64, 128, 128, 10\]"):
+        load_checkpoint(latest_checkpoint(two_checkpoints), net, None)
