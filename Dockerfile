@@ -28,6 +28,7 @@ RUN pip install --no-deps . \
     && chown -R pcdist:pcdist /app
 
 USER 1000:1000
-ENV WANDB_DIR=/app/runs
+ENV WANDB_DIR=/app/runs \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 ENTRYPOINT ["torchrun"]
 CMD ["--standalone", "--nproc_per_node=1", "train.py"]
