@@ -115,6 +115,8 @@ class TrainerConfig:
     """Checkpoints kept on disk (>= 1)."""
     seed: int = 0
     """Seed of the weights (per global layer), data order and everything else."""
+    max_energy: float = 1e9
+    """Stop with an error when a logged batch energy exceeds this (or is not finite)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
     dtype: str = "float32"
@@ -212,6 +214,7 @@ def validate(c: Config) -> None:
         _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
     _check(t.epochs is None or t.epochs >= 1, "trainer.epochs", t.epochs, "null or an integer >= 1")
     _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
+    _check(_finite(t.max_energy) and t.max_energy > 0, "trainer.max_energy", t.max_energy, "a finite number > 0")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
     _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")

@@ -166,15 +166,19 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
     for step in range(start, end):
         idx = _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed)
         x, y = _shard(c, ds, par, idx, device, dtype)
-        log = (step + 1) % t_cfg.log_every == 0 or step + 1 == end
+        # Checkpoint steps are always checked, so no diverged weights are ever checkpointed.
+        log = (step + 1) % t_cfg.log_every == 0 or (step + 1) % t_cfg.ckpt_every == 0 or step + 1 == end
         stats = trainer.step(x, y, log=log)
         done = step + 1
         if log and stats:
             energy = stats["energy"]
-            if not math.isfinite(energy):
-                bad = next(l for l, e in enumerate(stats["layer_energies"], 1) if not math.isfinite(e))
-                raise FloatingPointError(f"step {done}: energy is {energy} (layer {bad}'s energy is "
-                                         f"{stats['layer_energies'][bad - 1]}); lower optim.lr or pc.x_lr")
+            if not math.isfinite(energy) or energy > t_cfg.max_energy:
+                layers = stats["layer_energies"]
+                bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
+                raise FloatingPointError(
+                    f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
+                    f"trainer.max_energy={t_cfg.max_energy}); the last good checkpoint is in {run_dir / 'checkpoints'}. "
+                    "Lower optim.lr or pc.x_lr")
             now = time.perf_counter()
             elapsed = now - last_t
             metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],

@@ -100,3 +100,19 @@ def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     net = pcdist.PCNetwork.from_dims([64, 256, 10], activation="gelu")
     with pytest.raises(CheckpointError, match=r"was written by a model with dims/activations \[\[64, 128, 128, 10\]"):
         load_checkpoint(latest_checkpoint(two_checkpoints), net, None)
+
+
+def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
+    """A learning rate that blows the weights up: the run stops with the step, the layer and the value,
+    and the checkpoint written before the divergence is intact and loadable."""
+    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "optim": {"name": "sgd", "lr": 2.0, "momentum": 0.9,
+           "warmup_steps": 0}, "trainer": {"max_steps": 200, "ckpt_every": 2, "log_every": 2, "eval_every": 100,
+           "progress": "off", "max_energy": 1e4}}
+    with pytest.raises(FloatingPointError, match=r"step \d+: the energy diverged to \S+ \(layer \d: \S+; limit "
+                                                 r"trainer.max_energy=10000.0\); the last good checkpoint is in"):
+        pcdist.train(cfg)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None, "the checkpoints before the divergence must be on disk"
+    net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
+    assert load_checkpoint(ckpt, net, None)["step"] >= 2
+    assert all(torch.isfinite(p).all() for p in net.parameters()), "a checkpoint never holds diverged weights"
