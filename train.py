@@ -25,7 +25,11 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     cfg.run_dir = HydraConfig.get().runtime.output_dir
-    result = pcdist.train(cfg)
+    try:
+        result = pcdist.train(cfg)
+    except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
+        print(f"pre-empted: {e}", flush=True)
+        sys.exit(3)
     if "val/accuracy" in result:
         print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
               flush=True)

@@ -10,7 +10,7 @@ from .energies import ENERGIES
 from .fuse import FusedModules, fuse
 from .network import LayerSpec, PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
-from .run import train
+from .run import Preempted, train
 from .trainer import ALGORITHMS, PCTrainer, warmup_cosine
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "ParallelDims",
     "PCNetwork",
     "PCTrainer",
+    "Preempted",
     "fuse",
     "get_activation",
     "init_distributed",

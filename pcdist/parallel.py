@@ -235,6 +235,14 @@ class Parallel:
             return None
         return out
 
+    def any_rank(self, flag: bool, device: torch.device | str = "cpu") -> bool:
+        """True on every rank if ``flag`` is true on any rank (one tiny all-reduce; none in one process)."""
+        if self.logging_rank is None:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
         """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
         vec = torch.tensor(values, dtype=torch.float64, device=device)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +27,7 @@ from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
 from .trainer import PCTrainer, warmup_cosine
 
-__all__ = ["train"]
+__all__ = ["train", "Preempted"]
 
 
 def _device(c: Config) -> torch.device:
@@ -157,48 +159,74 @@ def _evaluate(c: Config, ds, net: PCNetwork, par: Parallel, device, dtype) -> fl
     return None if summed is None else summed[0] / max(1.0, summed[1])
 
 
+class Preempted(RuntimeError):
+    """SIGTERM or SIGUSR1 arrived: the run checkpointed and stopped; rerunning resumes it."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _catch_stop_signals() -> dict:
+    """Record SIGTERM / SIGUSR1 instead of dying, so the current step can finish and checkpoint."""
+    got = {"signal": 0}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: got.__setitem__("signal", signum))
+    return got
+
+
 def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0) -> dict:
     t_cfg = c.trainer
     result: dict = {"step": start}
-    last_t, last_step = time.perf_counter(), start
-    comm0 = par.comm_seconds
+    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
+    got = _catch_stop_signals()
     for step in range(start, end):
-        idx = _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed)
-        x, y = _shard(c, ds, par, idx, device, dtype)
-        # Checkpoint steps are always checked, so no diverged weights are ever checkpointed.
-        log = (step + 1) % t_cfg.log_every == 0 or (step + 1) % t_cfg.ckpt_every == 0 or step + 1 == end
-        stats = trainer.step(x, y, log=log)
         done = step + 1
+        stop = par.any_rank(bool(got["signal"]), device)  # every rank stops after the same step
+        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed), device, dtype)
+        # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
+        ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
+        log = done % t_cfg.log_every == 0 or ckpt
+        stats = trainer.step(x, y, log=log)
         if log and stats:
-            energy = stats["energy"]
-            if not math.isfinite(energy) or energy > t_cfg.max_energy:
-                layers = stats["layer_energies"]
-                bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
-                raise FloatingPointError(
-                    f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
-                    f"trainer.max_energy={t_cfg.max_energy}); the last good checkpoint is in {run_dir / 'checkpoints'}. "
-                    "Lower optim.lr or pc.x_lr")
-            now = time.perf_counter()
-            elapsed = now - last_t
-            metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
-                       "perf/samples_per_s": (done - last_step) * t_cfg.batch_size / elapsed,
-                       "perf/step_s": elapsed / (done - last_step),
-                       "perf/comm_fraction": (par.comm_seconds - comm0) / elapsed,
-                       **{f"train/layer_energy/{l}": e for l, e in enumerate(stats["layer_energies"], 1)},
-                       **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
-            logger.log(metrics, done)
-            logger.progress(done, f"F={energy:.4g}")
-            result.update(metrics)
-            last_t, last_step, comm0 = now, done, par.comm_seconds
+            result.update(_check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock))
         if done % t_cfg.eval_every == 0 or done == end:
             acc = _evaluate(c, ds, net, par, device, dtype)
             if acc is not None:
                 logger.log({"val/accuracy": acc}, done)
                 result["val/accuracy"] = acc
-        if done % t_cfg.ckpt_every == 0 or done == end:
+        if ckpt:
             meta = {"step": done, "model": [list(net.dims), [s.activation.name if s.activation else None for s in net.specs]],
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state()}
-            save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0, leader=is_rank0)
+            path = save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0,
+                                   leader=is_rank0)
         result["step"] = done
+        if stop:
+            if is_rank0:
+                (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
+            raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
+                            f"hydra.run.dir={run_dir} to resume")
     return result
+
+
+def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict:
+    """Stop on a diverged energy (naming step, layer, value); else log the step's metrics."""
+    energy, layers = stats["energy"], stats["layer_energies"]
+    if not math.isfinite(energy) or energy > t_cfg.max_energy:
+        bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
+        raise FloatingPointError(
+            f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
+            f"trainer.max_energy={t_cfg.max_energy}); the last good checkpoint is in {run_dir / 'checkpoints'}. "
+            "Lower optim.lr or pc.x_lr")
+    now = time.perf_counter()
+    elapsed, steps = now - clock["t"], max(1, done - clock["step"])
+    metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
+               "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
+               "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
+               **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
+               **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
+    logger.log(metrics, done)
+    logger.progress(done, f"F={energy:.4g}")
+    clock.update(t=now, step=done, comm=par.comm_seconds)
+    return metrics
