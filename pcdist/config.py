@@ -116,7 +116,9 @@ class TrainerConfig:
     seed: int = 0
     """Seed of the weights (per global layer), data order and everything else."""
     max_energy: float = 1e9
-    """Stop with an error when a logged batch energy exceeds this (or is not finite)."""
+    """Divergence threshold: a batch energy above this (or not finite) is divergence."""
+    on_divergence: str = "stop"
+    """stop (error naming step, layer, value) or skip (drop that weight update and count it)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
     dtype: str = "float32"
@@ -214,6 +216,7 @@ def validate(c: Config) -> None:
         _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
     _check(t.epochs is None or t.epochs >= 1, "trainer.epochs", t.epochs, "null or an integer >= 1")
     _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
+    _check(t.on_divergence in ("stop", "skip"), "trainer.on_divergence", t.on_divergence, "stop, skip")
     _check(_finite(t.max_energy) and t.max_energy > 0, "trainer.max_energy", t.max_energy, "a finite number > 0")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")

@@ -109,8 +109,9 @@ def _run(c: Config, device: torch.device, distributed: bool) -> dict:
         c.trainer.max_steps = c.trainer.epochs * (len(ds.x_train) // c.trainer.batch_size)
     net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
+    skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                        scheduler=sched, parallel=par)
+                        scheduler=sched, parallel=par, skip_above=skip)
     run_dir = Path(c.run_dir or f"runs/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     is_rank0 = not distributed or dist.get_rank() == 0
     start = 0
@@ -190,6 +191,7 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
         log = done % t_cfg.log_every == 0 or ckpt
         stats = trainer.step(x, y, log=log)
         if log and stats:
+            stats["skipped_updates"] = trainer.skipped_updates
             result.update(_check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock))
         if done % t_cfg.eval_every == 0 or done == end:
             acc = _evaluate(c, ds, net, par, device, dtype)
@@ -213,7 +215,7 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
 def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict:
     """Stop on a diverged energy (naming step, layer, value); else log the step's metrics."""
     energy, layers = stats["energy"], stats["layer_energies"]
-    if not math.isfinite(energy) or energy > t_cfg.max_energy:
+    if t_cfg.on_divergence == "stop" and (not math.isfinite(energy) or energy > t_cfg.max_energy):
         bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
         raise FloatingPointError(
             f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
@@ -222,6 +224,7 @@ def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict
     now = time.perf_counter()
     elapsed, steps = now - clock["t"], max(1, done - clock["step"])
     metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
+               "train/skipped_updates": stats["skipped_updates"],
                "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
                "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
                **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},

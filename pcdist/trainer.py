@@ -28,6 +28,10 @@ class PCTrainer:
     ``parallel`` places a layer slice of a torch.distributed job (see
     ``pcdist.parallel.Parallel.from_mesh``); ``net`` then owns exactly that slice.
     Without it the trainer is the single-process case of the same schedule.
+
+    ``skip_above``: check the energy before every weight update and skip the update
+    (counted in ``skipped_updates``) when it is not finite or exceeds this value on
+    any rank. It costs one synchronisation per update, so it is off by default.
     """
 
     def __init__(
@@ -40,6 +44,7 @@ class PCTrainer:
         algorithm: str = "pc",
         scheduler=None,
         parallel: Parallel | None = None,
+        skip_above: float | None = None,
     ):
         if isinstance(T, bool) or not isinstance(T, int) or T < 1:
             raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
@@ -55,6 +60,8 @@ class PCTrainer:
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self._stage: Stage | None = None
+        self.skip_above = skip_above
+        self.skipped_updates = 0
 
     def stage(self, batch_size: int) -> Stage:
         """The preallocated Stage for this batch size, rebuilt when the batch size or a
@@ -87,22 +94,22 @@ class PCTrainer:
                 st.update_values(self.x_lr)
             clock.append(time.perf_counter())
             par.errors(st, need_all_deltas=True)
-            if log:
+            if log or self.skip_above is not None:
                 energies = st.layer_energies()
             st.weight_grads()
-            self._optimizer_step(st)
+            self._optimizer_step(st, energies)
         else:
             for t in range(self.T):
                 par.errors(st, need_all_deltas=True)
-                if log and t == self.T - 1:
+                if (log and t == self.T - 1) or self.skip_above is not None:
                     energies = st.layer_energies()
                 par.backproject(st)
                 st.weight_grads()
                 st.update_values(self.x_lr)
-                self._optimizer_step(st)
+                self._optimizer_step(st, energies)
             clock.append(time.perf_counter())
         clock.append(time.perf_counter())
-        if energies is None:
+        if energies is None or not log:
             return {}
         full = par.gather_layer_energies(energies, B)
         if full is None:
@@ -132,7 +139,13 @@ class PCTrainer:
                 st.update_values(self.x_lr)
         return out if par.is_logging else None
 
-    def _optimizer_step(self, st: Stage) -> None:
+    def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
+        """Reduce, step the optimizer and the schedule; or skip all three if the energy diverged."""
+        if self.skip_above is not None:
+            bad = not bool(torch.isfinite(energies).all()) or float(energies.sum()) > self.skip_above
+            if self.parallel.any_rank(bad, energies.device):
+                self.skipped_updates += 1
+                return
         self.parallel.reduce_grads(list(self.net.parameters()), st.B)
         self.optimizer.step()
         if self.scheduler is not None:

@@ -116,3 +116,34 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
     assert load_checkpoint(ckpt, net, None)["step"] >= 2
     assert all(torch.isfinite(p).all() for p in net.parameters()), "a checkpoint never holds diverged weights"
+
+
+def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
+    """on_divergence=skip with a value learning rate that blows inference up: no weight update is ever
+    applied (the weights stay at their seeded init) and every batch is counted as skipped."""
+    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "pc": {"x_lr": 1e6},
+           "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3, "eval_every": 6, "progress": "off",
+                       "on_divergence": "skip", "max_energy": 1e3}}
+    result = pcdist.train(cfg)
+    assert result["step"] == 6 and result["train/skipped_updates"] == 6
+    init = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh", seed=0)
+    trained = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
+    load_checkpoint(latest_checkpoint(tmp_path), trained, None)
+    for a, b in zip(init.parameters(), trained.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_skip_mode_changes_nothing_when_training_is_healthy(tmp_path):
+    """With healthy training, skip mode takes exactly the updates stop mode takes."""
+    base = {"logger": {"name": "none"}, "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3,
+                                                      "eval_every": 6, "progress": "off"}}
+    results = {}
+    for mode in ("stop", "skip"):
+        cfg = {**base, "run_dir": str(tmp_path / mode), "trainer": {**base["trainer"], "on_divergence": mode}}
+        results[mode] = pcdist.train(cfg)
+        nets = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
+        load_checkpoint(latest_checkpoint(tmp_path / mode), nets, None)
+        results[mode + "_w"] = [p.clone() for p in nets.parameters()]
+    assert results["skip"]["train/skipped_updates"] == 0
+    for a, b in zip(results["stop_w"], results["skip_w"]):
+        assert torch.equal(a, b)
