@@ -5,6 +5,7 @@ each rank owns a contiguous slice of layers and trades boundary tensors with its
 neighbours (see the README).
 """
 
+from . import deeppcr
 from .activations import ACTIVATIONS, Activation, get_activation
 from .energies import ENERGIES
 from .fuse import FusedModules, fuse
@@ -28,6 +29,7 @@ __all__ = [
     "PCTrainer",
     "Preempted",
     "fuse",
+    "deeppcr",
     "get_activation",
     "init_distributed",
     "mlp_specs",

@@ -58,7 +58,7 @@ class PCConfig:
     algorithm: str = "pc"
     """pc (one weight step per batch) or ipc (a weight step at every inference step)."""
     init: str = "ff"
-    """Value-node init: ff (feed-forward pass)."""
+    """Value-node init: ff (feed-forward pass) or deeppcr (fused groups solved by DeepPCR)."""
 
 
 @dataclass
@@ -195,7 +195,7 @@ def validate(c: Config) -> None:
     _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
     _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
     _check(pc.algorithm in ALGORITHMS, "pc.algorithm", pc.algorithm, ", ".join(ALGORITHMS))
-    _check(pc.init == "ff", "pc.init", pc.init, "ff (feed-forward init)")
+    _check(pc.init in ("ff", "deeppcr"), "pc.init", pc.init, "ff (feed-forward), deeppcr")
     _check(o.name in ("adamw", "sgd"), "optim.name", o.name, "adamw, sgd")
     _check(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a finite number > 0")
     _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")

@@ -79,8 +79,10 @@ class _Group:
 class Stage:
     """Preallocated value nodes and the fused PC phases of a PCNetwork's layer slice."""
 
-    def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0):
-        self.net, self.B, self.mu = net, batch_size, float(x_momentum)
+    def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0, init: str = "ff"):
+        if init not in ("ff", "deeppcr"):
+            raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+        self.net, self.B, self.mu, self.init = net, batch_size, float(x_momentum), init
         p = net.groups[0].weight
         kw = dict(dtype=p.dtype, device=p.device)
         L, first, stop = net.num_layers, net.first, net.stop
@@ -143,10 +145,15 @@ class Stage:
         """h_l <- u_l for every hidden node of the slice, layer by layer (a chain).
 
         ``rows`` restricts the pass to a micro-batch (the pipelined init of a layer slice).
+        With ``init="deeppcr"`` a group of K > 1 hidden layers is solved as one chain by
+        Newton + parallel cyclic reduction (pcdist.deeppcr) instead of K dependent steps.
         """
         for gr in self.groups:
             act = gr.act
             h = gr.h_in[0] if rows is None else gr.h_in[0][rows]
+            if self.init == "deeppcr" and gr.K > 1 and gr is not self.output:
+                self._chain_deeppcr(gr, h, rows)
+                continue
             for b, w, a, u in gr.layers:
                 if rows is not None:
                     a, u = a[rows], u[rows]
@@ -158,6 +165,18 @@ class Stage:
                 else:
                     gr.h_out[:, rows].copy_(gr.u[:, rows])
             gr.cached = True
+
+    def _chain_deeppcr(self, gr: _Group, h_BI: Tensor, rows: slice | None) -> None:
+        """The group's K chained predictions solved at once; a and u then follow from one GEMM."""
+        from .deeppcr import solve
+
+        states = solve((gr.w_KIO, gr.g.bias, gr.act), h_BI).states  # [K + 1, B, O]
+        sel = slice(None) if rows is None else rows
+        gr.h_out[:, sel].copy_(states[1:])
+        a = gr.a[:, sel]
+        torch.baddbmm(gr.b_K1O, gr.h_in[:, sel], gr.w_KIO, out=a)
+        gr.act.forward(a, out=gr.u[:, sel])
+        gr.cached = True
 
     def errors(self, groups: list[_Group] | None = None, need_all_deltas: bool = False) -> None:
         """Predictions (where stale), errors e and signals d = e * f'(a) of the groups (default all).

@@ -111,7 +111,7 @@ def _run(c: Config, device: torch.device, distributed: bool) -> dict:
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                        scheduler=sched, parallel=par, skip_above=skip)
+                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init)
     run_dir = Path(c.run_dir or f"runs/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     is_rank0 = not distributed or dist.get_rank() == 0
     start = 0

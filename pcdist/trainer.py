@@ -29,6 +29,9 @@ class PCTrainer:
     ``pcdist.parallel.Parallel.from_mesh``); ``net`` then owns exactly that slice.
     Without it the trainer is the single-process case of the same schedule.
 
+    ``init``: "ff" (the feed-forward pass) or "deeppcr" (each fused group's chain
+    solved in O(log K) parallel steps, see pcdist.deeppcr).
+
     ``skip_above``: check the energy before every weight update and skip the update
     (counted in ``skipped_updates``) when it is not finite or exceeds this value on
     any rank. It costs one synchronisation per update, so it is off by default.
@@ -45,6 +48,7 @@ class PCTrainer:
         scheduler=None,
         parallel: Parallel | None = None,
         skip_above: float | None = None,
+        init: str = "ff",
     ):
         if isinstance(T, bool) or not isinstance(T, int) or T < 1:
             raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
@@ -60,6 +64,9 @@ class PCTrainer:
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self._stage: Stage | None = None
+        if init not in ("ff", "deeppcr"):
+            raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+        self.init = init
         self.skip_above = skip_above
         self.skipped_updates = 0
 
@@ -68,7 +75,7 @@ class PCTrainer:
         parameter's storage changes (e.g. after ``net.to(...)``)."""
         key = (batch_size, *(p.data_ptr() for p in self.net.parameters()))
         if self._stage is None or self._stage_key != key:
-            self._stage, self._stage_key = Stage(self.net, batch_size, self.x_momentum), key
+            self._stage, self._stage_key = Stage(self.net, batch_size, self.x_momentum, self.init), key
         return self._stage
 
     @torch.no_grad()

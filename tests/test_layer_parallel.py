@@ -31,6 +31,7 @@ class Case:
     steps: int = 3
     B: int = 8
     T: int = 4
+    init: str = "ff"
 
 
 CASES = {
@@ -38,6 +39,7 @@ CASES = {
     "P4-ipc-ce": Case((6, 8, 8, 8, 8, 8, 4), layer=4, algorithm="ipc", energy="ce", optimizer="adamw"),
     "D2xP2-pc-ce": Case((6, 8, 8, 8, 4), layer=2, data=2, energy="ce", optimizer="adamw", x_momentum=0.3),
     "D2xP2-ipc-se": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", micro_batches=3),
+    "P2-deeppcr-init": Case((6, 8, 8, 8, 8, 8, 4), layer=2, micro_batches=2, init="deeppcr"),
     "uneven-7-over-3": Case((6, 8, 8, 5, 5, 5, 7, 4), layer=3, algorithm="ipc", energy="se", micro_batches=3, x_momentum=0.5),
 }
 
@@ -67,7 +69,7 @@ def single_process(case):
     net = pcdist.PCNetwork(pcdist.mlp_specs(case.dims), energy=case.energy, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
-                          x_momentum=case.x_momentum, algorithm=case.algorithm)
+                          x_momentum=case.x_momentum, algorithm=case.algorithm, init=case.init)
     stats, nodes = [], []
     for x, y in batches(case):
         stats.append(tr.step(x, y))
@@ -82,7 +84,7 @@ def worker(rank, world, case, out_dir):
     net = pcdist.PCNetwork(specs, energy=case.energy, layers=par.layers, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
-                          x_momentum=case.x_momentum, algorithm=case.algorithm, parallel=par)
+                          x_momentum=case.x_momentum, algorithm=case.algorithm, parallel=par, init=case.init)
     rows = torch.tensor_split(torch.arange(case.B), case.data)[par.data_rank]
     stats, nodes = [], []
     for x, y in batches(case):

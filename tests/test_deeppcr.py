@@ -1,0 +1,126 @@
+"""DeepPCR: the chain's states and its backward pass equal the sequential loop / autograd."""
+
+import pytest
+import torch
+from torch import nn
+
+from pcdist import deeppcr
+from pcdist.activations import Activation
+
+
+def chain(L, D, act, dtype=torch.float64, seed=0, gain=1.2):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(L, D, D, generator=g, dtype=dtype) * gain / D**0.5
+    b = torch.randn(L, D, generator=g, dtype=dtype) * 0.1
+    return w, b, Activation(act)
+
+
+def loop_states(w, b, act, x0):
+    """The obviously-right sequential pass."""
+    xs = [x0]
+    for l in range(w.shape[0]):
+        xs.append(act(xs[-1] @ w[l] + b[l]))
+    return torch.stack(xs)
+
+
+@pytest.mark.parametrize("act", ["tanh", "relu"])
+@pytest.mark.parametrize("L", [1, 2, 3, 7, 64, 257])
+@pytest.mark.parametrize("D", [4, 16])
+def test_states_match_the_sequential_loop_float64(act, L, D):
+    w, b, A = chain(L, D, act, seed=L * 31 + D)
+    x0 = torch.randn(5, D, dtype=torch.float64)
+    res = deeppcr.solve((w, b, A), x0)
+    torch.testing.assert_close(res.states, loop_states(w, b, A, x0), atol=1e-10, rtol=0)
+    assert res.converged and res.residual <= 16 * torch.finfo(torch.float64).eps * (1 + x0.abs().max().item())
+    assert 1 <= res.iterations <= L + 1
+
+
+@pytest.mark.parametrize("act", ["tanh", "relu"])
+@pytest.mark.parametrize("L", [7, 64])
+def test_states_match_in_float32(act, L):
+    w, b, A = chain(L, 8, act, dtype=torch.float32, seed=L)
+    x0 = torch.randn(4, 8)
+    res = deeppcr.solve((w, b, A), x0)
+    torch.testing.assert_close(res.states, loop_states(w, b, A, x0), atol=1e-5, rtol=0)
+
+
+def test_sequential_module_input():
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[m for _ in range(9) for m in (nn.Linear(6, 6), nn.Tanh())]).double()
+    x0 = torch.randn(3, 6, dtype=torch.float64)
+    res = deeppcr.solve(seq, x0)
+    torch.testing.assert_close(res.states[-1], seq(x0), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("act", ["tanh", "relu"])
+@pytest.mark.parametrize("L", [1, 5, 33])
+def test_backward_pass_matches_autograd(act, L):
+    """chain_vjp: dLoss/dx_l for every l in one reduction equals autograd through the loop."""
+    w, b, A = chain(L, 8, act, seed=L + 100)
+    x0 = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    xs = [x0]
+    for l in range(L):
+        xs.append(A(xs[-1] @ w[l] + b[l]))
+        xs[-1].retain_grad()
+    v = torch.randn(4, 8, dtype=torch.float64)
+    (xs[-1] * v).sum().backward()
+    grads = deeppcr.chain_vjp((w, b, A), torch.stack([x.detach() for x in xs]), v)
+    for l in range(L):
+        torch.testing.assert_close(grads[l], xs[l].grad, atol=1e-10, rtol=0, msg=f"dLoss/dx_{l}")
+    torch.testing.assert_close(grads[L], v)
+
+
+@pytest.mark.parametrize("L", [1, 2, 6, 17])
+def test_solve_linear_matches_the_recurrence(L):
+    g = torch.Generator().manual_seed(L)
+    M = torch.randn(L, 3, 5, 5, generator=g, dtype=torch.float64) * 0.4
+    r = torch.randn(L, 3, 5, generator=g, dtype=torch.float64)
+    y, want = torch.zeros(3, 5, dtype=torch.float64), []
+    for l in range(L):
+        y = (y.unsqueeze(-2) @ M[l]).squeeze(-2) + r[l]
+        want.append(y)
+    torch.testing.assert_close(deeppcr.solve_linear(M, r), torch.stack(want), atol=1e-12, rtol=0)
+
+
+def test_non_convergence_is_reported_not_hidden():
+    w, b, A = chain(64, 16, "tanh", seed=3)
+    x0 = torch.randn(5, 16, dtype=torch.float64)
+    with pytest.raises(deeppcr.NotConverged, match=r"residual .* > tol .* after 2 Newton iterations \(L=64\)"):
+        deeppcr.solve((w, b, A), x0, max_iters=2)
+    res = deeppcr.solve((w, b, A), x0, max_iters=2, raise_on_failure=False)
+    assert not res.converged and res.iterations == 2 and res.residual > 1e-6
+
+
+def test_bad_chains_are_rejected():
+    with pytest.raises(ValueError, match="must map 4 -> 4 features"):
+        deeppcr.solve(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 5), nn.Tanh()), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"expected M \[L, B, I, O\] and r \[L, B, O\]"):
+        deeppcr.solve_linear(torch.randn(3, 4, 4), torch.randn(3, 2, 4))
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_pc_init_deeppcr_trains_like_the_feedforward_init(algorithm):
+    """pc.init=deeppcr only changes how the init is computed: the training is the same to round-off.
+
+    SGD, not Adam: right after the init the hidden errors are 0 (ff) or ~1e-16 (deeppcr), and
+    Adam's normalisation would turn that round-off into steps of lr * 1e-8."""
+    import pcdist
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), *[m for _ in range(12) for m in (nn.Linear(12, 12), nn.Tanh())],
+                        nn.Linear(12, 3)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.eye(3, dtype=torch.float64)[torch.randint(0, 3, (8,))]
+    out = {}
+    for init in ("ff", "deeppcr"):
+        net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
+        assert any(g.K > 1 for g in net.groups)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=5, x_lr=0.1,
+                              algorithm=algorithm, init=init)
+        for _ in range(3):
+            stats = tr.step(x, y)
+        out[init] = (stats["energy"], tr.value_nodes(), net.layer_state_dict())
+    assert out["ff"][0] == pytest.approx(out["deeppcr"][0], abs=1e-10)
+    for a, b in zip(out["ff"][1], out["deeppcr"][1]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    for k in out["ff"][2]:
+        torch.testing.assert_close(out["ff"][2][k], out["deeppcr"][2][k], atol=1e-10, rtol=0)
