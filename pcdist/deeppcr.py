@@ -87,18 +87,57 @@ def _residual_and_jacobian(w_LIO, b_LO, act, x_LBD: Tensor) -> tuple[Tensor, Ten
     return u - x_LBD[1:], M
 
 
+def _generic_chain(blocks, like: Tensor):
+    """Residual-and-Jacobian function of L identical D -> D modules, through torch.func.
+
+    Every block's output and per-sample Jacobian are computed for all L layers and B
+    samples at once (vmap over stacked parameters, jacrev per sample).
+    """
+    import copy
+
+    from torch.func import functional_call, jacrev, stack_module_state, vmap
+
+    blocks = list(blocks)
+    params, buffers = stack_module_state(blocks)
+    params = {k: v.detach().to(like) for k, v in params.items()}
+    buffers = {k: v.to(like.device) for k, v in buffers.items()}
+    base = copy.deepcopy(blocks[0]).to("meta")
+
+    def f(p, bf, x_D):
+        return functional_call(base, (p, bf), (x_D,))
+
+    f_all = vmap(vmap(f, in_dims=(None, None, 0)))
+    jac_all = vmap(vmap(jacrev(f, argnums=2), in_dims=(None, None, 0)))
+
+    def residual_and_jacobian(x_LBD: Tensor) -> tuple[Tensor, Tensor]:
+        fx = f_all(params, buffers, x_LBD[:-1])
+        J = jac_all(params, buffers, x_LBD[:-1])  # [L, B, D_out, D_in]
+        return fx - x_LBD[1:], J.transpose(-1, -2)  # row-vector convention: M = J^T
+
+    return residual_and_jacobian, len(blocks)
+
+
+def _chain(layers, like: Tensor):
+    """(residual_and_jacobian, L) for a Linear + activation chain (analytic) or a list of modules (generic)."""
+    if isinstance(layers, (list, nn.ModuleList)):
+        return _generic_chain(layers, like)
+    w, b, act = stack_chain(layers)
+    w, b = w.to(like), b.to(like)
+    return (lambda x: _residual_and_jacobian(w, b, act, x)), w.shape[0]
+
+
 def solve(layers, x0: Tensor, max_iters: int | None = None, tol: float | None = None,
           init: Tensor | None = None, raise_on_failure: bool = True) -> ChainResult:
     """All L + 1 states of the chain from the input batch x0 [B, D], by Newton + parallel cyclic reduction.
 
-    ``layers``: an nn.Sequential of Linear + activation blocks of one width, or (w_LIO, b_LO, Activation).
+    ``layers``: an nn.Sequential of Linear + activation blocks of one width, or (w_LIO, b_LO,
+    Activation) (analytic Jacobians), or a list / nn.ModuleList of L identical D -> D modules, one
+    per step of the chain (Jacobians through torch.func).
     Stops when max |f_l(x_{l-1}) - x_l| <= tol (default: 16 x the dtype epsilon x the input scale);
     after max_iters (default L + 1, the bound for exact arithmetic) it raises NotConverged, or returns
     with converged=False when raise_on_failure is False.
     """
-    w, b, act = stack_chain(layers)
-    w, b = w.to(x0), b.to(x0)
-    L = w.shape[0]
+    residual_and_jacobian, L = _chain(layers, x0)
     max_iters = L + 1 if max_iters is None else max_iters
     x = torch.empty(L + 1, *x0.shape, dtype=x0.dtype, device=x0.device)
     x[0] = x0
@@ -107,7 +146,7 @@ def solve(layers, x0: Tensor, max_iters: int | None = None, tol: float | None = 
     tol = 16 * torch.finfo(x0.dtype).eps * scale if tol is None else tol
     with torch.no_grad():
         for it in range(max_iters + 1):
-            r, M = _residual_and_jacobian(w, b, act, x)
+            r, M = residual_and_jacobian(x)
             res = float(r.abs().max())
             if res <= tol or not math.isfinite(res) or it == max_iters:
                 break

@@ -130,3 +130,22 @@ def test_cifar_reader_never_unpickles_arbitrary_objects(tmp_path):
     (root / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({b"data": _Evil()}))
     with pytest.raises(DataError, match="refusing to unpickle posix.system"):
         load_dataset("cifar10", str(root))
+
+
+def test_labels_out_of_range_are_refused(tmp_path):
+    root = make_mnist(tmp_path)
+    write_idx(root / "train-labels-idx1-ubyte", np.array([12] + [0] * 63), gz=True)
+    with pytest.raises(DataError, match=r"mnist train labels span \[0, 12\], outside \[0, 10\)"):
+        load_dataset("mnist", str(root))
+
+
+def test_non_finite_inputs_are_refused(tmp_path):
+    from pcdist.config import load_config
+    from pcdist.data import Dataset
+    from pcdist.run import _check_data
+
+    x = torch.randn(80, 64)
+    x[3, 5] = float("nan")
+    ds = Dataset(x, torch.zeros(80, dtype=torch.long), torch.randn(8, 64), torch.zeros(8, dtype=torch.long), 10)
+    with pytest.raises(DataError, match="data digits train inputs contain NaN or Inf"):
+        _check_data(load_config({}), ds)

@@ -124,3 +124,29 @@ def test_pc_init_deeppcr_trains_like_the_feedforward_init(algorithm):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     for k in out["ff"][2]:
         torch.testing.assert_close(out["ff"][2][k], out["deeppcr"][2][k], atol=1e-10, rtol=0)
+
+
+def test_generic_blocks_through_torch_func():
+    """Any identical D -> D blocks (here Linear + LayerNorm + GELU): Jacobians by torch.func, same states."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.GELU()) for _ in range(9)).double()
+    x0 = torch.randn(4, 6, dtype=torch.float64)
+    res = deeppcr.solve(blocks, x0)
+    xs = [x0]
+    for blk in blocks:
+        xs.append(blk(xs[-1]))
+    torch.testing.assert_close(res.states, torch.stack(xs).detach(), atol=1e-10, rtol=0)
+    assert res.converged
+
+
+def test_generic_path_equals_the_analytic_one():
+    w, b, A = chain(17, 5, "tanh", seed=9)
+    blocks = []
+    for l in range(17):
+        lin = nn.Linear(5, 5).double()
+        with torch.no_grad():
+            lin.weight.copy_(w[l].T)
+            lin.bias.copy_(b[l])
+        blocks.append(nn.Sequential(lin, nn.Tanh()))
+    x0 = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(deeppcr.solve(blocks, x0).states, deeppcr.solve((w, b, A), x0).states, atol=1e-12, rtol=0)
