@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .network import PCNetwork
+from .parallel import collective
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
 
@@ -98,12 +99,14 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     if distributed:
-        dist.barrier(group=group)
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
     if writer:
         state = {"layers": net.layer_state_dict(), "optimizer": _layer_optimizer_state(net, optimizer)}
         _atomic_save(state, tmp / f"layers-{net.first:04d}-{net.stop:04d}.pt")
     if distributed:
-        dist.barrier(group=group)
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
     if leader:
         _atomic_save(meta, tmp / "meta.pt")
         files = sorted(p.name for p in tmp.iterdir() if not p.name.endswith(".part"))
@@ -114,7 +117,8 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         for old in _checkpoints(ckdir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if distributed:
-        dist.barrier(group=group)
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
     return final
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -30,7 +31,7 @@ from .engine import Stage
 from .network import LayerSpec
 from .partition import layer_flops, partition_layers
 
-__all__ = ["ParallelDims", "Parallel", "PeerError", "init_distributed", "backend_for"]
+__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,22 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
 
 
 class PeerError(RuntimeError):
-    """A point-to-point exchange with a neighbouring rank failed or timed out."""
+    """A point-to-point exchange or a collective with other ranks failed or timed out."""
+
+
+@contextmanager
+def collective(what: str, group=None):
+    """Run a collective; a failure (a peer died or stopped answering within the process-group
+    timeout) becomes a PeerError naming this rank and the ranks of the group."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out "
+                        f"(one of them died or stopped answering): {e}") from e
 
 
 def _wait(reqs) -> float:
@@ -240,7 +256,8 @@ class Parallel:
         if self.logging_rank is None:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with collective("the stop-signal all-reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
@@ -248,7 +265,8 @@ class Parallel:
         vec = torch.tensor(values, dtype=torch.float64, device=device)
         if self.logging_rank is None:
             return vec.tolist()
-        dist.reduce(vec, dst=self.logging_rank)
+        with collective("the metrics reduce"):
+            dist.reduce(vec, dst=self.logging_rank)
         return vec.tolist() if self.is_logging else None
 
     # -- data axis ----------------------------------------------------------------
@@ -271,7 +289,8 @@ class Parallel:
         flat[:-1].mul_(local_batch)
         flat[-1] = local_batch
         t0 = time.perf_counter()
-        dist.all_reduce(flat, group=self.data_group)
+        with collective("the data-axis gradient all-reduce", self.data_group):
+            dist.all_reduce(flat, group=self.data_group)
         self.comm_seconds += time.perf_counter() - t0
         flat[:-1].div_(flat[-1])
 
@@ -284,5 +303,6 @@ class Parallel:
         vec[a - 1 : b - 1] = local.to(torch.float64) * local_batch
         if self.layer_rank == 0:
             vec[-1] = local_batch
-        dist.reduce(vec, dst=self.logging_rank)
+        with collective("the energy reduce"):
+            dist.reduce(vec, dst=self.logging_rank)
         return vec[:-1] / vec[-1] if self.is_logging else None

@@ -60,3 +60,22 @@ def test_dead_or_hung_peer_raises_naming_the_peer(mode):
     with pytest.raises(WorkerError, match=r"rank 0: .* with rank 1 failed or timed out after 4s"):
         run(die_or_hang, 2, mode, 4.0, timeout=60)
     assert time.monotonic() - t0 < 45
+
+
+def die_in_data_parallel(rank, world, timeout_s):
+    init_distributed(timeout_s=timeout_s)
+    specs = pcdist.mlp_specs((6, 8, 8, 4))
+    par = Parallel.from_mesh(ParallelDims(2, 1), specs, timeout_s=timeout_s)
+    net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, parallel=par)
+    x, y = torch.randn(4, 6), torch.eye(4)
+    tr.step(x, y)
+    if rank == 1:
+        os._exit(0)
+    tr.step(x, y)
+
+
+def test_dead_peer_in_a_collective_names_the_group():
+    """Data-parallel ranks meet in the gradient all-reduce: a dead peer there is an error naming the group."""
+    with pytest.raises(WorkerError, match=r"rank 0: the data-axis gradient all-reduce over ranks \[0, 1\] failed"):
+        run(die_in_data_parallel, 2, 4.0, timeout=60)
