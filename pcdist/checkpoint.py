@@ -72,20 +72,25 @@ def _layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer) -> 
 
 
 def _load_layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Rebuild the stacked optimizer state of the owned groups from per-layer slices."""
-    with torch.no_grad():
-        for g in net.groups:
-            for name, p in (("weight", g.weight), ("bias", g.bias)):
-                per_layer = [saved.get(f"layers.{l}.{name}", {}) for l in g.layers]
-                if not per_layer[0]:
-                    continue
-                state = {}
-                for s, v in per_layer[0].items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        state[s] = torch.stack([pl[s] for pl in per_layer]).to(p.device, p.dtype)
-                    else:
-                        state[s] = v.clone() if torch.is_tensor(v) else v
-                optimizer.state[p] = state
+    """Rebuild the stacked optimizer state of the owned groups from per-layer slices.
+
+    Goes through ``optimizer.load_state_dict``, which puts every state tensor where this
+    optimizer keeps it (e.g. the step count on the GPU for fused AdamW, on the CPU otherwise).
+    """
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {}
+    for g in net.groups:
+        for name, p in (("weight", g.weight), ("bias", g.bias)):
+            per_layer = [saved.get(f"layers.{l}.{name}", {}) for l in g.layers]
+            if not per_layer[0] or id(p) not in index:
+                continue
+            state[index[id(p)]] = {
+                s: torch.stack([pl[s] for pl in per_layer]) if torch.is_tensor(v) and v.dim() > 0 else v
+                for s, v in per_layer[0].items()
+            }
+    sd = optimizer.state_dict()
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: torch.optim.Optimizer,

@@ -156,7 +156,7 @@ def _evaluate(c: Config, ds, net: PCNetwork, par: Parallel, device, dtype) -> fl
             if logits is not None:
                 correct += int((logits.argmax(1).cpu() == ds.labels_val[chunk]).sum())
     total = len(rows) if par.is_last else 0
-    summed = par.sum_to_logging([correct, total])
+    summed = par.sum_to_logging([correct, total], device)  # NCCL reduces device tensors only
     return None if summed is None else summed[0] / max(1.0, summed[1])
 
 
