@@ -33,13 +33,18 @@ def test_validation_happens_before_any_process_group():
         ParallelDims(1, 0).validate(1)
 
 
-def die_or_hang(rank, world, mode, timeout_s):
+def small_trainer(mesh: ParallelDims, timeout_s: float):
+    """A 3-layer PC trainer on this rank's place in ``mesh``, and one batch."""
     init_distributed(timeout_s=timeout_s)
     specs = pcdist.mlp_specs((6, 8, 8, 4))
-    par = Parallel.from_mesh(ParallelDims(1, 2), specs, timeout_s=timeout_s)
+    par = Parallel.from_mesh(mesh, specs, timeout_s=timeout_s)
     net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=5, parallel=par)
-    x, y = torch.randn(4, 6), torch.eye(4)
+    return tr, torch.randn(4, 6), torch.eye(4)
+
+
+def die_or_hang(rank, world, mode, timeout_s):
+    tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
     tr.step(x, y)
     if rank == 1:
         if mode == "exit":
@@ -63,12 +68,7 @@ def test_dead_or_hung_peer_raises_naming_the_peer(mode):
 
 
 def die_in_data_parallel(rank, world, timeout_s):
-    init_distributed(timeout_s=timeout_s)
-    specs = pcdist.mlp_specs((6, 8, 8, 4))
-    par = Parallel.from_mesh(ParallelDims(2, 1), specs, timeout_s=timeout_s)
-    net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
-    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, parallel=par)
-    x, y = torch.randn(4, 6), torch.eye(4)
+    tr, x, y = small_trainer(ParallelDims(2, 1), timeout_s)
     tr.step(x, y)
     if rank == 1:
         os._exit(0)
