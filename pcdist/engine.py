@@ -16,7 +16,8 @@ a group is one batched kernel:
     weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
 
 The stage never touches torch.distributed: a neighbour's boundary tensors are
-exchanged through ``recv_input`` / ``send_backproj`` / ``recv_backproj``, which a
+exchanged through ``recv_input`` / ``send_node`` (feed-forward) and ``send_error`` /
+``recv_error`` / ``send_backproj`` / ``recv_backproj`` (inference), which a
 layer-parallel driver fills and reads between the phases. A single process owns
 every layer, so it has no boundary at all.
 """
@@ -30,6 +31,13 @@ from .energies import output_energy, output_signal
 from .network import LayerGroup, PCNetwork
 
 __all__ = ["Stage"]
+
+
+def _scale(v: Tensor, beta: float) -> Tensor:
+    """v *= beta in place; beta 0 clears v (as a GEMM with beta 0 ignores its old contents)."""
+    if beta == 0.0:
+        return v.zero_()
+    return v if beta == 1.0 else v.mul_(beta)
 
 
 class _Block:
@@ -110,11 +118,17 @@ class Stage:
             if lo <= hi:
                 sl = slice(lo - blk.lo, hi - blk.lo + 1)
                 self._hidden.append((blk.h_NBO[sl], blk.v_NBO[sl], blk.e_NBO[sl]))
-        # Boundary tensors of a layer slice (views; unused when the slice is the whole network).
+        # Boundary tensors of a layer slice (unused when the slice is the whole network). The
+        # upstream neighbour's last node h_{first-1} is replicated here (node slot 0): both ranks
+        # apply the same update to it from the same two messages per step, its error e
+        # (downstream) and its back-projection (upstream), so neither waits for the other's update.
         blk0, blkN = self.blocks[0], self.blocks[-1]
-        self.recv_input = blk0.h_NBO[0]  # h_{first-1}: x, or the upstream neighbour's last node
-        self.send_node = blkN.h_NBO[-1] if self.output is None else None  # h_{stop-1}, for downstream
-        self.send_backproj = blk0.v_NBO[0]  # -W_first^T d_first for the upstream neighbour
+        self.recv_input = blk0.h_NBO[0]  # h_{first-1}: x, or the replica of the upstream neighbour's last node
+        self.send_node = blkN.h_NBO[-1] if self.output is None else None  # h_{stop-1}, for the feed-forward
+        self.has_replica = first > 1
+        self.recv_error = blk0.e_NBO[0] if self.has_replica else None  # e_{first-1} from upstream
+        self.send_backproj = torch.zeros_like(blk0.h_NBO[0]) if self.has_replica else None  # -W_first^T d_first
+        self.send_error = blkN.e_NBO[-1] if self.output is None else None  # e_{stop-1}, for downstream
         self.recv_backproj = torch.zeros_like(blkN.h_NBO[-1]) if self.output is None else None
         self._step = 0
 
@@ -210,26 +224,38 @@ class Stage:
     def backproject(self, groups: list[_Group] | None = None) -> None:
         """v_in <- beta * v_in - d @ W for the groups (default all) whose input node is free.
 
-        The first group of a slice that starts past layer 1 writes its input slot
-        afresh (beta 0): that node is the upstream neighbour's, and the slot holds
-        the message ``send_backproj``.
+        The first group of a slice that starts past layer 1 writes ``send_backproj``
+        instead: its input node is the upstream neighbour's (replicated here).
         """
         beta = self._beta
         for gr in self.groups if groups is None else groups:
             if gr.g.first == 1:
                 continue
-            gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=0.0 if gr is self.groups[0] else beta, alpha=-1.0)
-        if groups is None and self.recv_backproj is not None:
-            self.add_received_backproj()
-
-    def add_received_backproj(self) -> None:
-        """v_last <- beta * v_last + the downstream neighbour's message (-W^T d of its first layer)."""
-        self.blocks[-1].v_NBO[-1].mul_(self._beta).add_(self.recv_backproj)
+            if gr is self.groups[0]:  # has_replica: the slice's first layer is a group of its own
+                self.send_backproj.unsqueeze(0).baddbmm_(gr.d, gr.w_KOI, beta=0.0, alpha=-1.0)
+            else:
+                gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=beta, alpha=-1.0)
 
     def update_values(self, x_lr: float) -> None:
-        """v += e (momentum only); h -= x_lr * v on the owned hidden nodes."""
+        """v += e (momentum only); h -= x_lr * v on the owned hidden nodes and the replica.
+
+        A layer slice first folds in the boundary messages (which must have arrived):
+        v_{stop-1} gets the downstream back-projection ``recv_backproj``, and the replica
+        h_{first-1} takes the update its owner takes, from ``recv_error`` and ``send_backproj``,
+        in the same floating-point order.
+        """
+        beta = self._beta
+        if self.recv_backproj is not None:
+            _scale(self.blocks[-1].v_NBO[-1], beta).add_(self.recv_backproj)
         for h, v, e in self._hidden:
             if self.mu != 0.0:  # else v is e already
+                v.add_(e)
+            h.add_(v, alpha=-x_lr)
+        if self.has_replica:
+            blk0 = self.blocks[0]
+            h, v, e = blk0.h_NBO[0], blk0.v_NBO[0], blk0.e_NBO[0]
+            _scale(v, beta).add_(self.send_backproj)
+            if self.mu != 0.0:
                 v.add_(e)
             h.add_(v, alpha=-x_lr)
         for gr in self.groups:

@@ -142,6 +142,7 @@ class Parallel:
             raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
         self._flat_grad: Tensor | None = None
+        self._pending: list = []  # the boundary exchange in flight (posted by errors)
         self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
 
     @classmethod
@@ -185,15 +186,21 @@ class Parallel:
         return self.logging_rank is None or dist.get_rank() == self.logging_rank
 
     # -- point to point -----------------------------------------------------------
-    def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str):
-        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``."""
+    def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
+             *more) -> list:
+        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``.
+
+        ``more`` repeats (send, to, recv, frm) for further peers in the same batch.
+        """
         ops, peers = [], []
-        if to is not None:
-            ops.append(dist.P2POp(dist.isend, send, to))
-            peers.append((to, f"{what} send"))
-        if frm is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, frm))
-            peers.append((frm, f"{what} receive"))
+        quads = [(send, to, recv, frm), *(more[i : i + 4] for i in range(0, len(more), 4))]
+        for send, to, recv, frm in quads:
+            if to is not None:
+                ops.append(dist.P2POp(dist.isend, send, to))
+                peers.append((to, f"{what} send"))
+            if frm is not None:
+                ops.append(dist.P2POp(dist.irecv, recv, frm))
+                peers.append((frm, f"{what} receive"))
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
@@ -215,27 +222,39 @@ class Parallel:
                 sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
         self.comm_seconds += _wait(sends)
 
-    def errors(self, st: Stage, need_all_deltas: bool = False) -> None:
-        """Forward exchange around the errors: interior groups compute while h_{a-1} arrives.
+    def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True) -> None:
+        """Errors of every group, and the step's one boundary exchange posted as early as possible.
 
-        Right after the feed-forward init no node has moved, so nothing is exchanged.
+        The boundary quantities come first: the first layer's error and back-projection
+        (for the upstream neighbour) and the last node's error (for the downstream one).
+        Then one batch_isend_irecv sends both and receives their counterparts, and the
+        interior groups compute while the messages fly; ``update_values`` waits for them.
+        Every input of this phase is local (the upstream node is replicated), so nothing
+        here waits. ``exchange=False`` (an evaluation after the last update) sends nothing.
         """
-        if st.steps_taken == 0:
+        if not exchange or (self.prev is None and self.next is None):
             st.errors(None, need_all_deltas)
             return
-        reqs = self._p2p(st.send_node, self.next, st.recv_input, self.prev, "forward exchange")
-        st.errors(st.groups[1:], need_all_deltas)
-        self.comm_seconds += _wait(reqs)
-        st.errors(st.groups[:1], need_all_deltas)
+        first, last = st.groups[0], st.groups[-1]
+        st.errors([first], need_all_deltas)
+        if self.prev is not None:
+            st.backproject([first])
+        if last is not first:
+            st.errors([last], need_all_deltas)
+        self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
+                                  st.send_backproj, self.prev, st.recv_error, self.prev)
+        st.errors(st.groups[1:-1], need_all_deltas)
 
     def backproject(self, st: Stage) -> None:
-        """Backward exchange around the back-projections: the message upstream leaves first."""
-        st.backproject(st.groups[:1])
-        reqs = self._p2p(st.send_backproj, self.prev, st.recv_backproj, self.next, "backward exchange")
-        st.backproject(st.groups[1:])
-        self.comm_seconds += _wait(reqs)
-        if self.next is not None:
-            st.add_received_backproj()
+        """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""
+        st.backproject(st.groups[1:] if self.prev is not None else None)
+
+    def update_values(self, st: Stage, x_lr: float) -> None:
+        """Wait for the boundary messages, then the value step (owned nodes and the replica)."""
+        if self._pending:
+            self.comm_seconds += _wait(self._pending)
+        self._pending = []
+        st.update_values(x_lr)
 
     def predict(self, net, x: Tensor) -> Tensor | None:
         """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""

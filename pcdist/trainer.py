@@ -98,9 +98,9 @@ class PCTrainer:
             for _ in range(self.T):
                 par.errors(st)
                 par.backproject(st)
-                st.update_values(self.x_lr)
+                par.update_values(st, self.x_lr)
             clock.append(time.perf_counter())
-            par.errors(st, need_all_deltas=True)
+            par.errors(st, need_all_deltas=True, exchange=False)
             if log or self.skip_above is not None:
                 energies = st.layer_energies()
             st.weight_grads()
@@ -112,7 +112,7 @@ class PCTrainer:
                     energies = st.layer_energies()
                 par.backproject(st)
                 st.weight_grads()
-                st.update_values(self.x_lr)
+                par.update_values(st, self.x_lr)
                 self._optimizer_step(st, energies)
             clock.append(time.perf_counter())
         clock.append(time.perf_counter())
@@ -137,13 +137,13 @@ class PCTrainer:
         par.feedforward(st)
         out = []
         for t in range(self.T + 1):
-            par.errors(st)
+            par.errors(st, exchange=t < self.T)
             full = par.gather_layer_energies(st.layer_energies(), B)
             if full is not None:
                 out.append(full.tolist())
             if t < self.T:
                 par.backproject(st)
-                st.update_values(self.x_lr)
+                par.update_values(st, self.x_lr)
         return out if par.is_logging else None
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
