@@ -263,10 +263,13 @@ class Stage:
                 gr.cached = False
         self._step += 1
 
-    def weight_grads(self) -> None:
-        """Write dF/dw and dF/db of every owned layer into .grad (F = batch mean of E)."""
-        scale = -1.0 / self.B
-        for gr in self.groups:
+    def weight_grads(self, groups: list[_Group] | None = None, scale: float | None = None) -> None:
+        """Write dF/dw and dF/db of the groups' layers (default all) into .grad.
+
+        F is the batch mean of E (``scale`` -1/B); ``scale=-1`` gives batch sums instead.
+        """
+        scale = -1.0 / self.B if scale is None else scale
+        for gr in self.groups if groups is None else groups:
             w, b = gr.g.weight, gr.g.bias
             if w.grad is None:
                 w.grad = torch.empty_like(w)

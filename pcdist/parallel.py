@@ -141,7 +141,9 @@ class Parallel:
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
-        self._flat_grad: Tensor | None = None
+        self._buckets: list[Tensor] = []  # per-group gradient buckets (data axis only)
+        self._bucket_key = None
+        self._reducing: list = []  # their all-reduces in flight
         self._pending: list = []  # the boundary exchange in flight (posted by errors)
         self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
 
@@ -289,29 +291,53 @@ class Parallel:
         return vec.tolist() if self.is_logging else None
 
     # -- data axis ----------------------------------------------------------------
-    def reduce_grads(self, params: list[Tensor], local_batch: int) -> None:
-        """Batch-weighted mean of the weight gradients over the data axis, in one flat bucket."""
+    def weight_grads(self, st: Stage) -> None:
+        """dF/dw of every owned layer into .grad; with a data axis, also its all-reduce, overlapped.
+
+        Each fused group's gradients form one bucket. The group's batch-sum gradients
+        are written straight into its bucket, whose all-reduce over the data axis then
+        starts while the next group's gradient GEMMs run; ``reduce_grads`` waits and
+        divides by the global batch (so unequal local batches weigh in by their size).
+        The last bucket carries the local batch size.
+        """
         if self.data_group is None:
+            st.weight_grads()
             return
-        flat = self._flat_grad
-        n = sum(p.numel() for p in params)
-        if flat is None or flat.numel() != n + 1:
-            flat = self._flat_grad = torch.zeros(n + 1, dtype=params[0].dtype, device=params[0].device)
-        off = 0
-        for p in params:  # grads live in the bucket: no copy in or out
-            view = flat[off : off + p.numel()].view_as(p)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-            off += p.numel()
-        flat[:-1].mul_(local_batch)
-        flat[-1] = local_batch
+        buckets = self._grad_buckets(st)
+        for i, (gr, flat) in enumerate(zip(st.groups, buckets)):
+            st.weight_grads([gr], scale=-1.0)
+            if i == len(buckets) - 1:
+                flat[-1] = st.B
+            self._reducing.append(dist.all_reduce(flat, group=self.data_group, async_op=True))
+
+    def _grad_buckets(self, st: Stage) -> list[Tensor]:
+        """One flat gradient buffer per group (plus a batch-count slot in the last); the
+        parameters' .grad become views into them, so nothing is copied in or out."""
+        key = tuple((gr.g.weight.data_ptr(), gr.g.bias.data_ptr()) for gr in st.groups)
+        if self._bucket_key != key:
+            self._buckets = []
+            for i, gr in enumerate(st.groups):
+                w, b = gr.g.weight, gr.g.bias
+                flat = torch.zeros(w.numel() + b.numel() + (i == len(st.groups) - 1), dtype=w.dtype, device=w.device)
+                w.grad = flat[: w.numel()].view_as(w)
+                b.grad = flat[w.numel() : w.numel() + b.numel()].view_as(b)
+                self._buckets.append(flat)
+            self._bucket_key = key
+        return self._buckets
+
+    def reduce_grads(self) -> None:
+        """Finish the data-axis gradient all-reduces: wait, then divide the sums by the global batch."""
+        if not self._reducing:
+            return
         t0 = time.perf_counter()
         with collective("the data-axis gradient all-reduce", self.data_group):
-            dist.all_reduce(flat, group=self.data_group)
+            for work in self._reducing:
+                work.wait(self.timeout)
+        self._reducing = []
         self.comm_seconds += time.perf_counter() - t0
-        flat[:-1].div_(flat[-1])
+        count = self._buckets[-1][-1].clone()
+        for flat in self._buckets:
+            flat.div_(count)
 
     def gather_layer_energies(self, local: Tensor, local_batch: int) -> Tensor | None:
         """Per-layer batch-mean energies of the whole network on the logging rank (None elsewhere)."""

@@ -103,7 +103,7 @@ class PCTrainer:
             par.errors(st, need_all_deltas=True, exchange=False)
             if log or self.skip_above is not None:
                 energies = st.layer_energies()
-            st.weight_grads()
+            par.weight_grads(st)
             self._optimizer_step(st, energies)
         else:
             for t in range(self.T):
@@ -111,7 +111,7 @@ class PCTrainer:
                 if (log and t == self.T - 1) or self.skip_above is not None:
                     energies = st.layer_energies()
                 par.backproject(st)
-                st.weight_grads()
+                par.weight_grads(st)
                 par.update_values(st, self.x_lr)
                 self._optimizer_step(st, energies)
             clock.append(time.perf_counter())
@@ -147,13 +147,14 @@ class PCTrainer:
         return out if par.is_logging else None
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
-        """Reduce, step the optimizer and the schedule; or skip all three if the energy diverged."""
+        """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
+        energy diverged on any rank."""
+        self.parallel.reduce_grads()
         if self.skip_above is not None:
             bad = not bool(torch.isfinite(energies).all()) or float(energies.sum()) > self.skip_above
             if self.parallel.any_rank(bad, energies.device):
                 self.skipped_updates += 1
                 return
-        self.parallel.reduce_grads(list(self.net.parameters()), st.B)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
