@@ -298,17 +298,18 @@ class Parallel:
         are written straight into its bucket, whose all-reduce over the data axis then
         starts while the next group's gradient GEMMs run; ``reduce_grads`` waits and
         divides by the global batch (so unequal local batches weigh in by their size).
-        The last bucket carries the local batch size.
+        The last group's bucket carries the local batch size.
         """
         if self.data_group is None:
             st.weight_grads()
             return
         buckets = self._grad_buckets(st)
-        for i, (gr, flat) in enumerate(zip(st.groups, buckets)):
-            st.weight_grads([gr], scale=-1.0)
+        # Largest bucket first: its all-reduce is the longest and gets the most overlap.
+        for i in sorted(range(len(buckets)), key=lambda i: -buckets[i].numel()):
+            st.weight_grads([st.groups[i]], scale=-1.0)
             if i == len(buckets) - 1:
-                flat[-1] = st.B
-            self._reducing.append(dist.all_reduce(flat, group=self.data_group, async_op=True))
+                buckets[i][-1] = st.B
+            self._reducing.append(dist.all_reduce(buckets[i], group=self.data_group, async_op=True))
 
     def _grad_buckets(self, st: Stage) -> list[Tensor]:
         """One flat gradient buffer per group (plus a batch-count slot in the last); the
