@@ -1,7 +1,8 @@
 """Layer- and data-parallel runs on real processes (gloo) equal the single-process run.
 
 Each rank owns a slice of layers and only trades boundary tensors with its
-neighbours; the data axis splits the batch. The maths must not change: value
+neighbours (and keeps a replica of the upstream neighbour's last node, which must stay
+bit-for-bit equal to the original); the data axis splits the batch. The maths must not change: value
 nodes, weights and energies after several steps must equal one process to 1e-9
 (float64), for P in {2, 4}, a 2 x 2 data x layer mesh and an uneven 7-over-3 split.
 """
@@ -107,13 +108,19 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         for key, val in res["state"].items():  # weights: every rank holds its layers, equal to one process
             torch.testing.assert_close(val, ref_state[key], atol=1e-9, rtol=0, msg=key)
             covered.add(key)
-        for step in range(case.steps):  # owned value nodes h_a .. h_{b-1} of this rank's rows (and x)
+        for step in range(case.steps):  # value nodes h_{a-1} .. h_{b-1} of this rank's rows (h_{a-1}: x or the replica)
             for i, n in enumerate(range(a - 1, b)):
-                if n == a - 1 and a > 1:
-                    continue  # a copy of the upstream neighbour's node, received before its last update
                 torch.testing.assert_close(res["nodes"][step][i], ref_nodes[step][n][res["rows"]], atol=1e-9, rtol=0,
                                            msg=f"step {step} node {n}")
     assert covered == set(ref_state), "the slices must cover every layer exactly"
+    # The replica of h_{a-1} on rank r+1 is updated from the same tensors in the same order
+    # as the owner's node on rank r: the two are bit-for-bit equal after every step.
+    for rows in {tuple(res["rows"].tolist()) for res in results}:
+        chain = sorted((res for res in results if tuple(res["rows"].tolist()) == rows), key=lambda res: res["layers"])
+        for up, down in zip(chain, chain[1:]):
+            for step in range(case.steps):
+                assert torch.equal(up["nodes"][step][-1], down["nodes"][step][0]), (
+                    f"step {step}: replica of node {down['layers'][0] - 1} differs from its owner's")
     logging = [res for res in results if res["logging"]]
     assert len(logging) == 1, "exactly one rank gathers the stats"
     for got, want in zip(logging[0]["stats"], ref_stats):
