@@ -132,11 +132,6 @@ class Stage:
         self.recv_backproj = torch.zeros_like(blkN.h_NBO[-1]) if self.output is None else None
         self._step = 0
 
-    @property
-    def steps_taken(self) -> int:
-        """Value updates applied since the batch began."""
-        return self._step
-
     def _block_of(self, node: int) -> _Block:
         return next(b for b in self.blocks if b.lo <= node < b.lo + b.N)
 
