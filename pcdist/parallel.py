@@ -314,8 +314,12 @@ class Parallel:
     def _grad_buckets(self, st: Stage) -> list[Tensor]:
         """One flat gradient buffer per group (plus a batch-count slot in the last); the
         parameters' .grad become views into them, so nothing is copied in or out."""
-        key = tuple((gr.g.weight.data_ptr(), gr.g.bias.data_ptr()) for gr in st.groups)
-        if self._bucket_key != key:
+        # Rebuilt when a parameter or its .grad was replaced (e.g. by optimizer.zero_grad()).
+        def key():
+            return tuple(t.data_ptr() if t is not None else 0
+                         for gr in st.groups for t in (gr.g.weight, gr.g.bias, gr.g.weight.grad, gr.g.bias.grad))
+
+        if self._bucket_key != key():
             self._buckets = []
             for i, gr in enumerate(st.groups):
                 w, b = gr.g.weight, gr.g.bias
@@ -323,7 +327,7 @@ class Parallel:
                 w.grad = flat[: w.numel()].view_as(w)
                 b.grad = flat[w.numel() : w.numel() + b.numel()].view_as(b)
                 self._buckets.append(flat)
-            self._bucket_key = key
+            self._bucket_key = key()
         return self._buckets
 
     def reduce_grads(self) -> None:

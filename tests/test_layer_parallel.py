@@ -89,6 +89,7 @@ def worker(rank, world, case, out_dir):
     rows = torch.tensor_split(torch.arange(case.B), case.data)[par.data_rank]
     stats, nodes = [], []
     for x, y in batches(case):
+        tr.optimizer.zero_grad()  # grads set to None between steps must not detach them from the buckets
         stats.append(tr.step(x[rows], y[rows]))
         nodes.append(tr.value_nodes())
     torch.save({"layers": par.layers, "rows": rows, "state": net.layer_state_dict(), "stats": stats,
