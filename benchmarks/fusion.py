@@ -83,7 +83,11 @@ class LoopPC:
 
 
 class MatmulLimit:
-    """Exactly the matmuls of one pcdist step, as batched matmuls into preallocated buffers."""
+    """Exactly the matmuls of one pcdist step, as batched matmuls into preallocated buffers.
+
+    Every operand is row-major, as in pcdist's pc step (which back-projects through a
+    row-major copy of w^T made once per batch; the copy is not a matmul and not counted here).
+    """
 
     def __init__(self, net: pcdist.PCNetwork, B: int, T: int):
         self.T = T
@@ -91,7 +95,8 @@ class MatmulLimit:
         self.groups = []
         for g in net.groups:
             K, I, O = g.weight.shape
-            self.groups.append(dict(K=K, w=g.weight.detach().clone(), h=torch.randn(K, B, I, **kw),
+            self.groups.append(dict(K=K, w=g.weight.detach().clone(), wT=g.weight.detach().transpose(1, 2).contiguous(),
+                                    h=torch.randn(K, B, I, **kw),
                                     a=torch.empty(K, B, O, **kw), d=torch.randn(K, B, O, **kw),
                                     bp=torch.empty(K, B, I, **kw), gw=torch.empty(K, I, O, **kw)))
 
@@ -105,7 +110,7 @@ class MatmulLimit:
                 if t > 0:  # step 1 reuses the init's predictions; layer 1's input is clamped
                     torch.bmm(gr["h"], gr["w"], out=gr["a"])
                 if t < self.T:
-                    torch.bmm(gr["d"], gr["w"].transpose(1, 2), out=gr["bp"])
+                    torch.bmm(gr["d"], gr["wT"], out=gr["bp"])
         for gr in gs:  # weight gradients
             torch.bmm(gr["h"].transpose(1, 2), gr["d"], out=gr["gw"])
 

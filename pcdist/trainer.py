@@ -75,7 +75,10 @@ class PCTrainer:
         parameter's storage changes (e.g. after ``net.to(...)``)."""
         key = (batch_size, *(p.data_ptr() for p in self.net.parameters()))
         if self._stage is None or self._stage_key != key:
-            self._stage, self._stage_key = Stage(self.net, batch_size, self.x_momentum, self.init), key
+            # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
+            self._stage = Stage(self.net, batch_size, self.x_momentum, self.init,
+                                transposed_weights=self.algorithm == "pc")
+            self._stage_key = key
         return self._stage
 
     @torch.no_grad()

@@ -125,3 +125,23 @@ def test_moving_the_network_after_building_the_trainer():
     tr.optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     tr.step(x.double(), y.double())
     assert tr.value_nodes()[1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_weights_changed_in_place_between_steps_are_seen(algorithm):
+    """pc back-projects through a row-major copy of w^T; weights written in place between
+    steps (load_state_dict, a user's edit) must reach it: the next step equals a fresh trainer's."""
+    torch.manual_seed(3)
+    dims = [5, 8, 8, 8, 3]
+    net = pcdist.PCNetwork.from_sequential(seq_of(dims)).double()
+    other = pcdist.PCNetwork.from_sequential(seq_of(dims)).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.eye(3, dtype=torch.float64)[[0, 1, 2, 0]]
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=4, algorithm=algorithm)
+    tr.step(x, y)
+    net.load_state_dict(other.state_dict())  # in place: same storage, new values
+    got = tr.step(x, y)
+    fresh = pcdist.PCTrainer(other, torch.optim.SGD(other.parameters(), lr=0.1), T=4, algorithm=algorithm)
+    want = fresh.step(x, y)
+    assert got["energy"] == pytest.approx(want["energy"], rel=1e-12)
+    for a, b in zip(tr.value_nodes(), fresh.value_nodes()):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
