@@ -79,9 +79,16 @@ def launch(P: int, args, out: str, independent: bool = False) -> dict:
            "--worker", "--out", out, *(["--independent"] if independent else []), "--layers-per-rank", str(args.layers_per_rank), "--width", str(args.width),
            "--batch", str(args.batch), "--T", str(args.T), "--steps", str(args.steps),
            "--micro-batches", str(args.micro_batches)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(Path(out).read_text())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode == 0:
+            return json.loads(Path(out).read_text())
+        # A rare gloo abort at process exit was seen on this VM; one retry, said out loud.
+        print(f"warning: {'independent ' if independent else ''}P={P} run failed (exit {proc.returncode}, "
+              f"attempt {attempt}); last stderr lines:\n" + "\n".join(proc.stderr.splitlines()[-15:]),
+              file=sys.stderr, flush=True)
+    raise RuntimeError(f"benchmark worker failed twice: {' '.join(cmd)}")
 
 
 def main() -> None:

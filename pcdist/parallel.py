@@ -130,7 +130,7 @@ class Parallel:
     def __init__(self, layers: tuple[int, int], num_layers: int, prev: int | None = None, next: int | None = None,
                  data_group=None, data_size: int = 1, layer_rank: int = 0, layer_size: int = 1,
                  logging_rank: int | None = None, micro_batches: int = 1, data_rank: int = 0,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, prepost: bool = False):
         self.layers, self.num_layers = layers, num_layers
         self.prev, self.next = prev, next
         self.data_group, self.data_size = data_group, data_size
@@ -145,6 +145,9 @@ class Parallel:
         self._bucket_key = None
         self._reducing: list = []  # their all-reduces in flight
         self._pending: list = []  # the boundary exchange in flight (posted by errors)
+        # gloo only: the next step's receives, posted as soon as this step's are consumed.
+        self.prepost = prepost
+        self._recvs: list = []
         self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
 
     @classmethod
@@ -173,7 +176,7 @@ class Parallel:
                    next=peer(lr + 1) if lr < P - 1 else None,
                    data_group=mesh.get_group("data") if dims.data > 1 else None, data_size=dims.data,
                    layer_rank=lr, layer_size=P, logging_rank=logging, micro_batches=micro_batches,
-                   data_rank=mesh.get_local_rank("data"), timeout_s=timeout_s)
+                   data_rank=mesh.get_local_rank("data"), timeout_s=timeout_s, prepost=dev.type != "cuda")
 
     @property
     def is_first(self) -> bool:
@@ -243,20 +246,36 @@ class Parallel:
             st.backproject([first])
         if last is not first:
             st.errors([last], need_all_deltas)
-        self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
-                                  st.send_backproj, self.prev, st.recv_error, self.prev)
+        if self._recvs:  # the receives were posted at the end of the last step
+            self._pending = self._recvs + self._p2p(st.send_error, self.next, None, None, "boundary exchange",
+                                                    st.send_backproj, self.prev, None, None)
+            self._recvs = []
+        else:
+            self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
+                                      st.send_backproj, self.prev, st.recv_error, self.prev)
         st.errors(st.groups[1:-1], need_all_deltas)
 
     def backproject(self, st: Stage) -> None:
         """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""
         st.backproject(st.groups[1:] if self.prev is not None else None)
 
-    def update_values(self, st: Stage, x_lr: float) -> None:
-        """Wait for the boundary messages, then the value step (owned nodes and the replica)."""
+    def update_values(self, st: Stage, x_lr: float, more: bool = False) -> None:
+        """Wait for the boundary messages, then the value step (owned nodes and the replica).
+
+        ``more``: another exchange follows in this batch. On gloo its receives are then
+        posted right away: gloo sends only once the receiver has posted (a rendezvous
+        run by its transport threads), so a receive posted a step ahead lets the peer's
+        send go out inline when it is posted, instead of waiting for both transport
+        threads to get a core that the compute threads hold. NCCL matches sends and
+        receives by order within one batch and keeps the single batch_isend_irecv.
+        """
         if self._pending:
             self.comm_seconds += _wait(self._pending)
         self._pending = []
         st.update_values(x_lr)
+        if more and self.prepost and (self.prev is not None or self.next is not None):
+            self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
+                                    None, None, st.recv_error, self.prev)
 
     def predict(self, net, x: Tensor) -> Tensor | None:
         """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""

@@ -98,10 +98,10 @@ class PCTrainer:
         clock.append(time.perf_counter())
         energies = None
         if self.algorithm == "pc":
-            for _ in range(self.T):
+            for t in range(self.T):
                 par.errors(st)
                 par.backproject(st)
-                par.update_values(st, self.x_lr)
+                par.update_values(st, self.x_lr, more=t < self.T - 1)
             clock.append(time.perf_counter())
             par.errors(st, need_all_deltas=True, exchange=False)
             if log or self.skip_above is not None:
@@ -115,7 +115,7 @@ class PCTrainer:
                     energies = st.layer_energies()
                 par.backproject(st)
                 par.weight_grads(st)
-                par.update_values(st, self.x_lr)
+                par.update_values(st, self.x_lr, more=t < self.T - 1)
                 self._optimizer_step(st, energies)
             clock.append(time.perf_counter())
         clock.append(time.perf_counter())
@@ -146,7 +146,7 @@ class PCTrainer:
                 out.append(full.tolist())
             if t < self.T:
                 par.backproject(st)
-                par.update_values(st, self.x_lr)
+                par.update_values(st, self.x_lr, more=t < self.T - 1)
         return out if par.is_logging else None
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
