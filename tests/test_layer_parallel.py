@@ -33,6 +33,7 @@ class Case:
     B: int = 8
     T: int = 4
     init: str = "ff"
+    prepost: bool = True  # gloo's early receives; False: one batch_isend_irecv per step (NCCL's way)
 
 
 CASES = {
@@ -41,6 +42,7 @@ CASES = {
     "D2xP2-pc-ce": Case((6, 8, 8, 8, 4), layer=2, data=2, energy="ce", optimizer="adamw", x_momentum=0.3),
     "D2xP2-ipc-se": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", micro_batches=3),
     "P2-deeppcr-init": Case((6, 8, 8, 8, 8, 8, 4), layer=2, micro_batches=2, init="deeppcr"),
+    "P2-ipc-one-batch-exchange": Case((6, 8, 8, 8, 8, 4), layer=2, algorithm="ipc", x_momentum=0.5, prepost=False),
     "uneven-7-over-3": Case((6, 8, 8, 5, 5, 5, 7, 4), layer=3, algorithm="ipc", energy="se", micro_batches=3, x_momentum=0.5),
 }
 
@@ -82,6 +84,8 @@ def worker(rank, world, case, out_dir):
     init_distributed(timeout_s=60)
     specs = pcdist.mlp_specs(case.dims)
     par = Parallel.from_mesh(ParallelDims(case.data, case.layer), specs, micro_batches=case.micro_batches, timeout_s=60)
+    assert par.prepost, "gloo (CPU) runs post receives a step ahead by default"
+    par.prepost = case.prepost
     net = pcdist.PCNetwork(specs, energy=case.energy, layers=par.layers, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
