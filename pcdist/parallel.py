@@ -1,15 +1,21 @@
 """Where a rank sits in the (data, layer) mesh, and its point-to-point boundary exchange.
 
 Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by FLOPs)
-and trades two tensors of shape [B, width] with each neighbour per inference step:
+and keeps a replica of its upstream neighbour's last node h_{a_r - 1}. Per inference
+step it trades two tensors of shape [B, width] with each neighbour, in ONE exchange:
 
-    forward exchange   send h_{b_r - 1} to r + 1, receive h_{a_r - 1} from r - 1
-    backward exchange  send -W_{a_r}^T d_{a_r} to r - 1, receive the same from r + 1
+    downstream   send e_{b_r - 1} (the error of its last node) to r + 1
+    upstream     send -W_{a_r}^T d_{a_r} (its first layer's back-projection) to r - 1
 
-each as one ``batch_isend_irecv`` over the Stage's preallocated views, with the
-interior layers computing while the messages fly. The data axis splits the batch;
-weight gradients are all-reduced over it only, in one flat bucket. A single process
-is the case with no neighbours and no data peers: every exchange is empty.
+and receives their counterparts; both ranks then apply the same update to the shared
+node. The exchange is posted once the boundary layers are computed, the interior
+layers compute while the messages fly, and only the value update waits. On NCCL the
+exchange is one ``batch_isend_irecv`` over the Stage's preallocated views; on gloo
+the receives are posted a step ahead (see ``update_values``). The feed-forward init
+is pipelined over micro-batches. The data axis splits the batch; weight gradients
+are all-reduced over it only, one bucket per fused group, overlapped with the next
+group's gradient GEMMs. A single process is the case with no neighbours and no data
+peers: every exchange is empty.
 
 The PC maths lives in ``engine.Stage``; this module only moves its boundary tensors.
 """
