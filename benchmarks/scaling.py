@@ -10,7 +10,8 @@ bandwidth, whatever they compute; "load-adjusted" efficiency therefore compares
 against P independent 1-rank jobs running at the same time:
     adjusted = time(P independent ranks, K layers each) / time(P ranks, P*K layers).
 Also reported: the fraction of the step each rank spends blocked on boundary
-messages. Variants alternate round by round; medians are compared. Writes
+messages, and the same P-rank run with the exchange as one batch_isend_irecv per
+step (NCCL's schedule) instead of gloo's receives posted a step ahead. Variants alternate round by round; medians are compared. Writes
 benchmarks/results/scaling_K{K}_W{W}.json and .png.
 
     python benchmarks/scaling.py                  # P = 1, 2 on a 2-core machine
@@ -48,6 +49,7 @@ def worker(args) -> None:
         par = Parallel.single(L)
     else:
         par = Parallel.from_mesh(ParallelDims(1, P), specs, micro_batches=args.micro_batches)
+        par.prepost = not args.one_batch
     net = pcdist.PCNetwork(specs, layers=par.layers, seed=0)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     tr = pcdist.PCTrainer(net, opt, T=args.T, x_lr=0.1, parallel=par)
@@ -74,9 +76,10 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def launch(P: int, args, out: str, independent: bool = False) -> dict:
+def launch(P: int, args, out: str, independent: bool = False, one_batch: bool = False) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}", __file__,
-           "--worker", "--out", out, *(["--independent"] if independent else []), "--layers-per-rank", str(args.layers_per_rank), "--width", str(args.width),
+           "--worker", "--out", out, *(["--independent"] if independent else []),
+           *(["--one-batch"] if one_batch else []), "--layers-per-rank", str(args.layers_per_rank), "--width", str(args.width),
            "--batch", str(args.batch), "--T", str(args.T), "--steps", str(args.steps),
            "--micro-batches", str(args.micro_batches)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
@@ -95,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--independent", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one-batch", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers-per-rank", type=int, default=8)
@@ -110,14 +114,17 @@ def main() -> None:
         return
     runs: dict[int, list[dict]] = {P: [] for P in args.ranks}
     loaded: dict[int, list[dict]] = {P: [] for P in args.ranks}
+    one_batch: dict[int, list[dict]] = {P: [] for P in args.ranks}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for P in args.ranks:
                 runs[P].append(launch(P, args, f"{tmp}/P{P}_{r}.json"))
                 if P > 1:
                     loaded[P].append(launch(P, args, f"{tmp}/I{P}_{r}.json", independent=True))
+                    one_batch[P].append(launch(P, args, f"{tmp}/B{P}_{r}.json", one_batch=True))
                 print(f"round {r} P={P}: {runs[P][-1]['step_s'] * 1e3:8.1f} ms/step" + (
-                      f"  ({P} independent 1-rank jobs: {loaded[P][-1]['step_s'] * 1e3:8.1f} ms/step)" if P > 1 else ""),
+                      f"  (one-batch exchange {one_batch[P][-1]['step_s'] * 1e3:8.1f} ms/step, "
+                      f"{P} independent 1-rank jobs: {loaded[P][-1]['step_s'] * 1e3:8.1f} ms/step)" if P > 1 else ""),
                       flush=True)
     base = statistics.median(x["step_s"] for x in runs[args.ranks[0]])
     table = {}
@@ -125,11 +132,14 @@ def main() -> None:
         t = statistics.median(x["step_s"] for x in runs[P])
         t_loaded = statistics.median(x["step_s"] for x in loaded[P]) if P > 1 else base
         comm = statistics.median(max(x["comm_fraction_per_rank"]) for x in runs[P])
+        t_one = statistics.median(x["step_s"] for x in one_batch[P]) if P > 1 else base
         table[P] = {"layers": runs[P][0]["layers"], "step_s": t, "efficiency": base / t,
-                    "independent_step_s": t_loaded, "load_adjusted_efficiency": t_loaded / t, "max_comm_fraction": comm}
+                    "independent_step_s": t_loaded, "load_adjusted_efficiency": t_loaded / t, "max_comm_fraction": comm,
+                    "one_batch_step_s": t_one, "one_batch_efficiency": base / t_one}
         print(f"P={P}: {table[P]['layers']:4d} layers x {args.width}  {t * 1e3:8.1f} ms/step  "
               f"efficiency {base / t:5.3f}  load-adjusted {t_loaded / t:5.3f}  "
-              f"blocked on messages {comm * 100:5.1f}% of the step")
+              f"blocked on messages {comm * 100:5.1f}% of the step  "
+              f"(one-batch exchange: {t_one * 1e3:8.1f} ms/step, efficiency {base / t_one:5.3f})")
     OUT.mkdir(parents=True, exist_ok=True)
     stem = OUT / f"scaling_K{args.layers_per_rank}_W{args.width}"
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "independent", "out")}
