@@ -4,8 +4,10 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   loop    the usual PyTorch PC code: a Python loop over layers, gradients from autograd
   pcdist  pcdist.PCTrainer.step
   limit   the batched matmuls pcdist's step performs, alone, into preallocated buffers
+  torch_ops  pcdist with its fused error kernel off (PCDIST_NATIVE=0): the error pass as
+             separate torch ops, as on a machine without a C compiler
 
-The three run interleaved (round-robin, several rounds) in one process and the
+The four run interleaved (round-robin, several rounds) in one process and the
 medians are compared, so machine drift hits all alike. Writes
 benchmarks/results/fusion.json and benchmarks/results/fusion_depth.png.
 
@@ -125,7 +127,16 @@ def make_variants(shape, B: int, T: int, x_lr: float):
     net = pcdist.PCNetwork.from_sequential(seq)
     trainer = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
     limit = MatmulLimit(net, B, T)
-    return {"loop": lambda: loop.step(x, y), "pcdist": lambda: trainer.step(x, y), "limit": limit.step}
+    # pcdist with the error pass as separate torch ops (PCDIST_NATIVE=0), as on a machine without a C compiler.
+    ops_net = pcdist.PCNetwork.from_sequential(seq)
+    ops = pcdist.PCTrainer(ops_net, torch.optim.AdamW(ops_net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
+    os.environ["PCDIST_NATIVE"] = "0"
+    try:
+        ops.stage(B)  # the kernel choice is made when the buffers are built
+    finally:
+        del os.environ["PCDIST_NATIVE"]
+    return {"loop": lambda: loop.step(x, y), "pcdist": lambda: trainer.step(x, y),
+            "torch_ops": lambda: ops.step(x, y), "limit": limit.step}
 
 
 def time_interleaved(variants: dict, rounds: int, min_time: float) -> dict[str, float]:
@@ -166,10 +177,12 @@ def main() -> None:
             "seconds": med,
             "loop/pcdist": med["loop"] / med["pcdist"],
             "pcdist/limit": med["pcdist"] / med["limit"],
+            "torch_ops/pcdist": med["torch_ops"] / med["pcdist"],
         }
         print(f"shape {name} ({shapes[name]['dims']}): loop {med['loop'] * 1e3:8.2f} ms  pcdist {med['pcdist'] * 1e3:8.2f} ms  "
               f"limit {med['limit'] * 1e3:8.2f} ms  loop/pcdist {shapes[name]['loop/pcdist']:5.2f}x  "
-              f"pcdist/limit {shapes[name]['pcdist/limit']:5.2f}x", flush=True)
+              f"pcdist/limit {shapes[name]['pcdist/limit']:5.2f}x  "
+              f"(torch ops {med['torch_ops'] * 1e3:.2f} ms: kernel gain {shapes[name]['torch_ops/pcdist']:4.2f}x)", flush=True)
 
     depth = {}
     for n in DEPTHS:
@@ -197,8 +210,8 @@ def plot_depth(depth: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = sorted(depth)
-    for name, style in (("loop", "o-"), ("pcdist", "s-"), ("limit", "^--")):
-        ax.plot(xs, [depth[n][name] * 1e3 for n in xs], style, label=name)
+    for name, style in (("loop", "o-"), ("torch_ops", "x:"), ("pcdist", "s-"), ("limit", "^--")):
+        ax.plot(xs, [depth[n][name] * 1e3 for n in xs], style, label=name.replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("hidden layers (width 128)")

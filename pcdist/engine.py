@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import native
 from .energies import output_energy, output_signal
 from .network import LayerGroup, PCNetwork
 
@@ -87,13 +88,39 @@ class _Group:
         self.d = torch.empty_like(self.a)
         self.layers = [(g.bias[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         self.cached = False  # u = f(a) is current for the present inputs and weights
+        # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
+        self.kernel = native.Kernel(self.act, self.u, self.h_out, self.e_out, self.d, g.bias) \
+            if native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
 
-    def predict(self) -> None:
-        """a = b + h_in @ w; u = f(a): all K layers in one kernel each."""
-        torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
-        if self.act is not None:
-            self.act.forward(self.a, out=self.u)
+    def predict(self, activate: bool = True) -> None:
+        """a = b + h_in @ w; u = f(a): one kernel each for all K layers. ``activate=False``
+        leaves a = h_in @ w, for the fused kernel to add b and apply f."""
+        if activate:
+            torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
+            if self.act is not None:
+                self.act.forward(self.a, out=self.u)
+        else:
+            torch.bmm(self.h_in, self.w_KIO, out=self.a)
         self.cached = True
+
+    def errors(self, with_d: bool, step_lr: float | None, hold_last: bool = False) -> None:
+        """e = h_out - u and d = e * f'(a) (if ``with_d``) of a hidden group, predicting first if
+        stale; with ``step_lr`` also the value step's own-error term h_out -= step_lr * e
+        (``hold_last``: on all nodes but the last)."""
+        stepped = self.K - 1 if hold_last else self.K
+        if self.kernel is not None:
+            fresh = not self.cached
+            if fresh:
+                self.predict(activate=False)
+            self.kernel.run(fresh, with_d, step_lr, stepped)
+            return
+        if not self.cached:
+            self.predict()
+        torch.sub(self.h_out, self.u, out=self.e_out)
+        if with_d:
+            self.act.grad(self.e_out, self.a, self.u, out=self.d)
+        if step_lr is not None:
+            self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     @property
     def w_KOI(self) -> Tensor:
@@ -158,6 +185,8 @@ class Stage:
         self.send_error = blkN.e_NBO[-1] if self.output is None else None  # e_{stop-1}, for downstream
         self.recv_backproj = torch.zeros_like(blkN.h_NBO[-1]) if self.output is None else None
         self._step = 0
+        # This step's fused value step (see ``errors``): its x_lr, the groups done, those deferred.
+        self._step_lr, self._done, self._deferred = None, [], []
 
     def _block_of(self, node: int) -> _Block:
         return next(b for b in self.blocks if b.lo <= node < b.lo + b.N)
@@ -176,6 +205,7 @@ class Stage:
             self.output.h_out[0].copy_(y)
         self.weights_changed()
         self._step = 0
+        self._step_lr, self._done, self._deferred = None, [], []
 
     def feedforward(self, rows: slice | None = None) -> None:
         """h_l <- u_l for every hidden node of the slice, layer by layer (a chain).
@@ -214,24 +244,40 @@ class Stage:
         gr.act.forward(a, out=gr.u[:, sel])
         gr.cached = True
 
-    def errors(self, groups: list[_Group] | None = None, need_all_deltas: bool = False) -> None:
+    def errors(self, groups: list[_Group] | None = None, need_all_deltas: bool = False,
+               step_lr: float | None = None) -> None:
         """Predictions (where stale), errors e and signals d = e * f'(a) of the groups (default all).
 
         The first global layer's d only feeds its weight gradient, so it is skipped
         unless ``need_all_deltas``.
+
+        ``step_lr`` (pc without momentum: the weights and every prediction stay fixed
+        until the value step) fuses the value step into this phase and the next: each
+        group's pass also takes h_out -= step_lr * e, and ``backproject`` adds
+        step_lr * d @ w^T straight into h. A node is the input of the next group, so its
+        step is taken here only once that group has read it (groups run last first);
+        otherwise it waits for ``update_values``.
         """
-        for gr in self.groups if groups is None else groups:
-            if gr is self.output and self._y_minus_b is not None:
-                torch.baddbmm(self._y_minus_b, gr.h_in, gr.w_KIO, alpha=-1.0, out=gr.d)
-                continue
-            if not gr.cached:
-                gr.predict()
+        fused = step_lr is not None and self.mu == 0.0
+        self._step_lr = step_lr if fused else None
+        for gr in reversed(self.groups if groups is None else groups):
             if gr is self.output:
-                output_signal(self.net.energy, gr.u[0], gr.h_out[0], gr.d[0])
-                continue
-            torch.sub(gr.h_out, gr.u, out=gr.e_out)
-            if need_all_deltas or gr.g.first > 1:
-                gr.act.grad(gr.e_out, gr.a, gr.u, out=gr.d)
+                if self._y_minus_b is not None:
+                    torch.baddbmm(self._y_minus_b, gr.h_in, gr.w_KIO, alpha=-1.0, out=gr.d)
+                else:
+                    if not gr.cached:
+                        gr.predict()
+                    output_signal(self.net.energy, gr.u[0], gr.h_out[0], gr.d[0])
+            else:
+                i = self.groups.index(gr)
+                last = i == len(self.groups) - 1
+                now = fused and (last or self.groups[i + 1] in self._done)
+                # The node sent downstream steps in update_values, exactly as its replica there.
+                gr.errors(need_all_deltas or gr.g.first > 1, step_lr if now else None,
+                          hold_last=last and self.send_error is not None)
+                if fused and not now:
+                    self._deferred.append(gr)
+            self._done.append(gr)
 
     @property
     def _beta(self) -> float:
@@ -255,6 +301,8 @@ class Stage:
                 continue
             if gr is self.groups[0]:  # has_replica: the slice's first layer is a group of its own
                 self.send_backproj.unsqueeze(0).baddbmm_(gr.d, gr.w_KOI, beta=0.0, alpha=-1.0)
+            elif self._step_lr is not None:  # fused value step: h += x_lr * d @ w^T
+                gr.h_in.baddbmm_(gr.d, gr.w_KOI, alpha=self._step_lr)
             else:
                 gr.v_in.baddbmm_(gr.d, gr.w_KOI, beta=beta, alpha=-1.0)
 
@@ -267,23 +315,35 @@ class Stage:
         in the same floating-point order.
         """
         beta = self._beta
-        if self.recv_backproj is not None:
-            _scale(self.blocks[-1].v_NBO[-1], beta).add_(self.recv_backproj)
-        for h, v, e in self._hidden:
-            if self.mu != 0.0:  # else v is e already
-                v.add_(e)
-            h.add_(v, alpha=-x_lr)
+        fused = self._step_lr is not None  # errors and backproject took the rest of the step
+        if fused:
+            for gr in self._deferred:
+                gr.h_out.add_(gr.e_out, alpha=-x_lr)
+            if self.send_error is not None:  # the boundary node, stepped as its replica downstream is
+                blkN = self.blocks[-1]
+                blkN.h_NBO[-1].add_(blkN.e_NBO[-1], alpha=-x_lr).add_(self.recv_backproj, alpha=-x_lr)
+        else:
+            if self.recv_backproj is not None:
+                _scale(self.blocks[-1].v_NBO[-1], beta).add_(self.recv_backproj)
+            for h, v, e in self._hidden:
+                if self.mu != 0.0:  # else v is e already
+                    v.add_(e)
+                h.add_(v, alpha=-x_lr)
         if self.has_replica:
             blk0 = self.blocks[0]
             h, v, e = blk0.h_NBO[0], blk0.v_NBO[0], blk0.e_NBO[0]
-            _scale(v, beta).add_(self.send_backproj)
-            if self.mu != 0.0:
-                v.add_(e)
-            h.add_(v, alpha=-x_lr)
+            if fused:
+                h.add_(e, alpha=-x_lr).add_(self.send_backproj, alpha=-x_lr)
+            else:
+                _scale(v, beta).add_(self.send_backproj)
+                if self.mu != 0.0:
+                    v.add_(e)
+                h.add_(v, alpha=-x_lr)
         for gr in self.groups:
             if gr.g.first > 1:
                 gr.cached = False
         self._step += 1
+        self._step_lr, self._done, self._deferred = None, [], []
 
     def weight_grads(self, groups: list[_Group] | None = None, scale: float | None = None) -> None:
         """Write dF/dw and dF/db of the groups' layers (default all) into .grad.

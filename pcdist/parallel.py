@@ -233,7 +233,8 @@ class Parallel:
                 sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
         self.comm_seconds += _wait(sends)
 
-    def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True) -> None:
+    def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True,
+               step_lr: float | None = None) -> None:
         """Errors of every group, and the step's one boundary exchange posted as early as possible.
 
         The boundary quantities come first: the first layer's error and back-projection
@@ -242,16 +243,17 @@ class Parallel:
         interior groups compute while the messages fly; ``update_values`` waits for them.
         Every input of this phase is local (the upstream node is replicated), so nothing
         here waits. ``exchange=False`` (an evaluation after the last update) sends nothing.
+        ``step_lr``: fuse the value step into the passes (see ``Stage.errors``).
         """
         if not exchange or (self.prev is None and self.next is None):
-            st.errors(None, need_all_deltas)
+            st.errors(None, need_all_deltas, step_lr)
             return
         first, last = st.groups[0], st.groups[-1]
-        st.errors([first], need_all_deltas)
+        st.errors([first], need_all_deltas, step_lr)
         if self.prev is not None:
             st.backproject([first])
         if last is not first:
-            st.errors([last], need_all_deltas)
+            st.errors([last], need_all_deltas, step_lr)
         if self._recvs:  # the receives were posted at the end of the last step
             self._pending = self._recvs + self._p2p(st.send_error, self.next, None, None, "boundary exchange",
                                                     st.send_backproj, self.prev, None, None)
@@ -259,7 +261,7 @@ class Parallel:
         else:
             self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
                                       st.send_backproj, self.prev, st.recv_error, self.prev)
-        st.errors(st.groups[1:-1], need_all_deltas)
+        st.errors(st.groups[1:-1], need_all_deltas, step_lr)
 
     def backproject(self, st: Stage) -> None:
         """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""

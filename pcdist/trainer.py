@@ -99,7 +99,7 @@ class PCTrainer:
         energies = None
         if self.algorithm == "pc":
             for t in range(self.T):
-                par.errors(st)
+                par.errors(st, step_lr=self.x_lr)
                 par.backproject(st)
                 par.update_values(st, self.x_lr, more=t < self.T - 1)
             clock.append(time.perf_counter())

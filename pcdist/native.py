@@ -1,0 +1,160 @@
+"""The fused error kernel of a layer group on CPUs: one pass instead of four torch ops.
+
+Per inference step each hidden group runs f(a), e = h - u, d = e * f'(a) and (pc
+without momentum) h -= x_lr * e. As separate torch ops these are four passes over
+a K x B x O block that no longer fits in L2, and they cost as much as a third of
+the step on a CPU. ``_native.c`` does them in one vectorised pass.
+
+It is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+a cache folder (``$PCDIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcdist`` or
+``~/.cache/pcdist``), keyed by the source, the flags and this CPU's feature flags,
+so a shared home folder on a mixed cluster never loads a binary built for another
+CPU. Without a compiler, or with ``PCDIST_NATIVE=0``, the engine keeps the torch
+ops (a warning says why), and GPUs always use them. Both give the same numbers to
+round-off (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["ACT_CODES", "library", "usable", "Kernel"]
+
+ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5}
+_SOURCE = Path(__file__).with_name("_native.c")
+# Tried in order: the fast build (x86 with glibc's vector maths), then ever more portable ones.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-lmvec", "-lm"],
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-lm"],
+    ["-O3", "-ffast-math", "-lm"],
+)
+_UNSET = object()
+_lib = _UNSET
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("PCDIST_CACHE_DIR"):
+        return Path(os.environ["PCDIST_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pcdist"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    """Compile the kernel (or find it in the cache); raises RuntimeError with the compiler's output."""
+    src = _SOURCE.read_bytes()
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([src, " ".join([cc, *flags]).encode(), _cpu_flags().encode(),
+                                         platform.machine().encode()])).hexdigest()[:16]
+        out = _cache_dir() / f"pcdist_native_{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: ranks compiling at once never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        libs = [f for f in flags if f.startswith("-l")]
+        cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-shared", "-fPIC", str(_SOURCE), "-o", tmp, *libs]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, out)
+            return out
+        os.unlink(tmp)
+        errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-800:]}")
+    raise RuntimeError("could not compile pcdist/_native.c:\n" + "\n".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None if disabled or unbuildable (warned once)."""
+    global _lib
+    if _lib is not _UNSET:
+        return _lib
+    _lib = None
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        warnings.warn(f"pcdist: no C compiler ({cc!r} not found); the CPU engine uses separate torch ops "
+                      "for the error pass (correct, slower). Set CC or install gcc to enable the fused kernel.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"pcdist: the fused CPU kernel is unavailable, using torch ops instead: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    for name, ct in (("pcd_errors_f32", ctypes.c_float), ("pcd_errors_f64", ctypes.c_double)):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double,
+                       *[ctypes.c_void_p] * 5, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double]
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def usable(act, like: Tensor) -> bool:
+    """True if the kernel can run this activation on tensors like ``like`` (CPU, float32/64) and
+    PCDIST_NATIVE is not 0 (read when a trainer builds its buffers)."""
+    return (os.environ.get("PCDIST_NATIVE", "1") != "0" and act is not None and act.name in ACT_CODES and not act.needs_input and like.device.type == "cpu"
+            and like.dtype in (torch.float32, torch.float64) and library() is not None)
+
+
+class Kernel:
+    """The fused pass bound to one group's preallocated buffers (pointers taken once).
+
+    ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
+    written over it) or u; ``h`` the predicted nodes; ``e`` receives h - u; ``d`` e * f'(a)
+    if wanted. ``run(fresh, with_d, lr)`` also takes the step h -= lr * e when ``lr`` is
+    given, on all K layers or, with ``stepped=K'``, on the first K' only.
+    """
+
+    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor):
+        for name, t in (("a", au), ("h", h), ("e", e), ("d", d)):
+            if not t.is_contiguous() or t.shape != au.shape or t.dtype != au.dtype:
+                raise ValueError(f"native kernel: buffer {name} must be contiguous with shape {list(au.shape)}")
+        K, B, O = au.shape
+        if not bias.is_contiguous() or bias.shape != (K, O) or bias.dtype != au.dtype:
+            raise ValueError(f"native kernel: bias must be contiguous with shape {[K, O]}")
+        lib = library()
+        self._fn = lib.pcd_errors_f32 if au.dtype == torch.float32 else lib.pcd_errors_f64
+        lo, hi = (act.negative_slope, 0.0) if act.name == "leaky_relu" else (act.min_val, act.max_val)
+        self._code, self._bounds = ACT_CODES[act.name], (lo, hi)
+        self._ptrs = [t.data_ptr() for t in (au, h, e, d)]
+        self._bias = bias.data_ptr()
+        self._K, self._B, self._O, self._size = K, B, O, au.element_size()
+        self._keep = (au, h, e, d, bias)  # the buffers outlive the pointers
+
+    def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
+        if lr is not None and stepped is not None and stepped < self._K:
+            self._call(fresh, with_d, lr, 0, stepped)
+            self._call(fresh, with_d, None, stepped, self._K)
+        else:
+            self._call(fresh, with_d, lr, 0, self._K)
+
+    def _call(self, fresh: bool, with_d: bool, lr: float | None, k0: int, k1: int) -> None:
+        """The pass over layers [k0, k1) of the group."""
+        if k1 <= k0:
+            return
+        B, O = self._B, self._O
+        au, h, e, d = (p + k0 * B * O * self._size for p in self._ptrs)
+        mode = int(fresh) + 2 * int(with_d) + 4 * int(lr is not None)
+        self._fn(self._code, mode, torch.get_num_threads(), *self._bounds, au, h, e, d,
+                 self._bias + k0 * O * self._size, (k1 - k0) * B * O, B, O, 0.0 if lr is None else lr)

@@ -1,0 +1,146 @@
+"""The fused CPU error kernel (pcdist/_native.c) against the torch ops it replaces, and
+training with it against training without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pcdist
+from pcdist import native
+from pcdist.activations import Activation
+
+from test_reference import make_batch, make_seq
+
+ACTS = [Activation("tanh"), Activation("sigmoid"), Activation("relu"), Activation("leaky_relu", negative_slope=0.2),
+        Activation("hard_tanh", min_val=-0.5, max_val=0.75), Activation("identity")]
+HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    """The fast path must not silently fall back on a machine that can build it."""
+    if not HAVE_CC:
+        pytest.skip("no C compiler on this machine: the engine uses torch ops (tested everywhere else)")
+    assert native.library() is not None
+
+
+def torch_ops(act, a, bias, h, lr, stepped):
+    """What the kernel replaces, as separate torch ops: u = f(a + b); e = h - u; d = e f'(a); h[:stepped] -= lr e."""
+    pre = a + bias.unsqueeze(1)
+    u = act.forward(pre.clone())
+    e = h - u
+    d = torch.empty_like(e)
+    act.grad(e, pre, u, out=d)
+    h = h.clone()
+    if lr is not None:
+        h[:stepped] -= lr * e[:stepped]
+    return u, e, d, h
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name)
+def test_kernel_equals_torch_ops(act, dtype):
+    gen = torch.Generator().manual_seed(0)
+    K, B, O = 5, 7, 33  # odd sizes: vector remainders and rows that straddle OpenMP chunks
+    a0 = torch.randn(K, B, O, generator=gen, dtype=dtype) * 2
+    a0[0, 0, :6] = torch.tensor([0.0, -0.5, 0.75, 1e-30, -1e-30, 3.0], dtype=dtype)  # at the kinks
+    bias = torch.randn(K, O, generator=gen, dtype=dtype) * 0.1
+    bias[0, :6] = 0
+    h0 = torch.randn(K, B, O, generator=gen, dtype=dtype)
+    ulp = torch.finfo(dtype).eps
+    for fresh in (True, False):
+        for with_d in (True, False):
+            for lr, stepped in ((None, None), (0.3, K), (0.3, K - 2)):
+                ref_u, ref_e, ref_d, ref_h = torch_ops(act, a0, bias, h0, lr, stepped if lr else K)
+                au = a0.clone() if fresh else ref_u.clone()
+                h, e, d = h0.clone(), torch.full_like(h0, 7.0), torch.full_like(h0, 7.0)
+                native.Kernel(act, au, h, e, d, bias).run(fresh, with_d, lr, stepped)
+                tol = dict(atol=16 * ulp, rtol=8 * ulp)  # libm/libmvec vs Sleef tanh, exp: a few ulp
+                torch.testing.assert_close(au, ref_u, **tol)
+                torch.testing.assert_close(e, ref_e, **tol)
+                torch.testing.assert_close(h, ref_h, **tol)
+                if with_d:
+                    torch.testing.assert_close(d, ref_d, **tol)
+                else:
+                    assert bool((d == 7.0).all()), "d must be left alone when not asked for"
+
+
+def test_kernel_rejects_mismatched_buffers():
+    if not HAVE_CC:
+        pytest.skip("no C compiler")
+    a = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="buffer h must be contiguous"):
+        native.Kernel(Activation("tanh"), a, torch.zeros(2, 4, 3).transpose(1, 2), a.clone(), a.clone(), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        native.Kernel(Activation("tanh"), a, a.clone(), a.clone(), a.clone(), torch.zeros(2, 5))
+
+
+def group_acts(acts):
+    """The activation of each non-output group: the input layer (6 -> 9, a shape of its own),
+    then one group per run of equal activations among the 9 -> 9 layers."""
+    runs = [acts[0], acts[1]]
+    for a in acts[2:]:
+        if a != runs[-1]:
+            runs.append(a)
+    return runs
+
+
+def run_training(acts, algorithm, x_momentum, energy, native_on, monkeypatch, steps=3):
+    monkeypatch.setenv("PCDIST_NATIVE", "1" if native_on else "0")
+    seq = make_seq([6, 9, 9, 9, 9, 4], acts, seed=3)
+    net = pcdist.PCNetwork.from_sequential(seq, energy=energy)
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=6, x_lr=0.2,
+                               x_momentum=x_momentum, algorithm=algorithm)
+    gen = torch.Generator().manual_seed(5)
+    energies = []
+    for _ in range(steps):
+        x, y = make_batch(8, 6, 4, gen)
+        energies.append(trainer.step(x, y)["energy"])
+    st = trainer.stage(8)
+    used = [gr.kernel is not None for gr in st.groups if gr is not st.output]
+    return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("algorithm,x_momentum,energy", [("pc", 0.0, "se"), ("pc", 0.5, "ce"), ("ipc", 0.0, "ce")])
+@pytest.mark.parametrize("acts", [["tanh"] * 4, ["relu"] * 4, ["sigmoid"] * 4, ["leaky_relu"] * 4, ["hardtanh"] * 4,
+                                  ["identity"] * 4, ["tanh", "gelu", "gelu", "relu"]], ids="-".join)
+def test_training_with_kernel_equals_torch_ops(acts, algorithm, x_momentum, energy, monkeypatch):
+    """float64: the fused kernel (and pc's fused value step) changes nothing beyond round-off.
+    gelu needs its pre-activation, so its group keeps the torch ops beside kernel groups."""
+    on = run_training(acts, algorithm, x_momentum, energy, True, monkeypatch)
+    off = run_training(acts, algorithm, x_momentum, energy, False, monkeypatch)
+    assert not any(off[3]), "PCDIST_NATIVE=0 must select the torch ops"
+    assert on[3] == ["gelu" not in a for a in group_acts(acts)], "the kernel runs every group it supports"
+    assert on[0] == pytest.approx(off[0], abs=1e-12, rel=1e-12)
+    for a, b in zip(on[1] + on[2], off[1] + off[2]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_no_compiler_falls_back_with_a_warning(tmp_path):
+    """Without a compiler the engine warns once and trains with torch ops."""
+    code = (
+        "import warnings, torch, pcdist\n"
+        "from pcdist import native\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert native.library() is None\n"
+        "assert any('no C compiler' in str(x.message) for x in w), [str(x.message) for x in w]\n"
+        "seq = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))\n"
+        "net = pcdist.PCNetwork.from_sequential(seq)\n"
+        "tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3)\n"
+        "s = tr.step(torch.randn(4, 3), torch.eye(2)[[0, 1, 0, 1]])\n"
+        "assert all(g.kernel is None for g in tr.stage(4).groups)\n"
+        "print('energy', s['energy'])\n"
+    )
+    env = {**os.environ, "CC": "no-such-compiler-pcdist", "PCDIST_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "energy" in proc.stdout
+    assert not list(tmp_path.iterdir()), "nothing is built without a compiler"
