@@ -8,6 +8,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler for pcdist's fused CPU kernel (built on first use; GPU runs do not need it).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # Dependency layer: only pyproject changes invalidate it. torch comes from the base image;
 # the other versions are bounded in pyproject.toml.
 COPY pyproject.toml README.md ./

@@ -15,6 +15,13 @@ a group is one batched kernel:
                v += e (momentum only);  h -= x_lr * v   (one pass per node block)
     weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
 
+On CPUs the elementwise work between the GEMMs is one pass per group (pcdist.native):
+a = bmm(h_in, w) and then b, f, e, f' in a single kernel, instead of a bias copy and
+three torch ops. For pc without momentum the weights and predictions stay fixed until
+the value step, so its step splits into h_out -= x_lr * e, taken in that same pass, and
+h_in += x_lr * d @ w_KOI, taken by the back-projection GEMM itself (see
+``Stage.errors``): no separate update pass and no v at all.
+
 The back-projection multiplies by the transposed weights. A GEMM that reads its second
 operand transposed is 20-30% slower on CPUs (MKL) than one that reads it row-major, so
 with ``transposed_weights=True`` (the trainer's choice for pc, where the weights stay

@@ -41,3 +41,15 @@ def test_dockerfile_matches_the_package():
         assert needed in docker
     assert "USER 1000" in docker, "the image must not run as root"
     assert docker.index("COPY pyproject.toml") < docker.index("COPY pcdist"), "dependencies before the source"
+
+
+def test_wheel_ships_the_kernel_source(tmp_path):
+    """A non-editable install must carry pcdist/_native.c, or the fused CPU kernel can never build."""
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("pcdist-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pcdist/_native.c" in names and "pcdist/native.py" in names
