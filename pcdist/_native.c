@@ -1,10 +1,10 @@
 /* One fused pass of predictive-coding errors per layer group (pcdist.native builds and loads it).
  *
  * For every element of a group's K x B x O block:
- *     u = f(a + bias)       (only if `fresh`: au holds a = h_in @ w on entry and u on exit, bias is
- *                            the layer's [O] row; else au holds u)
- *     e = h - u
- *     d = e * f'(a)         (only if d != NULL; f' is read from u, as aten's *_backward ops do)
+ *     u = f(a + bias)       (if `fresh`: au holds a = h_in @ w, bias is the layer's [O] row, and u
+ *                            is not stored; else au holds u)
+ *     e = h - u             (stored unless `update`: then nothing reads it before the next pass)
+ *     d = e * f'(a)         (only if wanted; f' is read from u, as aten's *_backward ops do)
  *     h = h - lr * e        (only if `update`: the value step's own-error term, in place)
  * which replaces up to five memory passes of separate torch ops (the bias copy of baddbmm,
  * f, sub, *_backward, add_) by one. Activation codes match pcdist.native.ACT_CODES; f'(a) at the kinks follows aten's
@@ -36,9 +36,9 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
                 _Pragma("omp simd")                                                       \
                 for (long o = 0; o < O; o++) {                                            \
                     T u;                                                                  \
-                    if (FRESH) { T x = au_[o] + b[o]; u = (FWD); au_[o] = u; } else { u = au_[o]; } \
+                    if (FRESH) { T x = au_[o] + b[o]; u = (FWD); } else { u = au_[o]; }          \
                     T ei = h_[o] - u;                                                     \
-                    e_[o] = ei;                                                           \
+                    if (!UPDATE) e_[o] = ei;                                              \
                     if (HAS_D) d_[o] = ei * (DER);                                        \
                     if (UPDATE) h_[o] = h_[o] - lr * ei;                                  \
                 }                                                                         \

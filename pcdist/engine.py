@@ -16,8 +16,8 @@ a group is one batched kernel:
     weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
 
 On CPUs the elementwise work between the GEMMs is one pass per group (pcdist.native):
-a = bmm(h_in, w) and then b, f, e, f' in a single kernel, instead of a bias copy and
-three torch ops. For pc without momentum the weights and predictions stay fixed until
+a = bmm(h_in, w) and then b, f, e, f' in a single kernel (u is never stored), instead
+of a bias copy and three torch ops. For pc without momentum the weights and predictions stay fixed until
 the value step, so its step splits into h_out -= x_lr * e, taken in that same pass, and
 h_in += x_lr * d @ w_KOI, taken by the back-projection GEMM itself (see
 ``Stage.errors``): no separate update pass and no v at all.
@@ -106,19 +106,23 @@ class _Group:
             torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
             if self.act is not None:
                 self.act.forward(self.a, out=self.u)
+            self.cached = True
         else:
             torch.bmm(self.h_in, self.w_KIO, out=self.a)
-        self.cached = True
 
     def errors(self, with_d: bool, step_lr: float | None, hold_last: bool = False) -> None:
         """e = h_out - u and d = e * f'(a) (if ``with_d``) of a hidden group, predicting first if
         stale; with ``step_lr`` also the value step's own-error term h_out -= step_lr * e
-        (``hold_last``: on all nodes but the last)."""
+        (``hold_last``: on all nodes but the last), and e is then left unwritten where the
+        kernel takes that step (only the held node's e is read, as the boundary message)."""
         stepped = self.K - 1 if hold_last else self.K
         if self.kernel is not None:
-            fresh = not self.cached
+            # The kernel does not store u: only layer 1 (clamped input) reuses it, for the whole batch.
+            fresh = not self.cached and self.g.first > 1
             if fresh:
                 self.predict(activate=False)
+            elif not self.cached:
+                self.predict()
             self.kernel.run(fresh, with_d, step_lr, stepped)
             return
         if not self.cached:

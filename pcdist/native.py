@@ -121,9 +121,10 @@ class Kernel:
     """The fused pass bound to one group's preallocated buffers (pointers taken once).
 
     ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
-    written over it) or u; ``h`` the predicted nodes; ``e`` receives h - u; ``d`` e * f'(a)
-    if wanted. ``run(fresh, with_d, lr)`` also takes the step h -= lr * e when ``lr`` is
-    given, on all K layers or, with ``stepped=K'``, on the first K' only.
+    computed on the fly and not stored) or u; ``h`` the predicted nodes; ``e`` receives
+    h - u; ``d`` e * f'(a) if wanted. ``run(fresh, with_d, lr)`` instead takes the step
+    h -= lr * e when ``lr`` is given (e is then not stored: nothing reads it), on all K
+    layers or, with ``stepped=K'``, on the first K' only (the rest store e).
     """
 
     def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor):
