@@ -7,8 +7,9 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   torch_ops  pcdist with its fused error kernel off (PCDIST_NATIVE=0): the error pass as
              separate torch ops, as on a machine without a C compiler
 
-The four run interleaved (round-robin, several rounds) in one process and the
-medians are compared, so machine drift hits all alike. Writes
+The four run interleaved (round-robin, several rounds) in one process; each ratio is
+the median over rounds of the ratio within a round (pcdist and limit run back to back),
+so machine drift between rounds cancels out. Writes
 benchmarks/results/fusion.json and benchmarks/results/fusion_depth.png.
 
     python benchmarks/fusion.py            # full run (a few minutes on 2 cores)
@@ -135,12 +136,13 @@ def make_variants(shape, B: int, T: int, x_lr: float):
         ops.stage(B)  # the kernel choice is made when the buffers are built
     finally:
         del os.environ["PCDIST_NATIVE"]
-    return {"loop": lambda: loop.step(x, y), "pcdist": lambda: trainer.step(x, y),
-            "torch_ops": lambda: ops.step(x, y), "limit": limit.step}
+    # pcdist and limit run next to each other in every round: their ratio is taken per round.
+    return {"loop": lambda: loop.step(x, y), "torch_ops": lambda: ops.step(x, y),
+            "pcdist": lambda: trainer.step(x, y), "limit": limit.step}
 
 
-def time_interleaved(variants: dict, rounds: int, min_time: float) -> dict[str, float]:
-    """Median seconds per call of each variant; variants alternate within every round."""
+def time_interleaved(variants: dict, rounds: int, min_time: float) -> dict[str, list[float]]:
+    """Seconds per call of each variant in every round; variants alternate within a round."""
     for f in variants.values():  # warm-up
         f()
         f()
@@ -155,7 +157,12 @@ def time_interleaved(variants: dict, rounds: int, min_time: float) -> dict[str, 
                 if dt >= min_time:
                     break
             samples[name].append(dt / n)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of num/den within the round: drift between rounds cancels out."""
+    return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
 def main() -> None:
@@ -166,18 +173,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    rounds, min_time = (3, 0.05) if args.quick else (9, 0.3)
+    rounds, min_time = (3, 0.05) if args.quick else (15, 0.3)
     kw = dict(B=args.batch, T=args.T, x_lr=0.1)
 
     shapes = {}
     for name, shape in SHAPES.items():
-        med = time_interleaved(make_variants(shape, **kw), rounds, min_time)
+        samples = time_interleaved(make_variants(shape, **kw), rounds, min_time)
+        med = {k: statistics.median(v) for k, v in samples.items()}
         shapes[name] = {
             "dims": f"{shape[0]} -> {len(shape[1])} hidden x {shape[1][0]} -> {shape[2]}",
             "seconds": med,
-            "loop/pcdist": med["loop"] / med["pcdist"],
-            "pcdist/limit": med["pcdist"] / med["limit"],
-            "torch_ops/pcdist": med["torch_ops"] / med["pcdist"],
+            "loop/pcdist": ratio(samples, "loop", "pcdist"),
+            "pcdist/limit": ratio(samples, "pcdist", "limit"),
+            "torch_ops/pcdist": ratio(samples, "torch_ops", "pcdist"),
+            "rounds": samples,
         }
         print(f"shape {name} ({shapes[name]['dims']}): loop {med['loop'] * 1e3:8.2f} ms  pcdist {med['pcdist'] * 1e3:8.2f} ms  "
               f"limit {med['limit'] * 1e3:8.2f} ms  loop/pcdist {shapes[name]['loop/pcdist']:5.2f}x  "
@@ -186,7 +195,8 @@ def main() -> None:
 
     depth = {}
     for n in DEPTHS:
-        med = time_interleaved(make_variants((64, [128] * n, 10), **kw), max(3, rounds // 2), min_time)
+        samples = time_interleaved(make_variants((64, [128] * n, 10), **kw), max(3, rounds // 2), min_time)
+        med = {k: statistics.median(v) for k, v in samples.items()}
         depth[n] = med
         print(f"depth {n:3d} hidden x 128: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in med.items()), flush=True)
 
