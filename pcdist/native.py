@@ -7,9 +7,9 @@ the step on a CPU. ``_native.c`` does them in one vectorised pass.
 
 It is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 a cache folder (``$PCDIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcdist`` or
-``~/.cache/pcdist``), keyed by the source, the flags and this CPU's feature flags,
-so a shared home folder on a mixed cluster never loads a binary built for another
-CPU. Without a compiler, or with ``PCDIST_NATIVE=0``, the engine keeps the torch
+``~/.cache/pcdist``; the temp folder if that cannot be written), keyed by the source,
+the flags and this CPU's feature flags, so a shared home folder on a mixed cluster never
+loads a binary built for another CPU. Without a compiler, or with ``PCDIST_NATIVE=0``, the engine keeps the torch
 ops (a warning says why), and GPUs always use them. Both give the same numbers to
 round-off (tests/test_native.py).
 """
@@ -68,13 +68,25 @@ def _build(cc: str) -> Path:
         out = _cache_dir() / f"pcdist_native_{key}.so"
         if out.exists():
             return out
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(out.parent, os.W_OK):
+                raise PermissionError(out.parent)
+        except OSError:  # a read-only home (some containers): build in the temp folder instead
+            out = Path(tempfile.gettempdir()) / f"pcdist-{os.getuid() if hasattr(os, 'getuid') else 0}" / out.name
+            if out.exists():
+                return out
+            out.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: ranks compiling at once never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         libs = [f for f in flags if f.startswith("-l")]
         cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-shared", "-fPIC", str(_SOURCE), "-o", tmp, *libs]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            os.unlink(tmp)
+            raise RuntimeError(f"the C compiler did not finish within 300 s: {' '.join(cmd)}") from None
         if proc.returncode == 0:
             os.replace(tmp, out)
             return out

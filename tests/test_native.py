@@ -146,3 +146,17 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "energy" in proc.stdout
     assert not list(tmp_path.iterdir()), "nothing is built without a compiler"
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_unusable_cache_folder_builds_in_the_temp_folder(tmp_path):
+    """A cache folder that cannot be created or written (a read-only home in a container;
+    here a path under a plain file, which even root cannot create) must not cost the fast path."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    (tmp_path / "tmp").mkdir()
+    code = "from pcdist import native; lib = native.library(); assert lib is not None; print(lib._name)"
+    env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith(str(tmp_path / "tmp")), proc.stdout
