@@ -13,7 +13,7 @@ def train_digits(seed: int, epochs: int = 30, B: int = 64):
     torch.manual_seed(seed)
     x_tr, l_tr, x_va, l_va = load_digits()
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="gelu", energy="ce")
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-4)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     per_epoch = (len(x_tr) + B - 1) // B
     sched = pcdist.warmup_cosine(opt, warmup_steps=per_epoch, total_steps=epochs * per_epoch)
     trainer = pcdist.PCTrainer(net, opt, T=20, x_lr=0.1, x_momentum=0.0, algorithm="pc", scheduler=sched)
