@@ -68,7 +68,7 @@ def worker(args) -> None:
     gathered = [torch.zeros_like(res) for _ in range(P)]
     dist.all_gather(gathered, res)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({
+        Path(args.worker_out).write_text(json.dumps({
             "step_s": max(float(g[0]) for g in gathered),
             "comm_fraction_per_rank": [float(g[1]) for g in gathered],
             "layers": L,
@@ -78,7 +78,7 @@ def worker(args) -> None:
 
 def launch(P: int, args, out: str, independent: bool = False, one_batch: bool = False) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}", __file__,
-           "--worker", "--out", out, *(["--independent"] if independent else []),
+           "--worker", "--worker-out", out, *(["--independent"] if independent else []),
            *(["--one-batch"] if one_batch else []), "--layers-per-rank", str(args.layers_per_rank), "--width", str(args.width),
            "--batch", str(args.batch), "--T", str(args.T), "--steps", str(args.steps),
            "--micro-batches", str(args.micro_batches)]
@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--independent", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one-batch", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="")
+    ap.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers-per-rank", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
@@ -140,9 +141,9 @@ def main() -> None:
               f"efficiency {base / t:5.3f}  load-adjusted {t_loaded / t:5.3f}  "
               f"blocked on messages {comm * 100:5.1f}% of the step  "
               f"(one-batch exchange: {t_one * 1e3:8.1f} ms/step, efficiency {base / t_one:5.3f})")
-    OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / f"scaling_K{args.layers_per_rank}_W{args.width}"
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "independent", "out")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"scaling_K{args.layers_per_rank}_W{args.width}"
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "independent", "one_batch", "worker_out", "out")}
     stem.with_suffix(".json").write_text(json.dumps({"config": config, "ranks": table}, indent=2))
     plot(table, args, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png")

@@ -1,0 +1,52 @@
+"""The benchmark scripts run end to end (tiny sizes) and write what the README says they write.
+
+No timing is asserted here: speed claims live in the README, measured by these scripts.
+What is checked is that the reported ratios are the ones defined in each script's
+docstring, recomputed from the raw samples the script saved.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_fusion_benchmark_writes_medians_ratios_and_plot(tmp_path):
+    stdout = run("fusion.py", "--quick", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "fusion.json").read_text())
+    assert (tmp_path / "fusion_depth.png").read_bytes()[:8] == PNG_MAGIC
+    assert set(res["shapes"]) == {"A", "B", "C"}
+    for name, shape in res["shapes"].items():
+        rounds = shape["rounds"]
+        assert set(rounds) == {"loop", "torch_ops", "pcdist", "limit"}
+        assert len({len(v) for v in rounds.values()}) == 1, "every variant is timed in every round"
+        for variant, samples in rounds.items():
+            assert shape["seconds"][variant] == statistics.median(samples)
+        for num, den in (("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist")):
+            per_round = statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
+            assert shape[f"{num}/{den}"] == per_round
+        assert f"shape {name} (" in stdout
+    assert sorted(map(int, res["depth"])) == [4, 8, 16, 32, 64]
+
+
+def test_scaling_benchmark_launches_torchrun_and_reports_efficiency(tmp_path):
+    run("scaling.py", "--layers-per-rank", "1", "--width", "32", "--steps", "1", "--rounds", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "scaling_K1_W32.json").read_text())
+    assert (tmp_path / "scaling_K1_W32.png").read_bytes()[:8] == PNG_MAGIC
+    one, two = res["ranks"]["1"], res["ranks"]["2"]
+    assert (one["layers"], two["layers"]) == (2, 3), "an input layer + P*K layers"
+    assert two["efficiency"] == one["step_s"] / two["step_s"]
+    assert two["load_adjusted_efficiency"] == two["independent_step_s"] / two["step_s"]
+    assert 0.0 <= two["max_comm_fraction"] <= 1.0 and one["max_comm_fraction"] == 0.0
+    assert res["config"]["layers_per_rank"] == 1 and "worker_out" not in res["config"]
