@@ -185,30 +185,33 @@ def test_from_sequential_copies_weights():
     assert_same_sequential(seq, seq0, "original Sequential after training")
 
 
+@pytest.mark.parametrize("seed", [11, 21])
 @pytest.mark.parametrize("algorithm", ["pc", "ipc"])
-def test_float32_close(algorithm):
-    """Smoke test in float32 (the dtype follows the Sequential): loose tolerance.
+def test_float32_close(algorithm, seed):
+    """float32 (the dtype follows the Sequential) against the float64 reference.
 
-    Value nodes after four batches differ by ~1e-5 from float64 with either error pass
-    (torch ops or the fused kernel, each a few ulp per op): AdamW divides small gradients
-    by their own root mean square, which amplifies their round-off; hence 5e-5.
+    With SGD + momentum the two stay within ~2e-7 (measured over 40 seeds); the bound is
+    10x that. AdamW is left to the float64 tests: it divides each gradient by its own
+    root mean square, so float32 round-off in near-zero gradients becomes a full-size
+    step and the float32 run drifts from the float64 one by up to 1e-2 within four
+    batches, whatever computes the gradients.
     """
-    seq64 = make_seq([6, 8, 8, 8, 4], ["tanh"] * 3, seed=11)
+    seq64 = make_seq([6, 8, 8, 8, 4], ["tanh"] * 3, seed=seed)
     seq = copy.deepcopy(seq64).float()
-    ref = ReferenceTrainer(seq64, OPTIMIZERS["adamw"], T=5, x_lr=0.1, x_momentum=0.5,
+    ref = ReferenceTrainer(seq64, OPTIMIZERS["sgd_momentum"], T=5, x_lr=0.1, x_momentum=0.5,
                            algorithm=algorithm, energy="ce")
     net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
-    trainer = pcdist.PCTrainer(net, OPTIMIZERS["adamw"](net.parameters()), T=5, x_lr=0.1,
+    trainer = pcdist.PCTrainer(net, OPTIMIZERS["sgd_momentum"](net.parameters()), T=5, x_lr=0.1,
                                x_momentum=0.5, algorithm=algorithm)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seed)
     for B in BATCH_SIZES:
         x, y = make_batch(B, 6, 4, gen)
         stats, ref_stats = trainer.step(x.float(), y.float()), ref.step(x, y)
-        assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=1e-5)
+        assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=2e-6)
         for h, r in zip(trainer.value_nodes(), ref.value_nodes()):
             assert h.dtype == torch.float32
-            assert_close(h.detach().double(), r, atol=5e-5, rtol=0)
+            assert_close(h.detach().double(), r, atol=2e-6, rtol=0)
     with torch.no_grad():
         out = net(x.float())
         assert out.dtype == torch.float32
-        assert_close(out.double(), ref.seq(x), atol=1e-5, rtol=0)
+        assert_close(out.double(), ref.seq(x), atol=2e-6, rtol=0)
