@@ -95,7 +95,8 @@ class PeerError(RuntimeError):
 @contextmanager
 def collective(what: str, group=None):
     """Run a collective; a failure (a peer died or stopped answering within the process-group
-    timeout) becomes a PeerError naming this rank and the ranks of the group."""
+    timeout) becomes a PeerError naming this rank, the ranks of the group and, from the
+    progress each rank records in the rendezvous store, the members that fell behind."""
     try:
         yield
     except PeerError:
@@ -103,8 +104,41 @@ def collective(what: str, group=None):
     except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
         me = dist.get_rank()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out "
-                        f"(one of them died or stopped answering): {e}") from e
+        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out{_who_fell_behind(ranks)}: {e}") from e
+
+
+_STEPS_KEY = "pcdist/steps_begun/{}"
+
+
+def _mark_progress(steps: int) -> None:
+    """Record in the rendezvous store how many training steps this rank has begun (one small
+    write per step) so that a failed collective can name the member that fell behind."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_STEPS_KEY.format(dist.get_rank()), str(steps))
+    except Exception:  # diagnostics only: a dead store shows up in the next exchange anyway
+        pass
+
+
+def _who_fell_behind(ranks: list[int]) -> str:
+    """Which ranks of a failed collective began fewer training steps than this one (from the
+    store, read within 5 s; empty when the store is gone with the rank that hosted it)."""
+    me = dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        old = store.timeout
+        store.set_timeout(timedelta(seconds=5))
+        try:
+            keys = {r: _STEPS_KEY.format(r) for r in ranks}
+            begun = {r: int(store.get(k)) if store.check([k]) else 0 for r, k in keys.items()}
+        finally:
+            store.set_timeout(old)
+    except Exception:
+        return ""
+    behind = [r for r in ranks if begun[r] < begun[me]]
+    if not behind:
+        return f" (every rank of the group began training step {begun[me]}; one of them died or stopped answering in it)"
+    return (f" (rank {me} began training step {begun[me]}, but "
+            + ", ".join(f"rank {r} only step {begun[r]}" for r in behind) + ": it died or stopped answering)")
 
 
 def _wait(reqs) -> float:
@@ -155,6 +189,7 @@ class Parallel:
         self.prepost = prepost
         self._recvs: list = []
         self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
+        self.steps_begun = 0  # recorded in the store for error messages (``collective``)
 
     @classmethod
     def single(cls, num_layers: int) -> "Parallel":
@@ -219,6 +254,9 @@ class Parallel:
 
     def feedforward(self, st: Stage) -> None:
         """The feed-forward init, pipelined over micro-batches across the layer slices."""
+        self.steps_begun += 1
+        if self.data_group is not None or self.prev is not None or self.next is not None:
+            _mark_progress(self.steps_begun)
         if self.prev is None and self.next is None:
             st.feedforward()
             return

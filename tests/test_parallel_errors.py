@@ -67,15 +67,26 @@ def test_dead_or_hung_peer_raises_naming_the_peer(mode):
     assert time.monotonic() - t0 < 45
 
 
-def die_in_data_parallel(rank, world, timeout_s):
+def die_in_data_parallel(rank, world, dead, timeout_s):
     tr, x, y = small_trainer(ParallelDims(2, 1), timeout_s)
     tr.step(x, y)
-    if rank == 1:
+    if rank == dead:
         os._exit(0)
     tr.step(x, y)
 
 
-def test_dead_peer_in_a_collective_names_the_group():
-    """Data-parallel ranks meet in the gradient all-reduce: a dead peer there is an error naming the group."""
-    with pytest.raises(WorkerError, match=r"rank 0: the data-axis gradient all-reduce over ranks \[0, 1\] failed"):
-        run(die_in_data_parallel, 2, 4.0, timeout=60)
+def test_dead_peer_in_a_collective_is_named():
+    """Data-parallel ranks meet in the gradient all-reduce. Rank 1 dies after one step: rank 0's
+    error names the group and, from the progress recorded in the store, rank 1 as the one behind."""
+    with pytest.raises(WorkerError, match=r"rank 0: the data-axis gradient all-reduce over ranks \[0, 1\] failed or "
+                                          r"timed out \(rank 0 began training step 2, but rank 1 only step 1: it died"):
+        run(die_in_data_parallel, 2, 1, 4.0, timeout=60)
+
+
+def test_dead_store_host_in_a_collective_still_names_the_group():
+    """Rank 0 hosts the rendezvous store here (env://); when it dies the progress is gone with it,
+    and rank 1 still reports the failed collective and its group, within the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1: the data-axis gradient all-reduce over ranks \[0, 1\] failed"):
+        run(die_in_data_parallel, 2, 0, 4.0, timeout=60)
+    assert time.monotonic() - t0 < 45
