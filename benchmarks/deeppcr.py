@@ -86,11 +86,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-gflop", type=float, default=40.0, help="skip cells whose one scan exceeds this")
     ap.add_argument("--replot", action="store_true", help="redraw deeppcr.png from deeppcr.json")
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     if args.replot:
-        cells = json.loads((OUT / "deeppcr.json").read_text())["cells"]
+        cells = json.loads((args.out / "deeppcr.json").read_text())["cells"]
         axes = [sorted({c[k] for c in cells}) for k in ("L", "width", "batch")]
-        plot(cells, *axes, OUT / "deeppcr.png")
+        plot(cells, *axes, args.out / "deeppcr.png")
         return
     torch.set_num_threads(os.cpu_count() or 1)
     Ls = [64, 256] if args.quick else [64, 256, 1024, 4096]
@@ -110,13 +111,13 @@ def main() -> None:
                           f"({row['newton_iterations']} Newton it.)  backward {row['backward']['speedup']:6.2f}x",
                           flush=True)
                 results.append(row)
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     best = {p: max((r[p]["speedup"], r["L"], r["width"], r["batch"]) for r in results if p in r) for p in ("forward", "backward")}
-    (OUT / "deeppcr.json").write_text(json.dumps({"threads": torch.get_num_threads(), "cells": results, "best": best}, indent=1))
-    plot(results, Ls, Ds, Bs, OUT / "deeppcr.png")
+    (args.out / "deeppcr.json").write_text(json.dumps({"threads": torch.get_num_threads(), "cells": results, "best": best}, indent=1))
+    plot(results, Ls, Ds, Bs, args.out / "deeppcr.png")
     for p, (s, L, D, B) in best.items():
         print(f"best {p}: {s:.2f}x at L={L}, width={D}, batch={B}")
-    print(f"wrote {OUT / 'deeppcr.json'} and {OUT / 'deeppcr.png'}")
+    print(f"wrote {args.out / 'deeppcr.json'} and {args.out / 'deeppcr.png'}")
 
 
 def plot(results, Ls, Ds, Bs, path: Path) -> None:

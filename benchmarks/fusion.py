@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--T", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     rounds, min_time = (3, 0.05) if args.quick else (15, 0.3)

@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--ib", type=float, default=45.0, help="GB/s per GPU (400 Gb/s NDR)")
     ap.add_argument("--ib-lat", type=float, default=10.0)
     ap.add_argument("--launch-us", type=float, default=10.0, help="host cost of posting one exchange")
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     a = ap.parse_args()
     base = step_time(1, 1, a)["step_ms"]
     rows = []
@@ -94,8 +95,8 @@ def main() -> None:
         print(f"{r['gpus']:5d} {r['D']:5d} {r['P']:5d} {r['layers']:6d} {r['message_MB']:7.2f} "
               f"{r['exposed_comm_us_per_eval']:15.1f} {r['exposed_allreduce_ms']:13.2f} {r['step_ms']:8.2f} "
               f"{r['weak_scaling_efficiency']:10.3f}")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "scaling_model.json").write_text(json.dumps({"assumptions": vars(a), "one_gpu_ms": base, "rows": rows}, indent=2))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "scaling_model.json").write_text(json.dumps({"assumptions": {k: v for k, v in vars(a).items() if k != "out"}, "one_gpu_ms": base, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
 
     On GPUs every rank binds ``cuda:LOCAL_RANK`` and the NCCL group is created
     eagerly; on CPUs the backend is gloo. A peer that stops answering raises after
-    ``timeout_s`` instead of hanging.
+    ``timeout_s`` instead of hanging. Started without torchrun (no RANK and
+    WORLD_SIZE in the environment), the process forms a group of one, so the same
+    script also runs as ``python script.py``.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
@@ -84,6 +86,8 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kw = {"device_id": device} if device.type == "cuda" else {}
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
+            kw.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **kw)
     return device
 

@@ -50,3 +50,24 @@ def test_scaling_benchmark_launches_torchrun_and_reports_efficiency(tmp_path):
     assert two["load_adjusted_efficiency"] == two["independent_step_s"] / two["step_s"]
     assert 0.0 <= two["max_comm_fraction"] <= 1.0 and one["max_comm_fraction"] == 0.0
     assert res["config"]["layers_per_rank"] == 1 and "worker_out" not in res["config"]
+
+
+def test_deeppcr_benchmark_reports_its_best_cells(tmp_path):
+    run("deeppcr.py", "--quick", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "deeppcr.json").read_text())
+    assert (tmp_path / "deeppcr.png").read_bytes()[:8] == PNG_MAGIC
+    measured = [c for c in res["cells"] if "skipped" not in c]
+    assert measured
+    for phase in ("forward", "backward"):
+        best = max((c[phase]["speedup"], c["L"], c["width"], c["batch"]) for c in measured)
+        assert res["best"][phase] == list(best)
+
+
+def test_scaling_model_efficiency_is_one_gpu_time_over_step_time(tmp_path):
+    run("scaling_model.py", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "scaling_model.json").read_text())
+    assert {r["gpus"] for r in res["rows"]} == {8, 16, 32, 64, 128, 256, 512}
+    for r in res["rows"]:
+        assert r["gpus"] == r["P"] * r["D"]
+        assert r["weak_scaling_efficiency"] == res["one_gpu_ms"] / r["step_ms"]
+    assert res["assumptions"]["layers_per_rank"] == 8
