@@ -96,7 +96,8 @@ class _Group:
         self.layers = [(g.bias[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         self.cached = False  # u = f(a) is current for the present inputs and weights
         # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
-        self.kernel = native.Kernel(self.act, self.u, self.h_out, self.e_out, self.d, g.bias) \
+        # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
+        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.bias, u=self.u) \
             if native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
 
     def predict(self, activate: bool = True) -> None:

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["ACT_CODES", "library", "usable", "Kernel"]
+__all__ = ["ACT_CODES", "act_code", "library", "usable", "Kernel"]
 
-ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5}
+ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5, "gelu": 6,
+             "gelu_tanh": 7}
 _SOURCE = Path(__file__).with_name("_native.c")
 # Tried in order: the fast build (x86 with glibc's vector maths), then ever more portable ones.
 _FLAG_SETS = (
@@ -116,16 +117,24 @@ def library() -> ctypes.CDLL | None:
     for name, ct in (("pcd_errors_f32", ctypes.c_float), ("pcd_errors_f64", ctypes.c_double)):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double,
-                       *[ctypes.c_void_p] * 5, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double]
+                       *[ctypes.c_void_p] * 6, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double]
         fn.restype = None
     _lib = lib
     return lib
 
 
+def act_code(act) -> int | None:
+    """The kernel's code for an Activation, or None where it has none (leaky_relu with a
+    negative slope: its f' is not a function of u and it is rare enough to leave to torch ops)."""
+    if act is None or (act.name == "leaky_relu" and act.negative_slope < 0):
+        return None
+    return ACT_CODES.get("gelu_tanh" if act.name == "gelu" and act.approximate == "tanh" else act.name)
+
+
 def usable(act, like: Tensor) -> bool:
     """True if the kernel can run this activation on tensors like ``like`` (CPU, float32/64) and
     PCDIST_NATIVE is not 0 (read when a trainer builds its buffers)."""
-    return (os.environ.get("PCDIST_NATIVE", "1") != "0" and act is not None and act.name in ACT_CODES and not act.needs_input and like.device.type == "cpu"
+    return (os.environ.get("PCDIST_NATIVE", "1") != "0" and act_code(act) is not None and like.device.type == "cpu"
             and like.dtype in (torch.float32, torch.float64) and library() is not None)
 
 
@@ -133,14 +142,16 @@ class Kernel:
     """The fused pass bound to one group's preallocated buffers (pointers taken once).
 
     ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
-    computed on the fly and not stored) or u; ``h`` the predicted nodes; ``e`` receives
+    computed on the fly and not stored), or else u is read from ``u`` (default: ``au``
+    itself) and ``au`` holds what f' is computed from: u, or for gelu a + bias; ``h`` the predicted nodes; ``e`` receives
     h - u; ``d`` e * f'(a) if wanted. ``run(fresh, with_d, lr)`` instead takes the step
     h -= lr * e when ``lr`` is given (e is then not stored: nothing reads it), on all K
     layers or, with ``stepped=K'``, on the first K' only (the rest store e).
     """
 
-    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor):
-        for name, t in (("a", au), ("h", h), ("e", e), ("d", d)):
+    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None):
+        u = au if u is None else u
+        for name, t in (("a", au), ("u", u), ("h", h), ("e", e), ("d", d)):
             if not t.is_contiguous() or t.shape != au.shape or t.dtype != au.dtype:
                 raise ValueError(f"native kernel: buffer {name} must be contiguous with shape {list(au.shape)}")
         K, B, O = au.shape
@@ -149,11 +160,11 @@ class Kernel:
         lib = library()
         self._fn = lib.pcd_errors_f32 if au.dtype == torch.float32 else lib.pcd_errors_f64
         lo, hi = (act.negative_slope, 0.0) if act.name == "leaky_relu" else (act.min_val, act.max_val)
-        self._code, self._bounds = ACT_CODES[act.name], (lo, hi)
-        self._ptrs = [t.data_ptr() for t in (au, h, e, d)]
+        self._code, self._bounds = act_code(act), (lo, hi)
+        self._ptrs = [t.data_ptr() for t in (au, u, h, e, d)]
         self._bias = bias.data_ptr()
         self._K, self._B, self._O, self._size = K, B, O, au.element_size()
-        self._keep = (au, h, e, d, bias)  # the buffers outlive the pointers
+        self._keep = (au, u, h, e, d, bias)  # the buffers outlive the pointers
         self._args: dict[tuple, tuple] = {}
 
     def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
@@ -174,8 +185,8 @@ class Kernel:
             if len(self._args) > 64:  # e.g. a changing lr: keep the cache bounded
                 self._args.clear()
             B, O = self._B, self._O
-            au, h, e, d = (p + k0 * B * O * self._size for p in self._ptrs)
-            vals = (self._code, mode, key[-1], *self._bounds, au, h, e, d, self._bias + k0 * O * self._size,
+            au, u, h, e, d = (p + k0 * B * O * self._size for p in self._ptrs)
+            vals = (self._code, mode, key[-1], *self._bounds, au, u, h, e, d, self._bias + k0 * O * self._size,
                     (k1 - k0) * B * O, B, O, 0.0 if lr is None else lr)
             args = self._args[key] = tuple(t(v) for t, v in zip(self._fn.argtypes, vals))
         self._fn(*args)
