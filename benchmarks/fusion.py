@@ -14,6 +14,7 @@ benchmarks/results/fusion.json and benchmarks/results/fusion_depth.png.
 
     python benchmarks/fusion.py            # full run (a few minutes on 2 cores)
     python benchmarks/fusion.py --quick    # fewer rounds, for a smoke test
+    python benchmarks/fusion.py --activation gelu   # writes fusion_gelu.json / fusion_gelu_depth.png
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ SHAPES = {  # name: (input, hidden widths, output)
 DEPTHS = [4, 8, 16, 32, 64]
 
 
-def make_seq(d_in: int, hidden: list[int], d_out: int) -> nn.Sequential:
+ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU}
+
+
+def make_seq(d_in: int, hidden: list[int], d_out: int, activation: str = "tanh") -> nn.Sequential:
     dims = [d_in, *hidden, d_out]
     mods: list[nn.Module] = []
     for i in range(len(dims) - 1):
         mods.append(nn.Linear(dims[i], dims[i + 1]))
         if i < len(dims) - 2:
-            mods.append(nn.Tanh())
+            mods.append(ACTIVATIONS[activation]())
     return nn.Sequential(*mods)
 
 
@@ -56,6 +60,7 @@ class LoopPC:
 
     def __init__(self, seq: nn.Sequential, T: int, x_lr: float):
         self.linears = [m for m in seq if isinstance(m, nn.Linear)]
+        self.acts = [m for m in seq if not isinstance(m, nn.Linear)]
         self.T, self.x_lr = T, x_lr
         self.opt = torch.optim.AdamW(seq.parameters(), lr=1e-4, fused=True)
 
@@ -64,15 +69,15 @@ class LoopPC:
         for l, lin in enumerate(self.linears, start=1):
             u = lin(hs[l - 1])
             if l < L:
-                u = torch.tanh(u)
+                u = self.acts[l - 1](u)
             E = E + 0.5 * (hs[l] - u).square().sum()
         return E
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.no_grad():
             hs = [x]
-            for lin in self.linears[:-1]:
-                hs.append(torch.tanh(lin(hs[-1])))
+            for lin, act in zip(self.linears[:-1], self.acts):
+                hs.append(act(lin(hs[-1])))
             hs.append(y)
         hidden = [h.requires_grad_(True) for h in hs[1:-1]]
         for _ in range(self.T):
@@ -118,10 +123,10 @@ class MatmulLimit:
             torch.bmm(gr["h"].transpose(1, 2), gr["d"], out=gr["gw"])
 
 
-def make_variants(shape, B: int, T: int, x_lr: float):
+def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh"):
     d_in, hidden, d_out = shape
     torch.manual_seed(0)
-    seq = make_seq(d_in, hidden, d_out)
+    seq = make_seq(d_in, hidden, d_out, activation)
     x = torch.randn(B, d_in)
     y = nn.functional.one_hot(torch.randint(0, d_out, (B,)), d_out).float()
     loop = LoopPC(copy.deepcopy(seq), T, x_lr)
@@ -170,11 +175,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--T", type=int, default=20)
+    ap.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh", help="of every hidden layer")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     rounds, min_time = (3, 0.05) if args.quick else (15, 0.3)
-    kw = dict(B=args.batch, T=args.T, x_lr=0.1)
+    kw = dict(B=args.batch, T=args.T, x_lr=0.1, activation=args.activation)
+    stem = "fusion" if args.activation == "tanh" else f"fusion_{args.activation}"
 
     shapes = {}
     for name, shape in SHAPES.items():
@@ -202,17 +209,18 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
-        "config": {"dtype": "float32", "batch": args.batch, "T": args.T, "threads": torch.get_num_threads(),
+        "config": {"dtype": "float32", "batch": args.batch, "T": args.T, "activation": args.activation,
+                   "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "machine": platform.machine(), "quick": args.quick},
         "shapes": shapes,
         "depth": {str(k): v for k, v in depth.items()},
     }
-    (args.out / "fusion.json").write_text(json.dumps(result, indent=2))
-    plot_depth(depth, args.out / "fusion_depth.png")
-    print(f"wrote {args.out / 'fusion.json'} and {args.out / 'fusion_depth.png'}")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot_depth(depth, args.out / f"{stem}_depth.png", args.activation)
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '_depth.png')}")
 
 
-def plot_depth(depth: dict, path: Path) -> None:
+def plot_depth(depth: dict, path: Path, activation: str = "tanh") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,7 +234,7 @@ def plot_depth(depth: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("hidden layers (width 128)")
     ax.set_ylabel("ms per training step (T = 20)")
-    ax.set_title("PC training step vs depth, float32, batch 64")
+    ax.set_title(f"PC training step vs depth, {activation}, float32, batch 64")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

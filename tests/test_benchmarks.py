@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,10 +24,12 @@ def run(script: str, *args: str) -> str:
     return out.stdout
 
 
-def test_fusion_benchmark_writes_medians_ratios_and_plot(tmp_path):
-    stdout = run("fusion.py", "--quick", "--out", str(tmp_path))
-    res = json.loads((tmp_path / "fusion.json").read_text())
-    assert (tmp_path / "fusion_depth.png").read_bytes()[:8] == PNG_MAGIC
+@pytest.mark.parametrize("activation,stem", [("tanh", "fusion"), ("gelu", "fusion_gelu")])
+def test_fusion_benchmark_writes_medians_ratios_and_plot(tmp_path, activation, stem):
+    stdout = run("fusion.py", "--quick", "--activation", activation, "--out", str(tmp_path))
+    res = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert (tmp_path / f"{stem}_depth.png").read_bytes()[:8] == PNG_MAGIC
+    assert res["config"]["activation"] == activation
     assert set(res["shapes"]) == {"A", "B", "C"}
     for name, shape in res["shapes"].items():
         rounds = shape["rounds"]
