@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import pcdist
+from pcdist.data import DataError
 
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank
@@ -30,6 +31,9 @@ def main(cfg: DictConfig) -> None:
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
         print(f"pre-empted: {e}", flush=True)
         sys.exit(3)
+    except (pcdist.ConfigError, DataError) as e:  # the user's input, not a bug: one line, status 2
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if "val/accuracy" in result:
         print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
               flush=True)

@@ -8,6 +8,7 @@ neighbours (see the README).
 from . import deeppcr
 from .activations import ACTIVATIONS, Activation, get_activation
 from .energies import ENERGIES
+from .errors import ConfigError
 from .fuse import FusedModules, fuse
 from .network import LayerSpec, PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
@@ -21,6 +22,7 @@ __all__ = [
     "ALGORITHMS",
     "ENERGIES",
     "Activation",
+    "ConfigError",
     "FusedModules",
     "LayerSpec",
     "Parallel",

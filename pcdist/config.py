@@ -14,6 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .activations import ACTIVATIONS
+from .errors import ConfigError
 from .energies import ENERGIES
 from .trainer import ALGORITHMS
 
@@ -167,7 +168,7 @@ def load_config(cfg: Any) -> Config:
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).split("\n")[0].strip()
-        raise ValueError(f"invalid config key {key}: {msg}") from e
+        raise ConfigError(f"invalid config key {key}: {msg}") from e
     conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
@@ -175,7 +176,7 @@ def load_config(cfg: Any) -> Config:
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"config {key}={value!r} is invalid: allowed {allowed}")
+        raise ConfigError(f"config {key}={value!r} is invalid: allowed {allowed}")
 
 
 def _finite(x: Any) -> bool:

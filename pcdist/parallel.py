@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .engine import Stage
+from .errors import ConfigError
 from .network import LayerSpec
 from .partition import layer_flops, partition_layers
 
@@ -48,17 +49,17 @@ class ParallelDims:
     layer: int = 1
 
     def validate(self, world_size: int, num_layers: int | None = None) -> None:
-        """Raise ValueError naming every factor if the mesh cannot be built."""
+        """Raise ConfigError (a ValueError) naming every factor if the mesh cannot be built."""
         for name, v in (("parallel.data", self.data), ("parallel.layer", self.layer)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if self.data * self.layer != world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"mesh parallel.data={self.data} x parallel.layer={self.layer} = {self.data * self.layer} ranks, "
                 f"but the world size is {world_size}; choose factors whose product is {world_size}"
             )
         if num_layers is not None and self.layer > num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"parallel.layer={self.layer} ranks but the model has only {num_layers} layers; "
                 f"use parallel.layer <= {num_layers}"
             )

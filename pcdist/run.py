@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, load_config
 from .data import DataError, load_dataset, one_hot
+from .errors import ConfigError
 from .metrics import make_logger
 from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
@@ -33,7 +34,7 @@ __all__ = ["train", "Preempted"]
 def _device(c: Config) -> torch.device:
     want = c.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
+        raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
     if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
@@ -80,7 +81,7 @@ def train(cfg) -> dict:
     ParallelDims(c.parallel.data, c.parallel.layer).validate(world, len(c.model.dims) - 1)
     device = _device(c)
     if c.parallel.backend == "nccl" and device.type != "cuda":
-        raise ValueError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)

@@ -2,6 +2,8 @@
 
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +89,20 @@ def test_bad_config_gives_its_exact_error(overrides, message, tmp_path):
     with pytest.raises(ValueError) as info:
         pcdist.train(composed(*SMALL, f"run_dir={tmp_path}", *overrides))
     assert message in str(info.value)
+    assert isinstance(info.value, (pcdist.ConfigError, DataError)), "train.py prints these as one line"
     assert not (tmp_path / "checkpoints").exists(), "a bad config must fail before any work"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pc.T=0"], "config pc.T=0 is invalid: allowed an integer >= 1"),
+    (["data=mnist", "data.root=/nonexistent/mnist", "model.dims=[784,10]"], "data.root=/nonexistent/mnist is not a directory"),
+])
+def test_train_py_reports_bad_input_as_one_line(overrides, message, tmp_path):
+    """The user's mistake, not a bug: train.py prints one line and exits with status 2, no traceback."""
+    out = subprocess.run([sys.executable, str(CONF.parent / "train.py"), "logger=none", f"hydra.run.dir={tmp_path}",
+                          *overrides], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr == f"error: {message}\n"
 
 
 def test_unknown_key_without_plus_is_refused_by_hydra():
