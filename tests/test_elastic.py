@@ -51,8 +51,21 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
     (tmp_path / "torchrun.log").write_text(out)
     assert proc.returncode == 0, out[-4000:]
     assert "resumed from" in out and "step-0000" in out, "the restarted group must resume from a checkpoint"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1" not in out
     straight = layer_state(tmp_path / "straight/checkpoints/step-00000400")
     killed = layer_state(run_dir / "checkpoints/step-00000400")
     assert straight.keys() == killed.keys()
     for k in straight:
         torch.testing.assert_close(killed[k], straight[k], atol=1e-12, rtol=0, msg=k)
+
+
+def test_restarts_with_a_shared_store_are_warned_about(tmp_path):
+    """--max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would fail at the first restart;
+    rank 0 says so (once) when the run starts, naming the variable."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(ROOT / "train.py"), "parallel.layer=2", "trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
+           "trainer.progress=off", f"hydra.run.dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun") == 1
