@@ -5,7 +5,8 @@
  *                            is not stored; else u is read from `u`, and au holds u too, or,
  *                            for gelu, whose f' needs its input, a + bias)
  *     e = h - u             (stored unless `update`: then nothing reads it before the next pass)
- *     d = e * f'(a)         (only if wanted; f' is read from u, as aten's *_backward ops do)
+ *     d = e * f'(a)         (only if wanted; f' is read from u, as aten's *_backward ops do,
+ *                            except gelu's, computed from its input a + bias)
  *     h = h - lr * e        (only if `update`: the value step's own-error term, in place)
  * which replaces up to five memory passes of separate torch ops (the bias copy of baddbmm,
  * f, sub, *_backward, add_) by one. Activation codes match pcdist.native.ACT_CODES; f'(a) at the kinks follows aten's

@@ -143,8 +143,8 @@ class Kernel:
 
     ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
     computed on the fly and not stored), or else u is read from ``u`` (default: ``au``
-    itself) and ``au`` holds what f' is computed from: u, or for gelu a + bias; ``h`` the predicted nodes; ``e`` receives
-    h - u; ``d`` e * f'(a) if wanted. ``run(fresh, with_d, lr)`` instead takes the step
+    itself) and ``au`` holds what f' is computed from: u, or for gelu a + bias. ``h``
+    holds the predicted nodes; ``e`` receives h - u; ``d`` e * f'(a) if wanted. ``run(fresh, with_d, lr)`` instead takes the step
     h -= lr * e when ``lr`` is given (e is then not stored: nothing reads it), on all K
     layers or, with ``stepped=K'``, on the first K' only (the rest store e).
     """

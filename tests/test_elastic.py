@@ -62,10 +62,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
 def test_restarts_with_a_shared_store_are_warned_about(tmp_path):
     """--max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would fail at the first restart;
     rank 0 says so (once) when the run starts, naming the variable."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           str(ROOT / "train.py"), "parallel.layer=2", "trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
-           "trainer.progress=off", f"hydra.run.dir={tmp_path}"]
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    out = subprocess.run(cmd, cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(2, "parallel.layer=2", "trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
+                   "trainer.progress=off", f"hydra.run.dir={tmp_path}", launcher=("--max-restarts=1",),
+                   unset=("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",))
     assert out.stderr.count("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun") == 1

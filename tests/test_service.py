@@ -19,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def torchrun(nproc: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+def torchrun(nproc: int, *overrides: str, timeout: float = 300, launcher: tuple[str, ...] = (),
+             unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """train.py under the real torchrun (``launcher``: extra torchrun flags; ``unset``: variables
+    removed from the environment); asserts success."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
            str(ROOT / "train.py"), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"torchrun failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return out
