@@ -10,7 +10,8 @@ from .activations import ACTIVATIONS, Activation, get_activation
 from .energies import ENERGIES
 from .errors import ConfigError
 from .fuse import FusedModules, fuse
-from .network import LayerSpec, PCNetwork, mlp_specs
+from .layers import Dense, LayerKind, LayerSpec, Residual, ResidualLinear, mupc_layers, mupc_specs
+from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
 from .run import Preempted, train
 from .trainer import ALGORITHMS, PCTrainer, warmup_cosine
@@ -23,18 +24,24 @@ __all__ = [
     "ENERGIES",
     "Activation",
     "ConfigError",
+    "Dense",
     "FusedModules",
+    "LayerKind",
     "LayerSpec",
     "Parallel",
     "ParallelDims",
     "PCNetwork",
     "PCTrainer",
     "Preempted",
+    "Residual",
+    "ResidualLinear",
     "fuse",
     "deeppcr",
     "get_activation",
     "init_distributed",
     "mlp_specs",
+    "mupc_layers",
+    "mupc_specs",
     "train",
     "warmup_cosine",
 ]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .network import PCNetwork
+from .network import PCNetwork, legacy_signature
 from .parallel import collective
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
@@ -58,10 +58,10 @@ def _sha256(path: Path) -> str:
 
 
 def _layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer) -> dict:
-    """Optimizer state sliced per global layer: {"layers.l.weight": {"exp_avg": [in, out], ...}}."""
+    """Optimizer state sliced per global layer: {"layers.l.weight": {"exp_avg": slice k of the stacked state}}."""
     out = {}
     for g in net.groups:
-        for name, p in (("weight", g.weight), ("bias", g.bias)):
+        for name, p in g.named_parameters():
             state = optimizer.state.get(p, {})
             for k, l in enumerate(g.layers):
                 out[f"layers.{l}.{name}"] = {
@@ -80,7 +80,7 @@ def _load_layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     state = {}
     for g in net.groups:
-        for name, p in (("weight", g.weight), ("bias", g.bias)):
+        for name, p in g.named_parameters():
             per_layer = [saved.get(f"layers.{l}.{name}", {}) for l in g.layers]
             if not per_layer[0] or id(p) not in index:
                 continue
@@ -161,14 +161,29 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
+def _describe(signature) -> str:
+    """A model signature in one line: "dense 64->128 gelu, 2 x dense 128->128 gelu, dense 128->10 None"."""
+    if not isinstance(signature, list) or not all(isinstance(s, dict) for s in signature):
+        return repr(signature)
+    runs: list[list] = []
+    for s in signature:
+        if runs and runs[-1][1] == s:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, s])
+    return ", ".join(("" if n == 1 else f"{n} x ") + f"{s.get('kind')} {s.get('in')}->{s.get('out')} {s.get('activation')}"
+                     for n, s in runs)
+
+
 def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load the owned layers (and their optimizer state) from any split; returns the meta dict."""
     path = Path(path)
     meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
-    shape = [list(net.dims), [s.activation.name if s.activation else None for s in net.specs]]
-    if meta.get("model") != shape:
-        raise CheckpointError(f"{path} was written by a model with dims/activations {meta.get('model')}, "
-                              f"this run has {shape}")
+    saved = meta.get("model")
+    saved = legacy_signature(saved) or saved  # checkpoints from before layer kinds: [dims, activations]
+    if saved != net.signature():
+        raise CheckpointError(f"{path} was written by a different model: {_describe(saved)}; "
+                              f"this run has {_describe(net.signature())}")
     layers, opt_state = {}, {}
     for f in sorted(path.glob("layers-*.pt")):
         part = torch.load(f, weights_only=True, map_location="cpu")

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from .activations import Activation, activation_from_module
 
-__all__ = ["ChainResult", "NotConverged", "scan_linear", "solve", "solve_linear", "chain_vjp", "stack_chain"]
+__all__ = ["ChainResult", "NotConverged", "scan_linear", "solve", "solve_fn", "solve_linear", "chain_vjp",
+           "stack_chain"]
 
 
 class NotConverged(RuntimeError):
@@ -138,6 +139,14 @@ def solve(layers, x0: Tensor, max_iters: int | None = None, tol: float | None = 
     with converged=False when raise_on_failure is False.
     """
     residual_and_jacobian, L = _chain(layers, x0)
+    return solve_fn(residual_and_jacobian, L, x0, max_iters, tol, init, raise_on_failure)
+
+
+def solve_fn(residual_and_jacobian, L: int, x0: Tensor, max_iters: int | None = None, tol: float | None = None,
+             init: Tensor | None = None, raise_on_failure: bool = True) -> ChainResult:
+    """``solve`` for a chain given by its residual-and-Jacobian function: x_LBD [L + 1, B, D] ->
+    (r [L, B, D] with r_l = f_l(x_{l-1}) - x_l, M [L, B, D, D] with M_l = df_l/dx in the row-vector
+    convention, d_l = d_{l-1} @ M_l). Layer kinds with analytic Jacobians (pcdist.layers) use it."""
     max_iters = L + 1 if max_iters is None else max_iters
     x = torch.empty(L + 1, *x0.shape, dtype=x0.dtype, device=x0.device)
     x[0] = x0

@@ -1,15 +1,13 @@
-"""Predictive-coding networks stored as groups of stacked, same-shape layers.
+"""Predictive-coding networks stored as groups of stacked, equal layers of any kind.
 
-Shape letters: K layers in a group, B batch, I input width, O output width.
-Layer l (1-based, global) maps value node l-1 to value node l; layer L is the
-output layer (no activation). ``w_KIO`` holds W_l^T for the K layers of a group,
-so the prediction of all K layers is one ``baddbmm(b, h_KBI, w_KIO)``.
+Layer l (1-based, global) maps value node l-1 to the prediction of node l; layer L is
+the output layer. Each layer is described by a kind (pcdist.layers: ``Dense``,
+``Residual``); consecutive equal layers form one group whose parameters are stacked
+[K, ...] tensors, so every phase of the K layers is one batched kernel.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -17,79 +15,33 @@ from torch import Tensor, nn
 
 from .activations import Activation, activation_from_module, get_activation
 from .energies import check_energy
+from .layers import Dense, LayerGroup, LayerKind, group_layers, kind_from_module, seeded_generator
 
-__all__ = ["LayerSpec", "LayerGroup", "PCNetwork", "group_layers", "mlp_specs"]
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One Linear layer: in/out widths and its activation (None for the output layer)."""
-
-    in_features: int
-    out_features: int
-    activation: Activation | None
+__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature"]
 
 
-def mlp_specs(dims: Sequence[int], activation: str | Activation = "tanh") -> list[LayerSpec]:
-    """LayerSpecs of an MLP with widths ``dims`` (input, hidden..., output); no activation on the output."""
+def mlp_specs(dims: Sequence[int], activation: str | Activation = "tanh", init: str = "default") -> list[Dense]:
+    """Dense layers of an MLP with widths ``dims`` (input, hidden..., output); no activation on the output."""
     if len(dims) < 2 or any(isinstance(d, bool) or int(d) != d or int(d) < 1 for d in dims):
         raise ValueError(f"model dims must be at least two positive integer widths, got {list(dims)}")
     act = activation if isinstance(activation, Activation) else get_activation(activation)
     L = len(dims) - 1
-    return [LayerSpec(int(dims[l]), int(dims[l + 1]), act if l < L - 1 else None) for l in range(L)]
+    return [Dense(int(dims[l]), int(dims[l + 1]), act if l < L - 1 else None, init=init) for l in range(L)]
 
 
-def group_layers(specs: Sequence[LayerSpec], first: int, stop: int) -> list[tuple[int, int]]:
-    """Split layers [first, stop) (1-based) into runs [s, t) of equal shape and activation.
-
-    The slice's first layer (layer 1: clamped input, prediction constant during
-    inference; or the layer fed by an upstream rank, computed once its input arrives)
-    and the output layer L are always groups of their own.
-    """
-    L = len(specs)
-    runs: list[tuple[int, int]] = []
-    s = first
-    for l in range(first + 1, stop + 1):
-        boundary = l == stop or l == first + 1 or l == L or specs[l - 1] != specs[s - 1]
-        if boundary:
-            runs.append((s, l))
-            s = l
-    return runs
-
-
-class LayerGroup(nn.Module):
-    """K consecutive layers of one shape and activation: w_KIO [K, I, O], b_KO [K, O]."""
-
-    def __init__(self, first: int, K: int, spec: LayerSpec, dtype=None, device=None):
-        super().__init__()
-        self.first = first  # global index of the group's first layer
-        self.K = K
-        self.spec = spec
-        kw = dict(dtype=dtype, device=device)
-        self.weight = nn.Parameter(torch.empty(K, spec.in_features, spec.out_features, **kw))
-        self.bias = nn.Parameter(torch.empty(K, spec.out_features, **kw))
-
-    @property
-    def layers(self) -> range:
-        return range(self.first, self.first + self.K)
-
-    def forward(self, h_BI: Tensor) -> Tensor:
-        """Feed-forward through the K layers in order (a chain: sequential by nature)."""
-        act = self.spec.activation
-        for k in range(self.K):
-            h_BI = torch.addmm(self.bias[k], h_BI, self.weight[k])
-            if act is not None:
-                h_BI = act(h_BI)
-        return h_BI
-
-    def extra_repr(self) -> str:
-        s = self.spec
-        act = s.activation.name if s.activation else "output"
-        return f"layers {self.first}..{self.first + self.K - 1}: {self.K} x ({s.in_features} -> {s.out_features}, {act})"
+def legacy_signature(model) -> list[dict] | None:
+    """The layer signatures of a checkpoint written before layer kinds ([dims, activation names]
+    of an MLP), or None if ``model`` is not in that form."""
+    if not (isinstance(model, (list, tuple)) and len(model) == 2 and all(isinstance(m, (list, tuple)) for m in model)):
+        return None
+    dims, acts = model
+    if len(dims) != len(acts) + 1:
+        return None
+    return [{"kind": "dense", "in": dims[l], "out": dims[l + 1], "activation": acts[l]} for l in range(len(acts))]
 
 
 class PCNetwork(nn.Module):
-    """An MLP predictive-coding network; owns the layers [first, stop) of ``specs``.
+    """A predictive-coding network; owns the layers [first, stop) of ``specs`` (layer kinds).
 
     A single process owns all layers. Each rank of a layer-parallel run owns one
     contiguous slice, and allocates only that slice's parameters.
@@ -97,7 +49,7 @@ class PCNetwork(nn.Module):
 
     def __init__(
         self,
-        specs: Sequence[LayerSpec],
+        specs: Sequence[LayerKind],
         energy: str = "se",
         layers: tuple[int, int] | None = None,
         dtype: torch.dtype | None = None,
@@ -109,30 +61,58 @@ class PCNetwork(nn.Module):
         if not specs:
             raise ValueError("a PCNetwork needs at least one layer")
         self.specs = tuple(specs)
+        L = len(self.specs)
+        for l, s in enumerate(self.specs, start=1):
+            if not isinstance(s, LayerKind):
+                raise TypeError(f"layer {l}: expected a layer kind (pcdist.layers.Dense, Residual, ...), got {s!r}")
+            s.check(l, l == L)
         for l, (s, nxt) in enumerate(zip(self.specs, self.specs[1:]), start=1):
-            if s.out_features != nxt.in_features:
-                raise ValueError(f"layer {l} outputs {s.out_features} features but layer {l + 1} expects {nxt.in_features}")
-        if self.specs[-1].activation is not None:
-            raise ValueError("the output layer takes no activation (u_L = a_L)")
+            if s.out_shape != nxt.in_shape:
+                what = "features" if len(s.out_shape) == 1 else "shape"
+                a, b = (s.out_shape[0], nxt.in_shape[0]) if len(s.out_shape) == len(nxt.in_shape) == 1 else \
+                    (list(s.out_shape), list(nxt.in_shape))
+                raise ValueError(f"layer {l} outputs {a} {what} but layer {l + 1} expects {b}")
         self.energy = check_energy(energy)
-        first, stop = layers if layers is not None else (1, len(self.specs) + 1)
-        if not 1 <= first < stop <= len(self.specs) + 1:
-            raise ValueError(f"layer slice [{first}, {stop}) is not within layers 1..{len(self.specs)}")
+        first, stop = layers if layers is not None else (1, L + 1)
+        if not 1 <= first < stop <= L + 1:
+            raise ValueError(f"layer slice [{first}, {stop}) is not within layers 1..{L}")
         self.first, self.stop = first, stop
-        self.groups = nn.ModuleList(
-            LayerGroup(s, t - s, self.specs[s - 1], dtype=dtype, device=device) for s, t in group_layers(self.specs, first, stop)
-        )
+        self.groups = nn.ModuleList(self.specs[s - 1].make_group(s, t - s, dtype=dtype, device=device)
+                                    for s, t in group_layers(self.specs, first, stop))
         if init:
             self.reset_parameters(seed)
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_dims(cls, dims: Sequence[int], activation: str | Activation = "tanh", energy: str = "se", **kw) -> "PCNetwork":
-        """An MLP with widths ``dims`` (input, hidden..., output), nn.Linear's default init.
+    def from_dims(cls, dims: Sequence[int], activation: str | Activation = "tanh", energy: str = "se",
+                  init: str = "default", **kw) -> "PCNetwork":
+        """An MLP with widths ``dims`` (input, hidden..., output), nn.Linear's default init
+        (``init="orthogonal"``: orthogonal weights, zero biases).
 
         Keywords go to the constructor: ``layers=(a, b)`` for a slice, ``seed``, ``dtype``, ``device``.
         """
-        return cls(mlp_specs(dims, activation), energy=energy, **kw)
+        return cls(mlp_specs(dims, activation, init), energy=energy, **kw)
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se",
+                    layers_owned: tuple[int, int] | None = None) -> "PCNetwork":
+        """A PCNetwork with a copy of the weights of ``layers``, one torch module per PC layer.
+
+        Module l maps value node l-1 to the prediction of node l; the last one is the output
+        layer. Each module gets the fastest kind that expresses it (``pcdist.layers.kind_from_module``):
+        nn.Linear / nn.Sequential(nn.Linear, activation) -> dense, pcdist.ResidualLinear -> residual.
+        ``layers_owned=(a, b)`` keeps only layers a..b-1 (a layer slice).
+        """
+        mods = list(layers)
+        if not mods:
+            raise ValueError("from_layers needs at least one module")
+        picked = [kind_from_module(m, l, l == len(mods)) for l, m in enumerate(mods, start=1)]
+        p = next(iter(picked[0][1].values()))
+        net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
+                  init=False)
+        net.load_layer_state_dict({f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1)
+                                   for name, t in params.items()})
+        return net
 
     @classmethod
     def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None) -> "PCNetwork":
@@ -147,19 +127,14 @@ class PCNetwork(nn.Module):
         return net
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """nn.Linear's default init, U(-1/sqrt(in), 1/sqrt(in)), layer by layer.
+        """Each kind's init (dense: nn.Linear's default; residual: N(0, 1)), layer by layer.
 
         With a ``seed``, layer l draws from its own generator seeded by (seed, l), so
         the weights do not depend on how the layers are split over ranks.
         """
-        with torch.no_grad():
-            for g in self.groups:
-                bound = 1.0 / math.sqrt(g.spec.in_features)
-                for l in g.layers:
-                    gen = None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + l)
-                    w, b = self.layer_weight(l), self.layer_bias(l)
-                    w.copy_(torch.rand(w.shape, generator=gen, dtype=w.dtype).mul_(2 * bound).sub_(bound))
-                    b.copy_(torch.rand(b.shape, generator=gen, dtype=b.dtype).mul_(2 * bound).sub_(bound))
+        for g in self.groups:
+            for k, l in enumerate(g.layers):
+                g.reset_layer(k, seeded_generator(seed, l))
 
     # -- structure ----------------------------------------------------------------
     @property
@@ -167,12 +142,22 @@ class PCNetwork(nn.Module):
         return len(self.specs)
 
     @property
+    def node_shapes(self) -> list[tuple[int, ...]]:
+        """Shape of each value node h_0 .. h_L (without the batch)."""
+        return [self.specs[0].in_shape] + [s.out_shape for s in self.specs]
+
+    @property
     def dims(self) -> list[int]:
-        return [self.specs[0].in_features] + [s.out_features for s in self.specs]
+        """Widths of the value nodes h_0 .. h_L (their sizes, for nodes that are not vectors)."""
+        return [int(torch.Size(s).numel()) for s in self.node_shapes]
 
     @property
     def owns_all(self) -> bool:
         return self.first == 1 and self.stop == self.num_layers + 1
+
+    def signature(self) -> list[dict]:
+        """What fixes the parameters' shapes and meaning, layer by layer (checkpoints compare it)."""
+        return [s.signature() for s in self.specs]
 
     def _locate(self, l: int) -> tuple[LayerGroup, int]:
         for g in self.groups:
@@ -180,8 +165,14 @@ class PCNetwork(nn.Module):
                 return g, l - g.first
         raise IndexError(f"layer {l} is not owned here (owned: {self.first}..{self.stop - 1})")
 
+    def layer_params(self, l: int) -> dict[str, Tensor]:
+        """Writable views of global layer l's parameters in their public layout (nn.Linear's for
+        dense and residual layers: ``weight`` [out, in], ``bias`` [out])."""
+        g, k = self._locate(l)
+        return g.public_params(k)
+
     def layer_weight(self, l: int) -> Tensor:
-        """W_l^T [in, out] of global layer l, a view into its group's stacked weight."""
+        """W_l^T [in, out] of global dense or residual layer l, a view into its group's stacked weight."""
         g, k = self._locate(l)
         return g.weight[k]
 
@@ -191,21 +182,17 @@ class PCNetwork(nn.Module):
         return g.bias[k]
 
     def layer_state_dict(self) -> dict[str, Tensor]:
-        """The owned layers' weights keyed by global layer index, in nn.Linear's layout:
-        ``layers.{l}.weight`` [out, in] and ``layers.{l}.bias`` [out]."""
-        out = {}
-        for g in self.groups:
-            for l in g.layers:
-                out[f"layers.{l}.weight"] = self.layer_weight(l).T.detach().clone()
-                out[f"layers.{l}.bias"] = self.layer_bias(l).detach().clone()
-        return out
+        """The owned layers' parameters keyed by global layer index, in their public layout:
+        ``layers.{l}.weight`` [out, in] and ``layers.{l}.bias`` [out] for dense layers."""
+        return {f"layers.{l}.{name}": t.detach().clone()
+                for g in self.groups for k, l in enumerate(g.layers) for name, t in g.public_params(k).items()}
 
     def load_layer_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load the owned layers from a (possibly larger) dict keyed by global layer index."""
         with torch.no_grad():
             for g in self.groups:
-                for l in g.layers:
-                    for name, dst in (("weight", self.layer_weight(l).T), ("bias", self.layer_bias(l))):
+                for k, l in enumerate(g.layers):
+                    for name, dst in g.public_params(k).items():
                         key = f"layers.{l}.{name}"
                         if key not in state:
                             raise KeyError(f"missing {key!r} in the layer state (owned layers {self.first}..{self.stop - 1})")
@@ -220,27 +207,24 @@ class PCNetwork(nn.Module):
             x = g(x)
         return x
 
-    def to_sequential(self) -> nn.Sequential:
-        """The current weights as a plain nn.Sequential(Linear, act, ..., Linear)."""
+    def to_layers(self) -> nn.ModuleList:
+        """The current weights as plain torch modules, one per PC layer (``from_layers``' structure)."""
         if not self.owns_all:
-            raise RuntimeError("to_sequential needs all layers; this network owns a slice")
-        p = self.groups[0].weight
+            raise RuntimeError("to_layers needs all layers; this network owns a slice")
+        return nn.ModuleList(g.to_module(k) for g in self.groups for k in range(g.K))
+
+    def to_sequential(self) -> nn.Sequential:
+        """The current weights as a plain nn.Sequential (Linear, act, ..., Linear for an MLP)."""
         mods: list[nn.Module] = []
-        for l, s in enumerate(self.specs, start=1):
-            lin = nn.Linear(s.in_features, s.out_features, dtype=p.dtype, device=p.device)
-            with torch.no_grad():
-                lin.weight.copy_(self.layer_weight(l).T)
-                lin.bias.copy_(self.layer_bias(l))
-            mods.append(lin)
-            if s.activation is not None:
-                mods.append(s.activation.to_module())
+        for m in self.to_layers():
+            mods.extend(m if isinstance(m, nn.Sequential) else [m])
         return nn.Sequential(*mods)
 
 
-def _parse_sequential(seq: nn.Sequential) -> tuple[list[LayerSpec], list[nn.Linear]]:
-    """LayerSpecs and Linear modules of Linear, [activation], Linear, ... (flattened)."""
+def _parse_sequential(seq: nn.Sequential) -> tuple[list[Dense], list[nn.Linear]]:
+    """Dense layers and Linear modules of Linear, [activation], Linear, ... (flattened)."""
     mods = [m for m in seq.modules() if not isinstance(m, nn.Sequential)]
-    specs: list[LayerSpec] = []
+    specs: list[Dense] = []
     linears: list[nn.Linear] = []
     pending: Activation | None = None
     for i, m in enumerate(mods):
@@ -248,8 +232,8 @@ def _parse_sequential(seq: nn.Sequential) -> tuple[list[LayerSpec], list[nn.Line
             if m.bias is None:
                 raise ValueError(f"module {i} ({m}) has no bias; PCNetwork layers need bias=True")
             if linears:
-                specs[-1] = LayerSpec(specs[-1].in_features, specs[-1].out_features, pending or Activation("identity"))
-            specs.append(LayerSpec(m.in_features, m.out_features, None))
+                specs[-1] = Dense(specs[-1].in_features, specs[-1].out_features, pending or Activation("identity"))
+            specs.append(Dense(m.in_features, m.out_features, None))
             linears.append(m)
             pending = None
         else:

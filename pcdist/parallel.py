@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .buckets import GradBuckets
 from .engine import Stage
 from .errors import ConfigError
-from .network import LayerSpec
-from .partition import layer_flops, partition_layers
+from .layers import LayerKind
+from .partition import layer_costs, partition_layers
 
 __all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
 
@@ -186,9 +187,7 @@ class Parallel:
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
-        self._buckets: list[Tensor] = []  # per-group gradient buckets (data axis only)
-        self._bucket_key = None
-        self._reducing: list = []  # their all-reduces in flight
+        self._grads = GradBuckets(data_group) if data_group is not None else None  # data axis only
         self._pending: list = []  # the boundary exchange in flight (posted by errors)
         # gloo only: the next step's receives, posted as soon as this step's are consumed.
         self.prepost = prepost
@@ -201,9 +200,13 @@ class Parallel:
         return cls((1, num_layers + 1), num_layers)
 
     @classmethod
-    def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerSpec], device: torch.device | str = "cpu",
-                  micro_batches: int = 1, timeout_s: float = 300.0) -> "Parallel":
-        """Build the (data, layer) mesh over the initialised process group and place this rank."""
+    def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerKind] | Sequence[int],
+                  device: torch.device | str = "cpu", micro_batches: int = 1, timeout_s: float = 300.0) -> "Parallel":
+        """Build the (data, layer) mesh over the initialised process group and place this rank.
+
+        ``specs``: the network's layer kinds, or any per-layer costs (the partition balances
+        their sums over the layer ranks; see ``pcdist.partition.layer_costs``).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         dims.validate(dist.get_world_size(), len(specs))
@@ -215,7 +218,8 @@ class Parallel:
         dev = torch.device(device)
         dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
-        slices = partition_layers([layer_flops(s, l) for l, s in enumerate(specs, start=1)], P)
+        costs = layer_costs(specs) if all(isinstance(s, LayerKind) for s in specs) else [int(c) for c in specs]
+        slices = partition_layers(costs, P)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
         logging = int(mesh.mesh[0, P - 1])
         return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,
@@ -334,7 +338,7 @@ class Parallel:
             return net(x)
         h = x
         if self.prev is not None:
-            h = torch.empty(x.shape[0], net.dims[net.first - 1], dtype=x.dtype, device=x.device)
+            h = torch.empty(x.shape[0], *net.node_shapes[net.first - 1], dtype=x.dtype, device=x.device)
             self.comm_seconds += _wait(self._p2p(None, None, h, self.prev, "prediction"))
         out = net(h).contiguous()
         if self.next is not None:
@@ -362,57 +366,22 @@ class Parallel:
 
     # -- data axis ----------------------------------------------------------------
     def weight_grads(self, st: Stage) -> None:
-        """dF/dw of every owned layer into .grad; with a data axis, also its all-reduce, overlapped.
-
-        Each fused group's gradients form one bucket. The group's batch-sum gradients
-        are written straight into its bucket, whose all-reduce over the data axis then
-        starts while the next group's gradient GEMMs run; ``reduce_grads`` waits and
-        divides by the global batch (so unequal local batches weigh in by their size).
-        The last group's bucket carries the local batch size.
-        """
-        if self.data_group is None:
+        """dF/dtheta of every owned layer into .grad; with a data axis, also its all-reduce,
+        one bucket per fused group, overlapped with the next groups' gradients (pcdist.buckets)."""
+        if self._grads is None:
             st.weight_grads()
-            return
-        buckets = self._grad_buckets(st)
-        # Largest bucket first: its all-reduce is the longest and gets the most overlap.
-        for i in sorted(range(len(buckets)), key=lambda i: -buckets[i].numel()):
-            st.weight_grads([st.groups[i]], scale=-1.0)
-            if i == len(buckets) - 1:
-                buckets[i][-1] = st.B
-            self._reducing.append(dist.all_reduce(buckets[i], group=self.data_group, async_op=True))
-
-    def _grad_buckets(self, st: Stage) -> list[Tensor]:
-        """One flat gradient buffer per group (plus a batch-count slot in the last); the
-        parameters' .grad become views into them, so nothing is copied in or out."""
-        # Rebuilt when a parameter or its .grad was replaced (e.g. by optimizer.zero_grad()).
-        def key():
-            return tuple(t.data_ptr() if t is not None else 0
-                         for gr in st.groups for t in (gr.g.weight, gr.g.bias, gr.g.weight.grad, gr.g.bias.grad))
-
-        if self._bucket_key != key():
-            self._buckets = []
-            for i, gr in enumerate(st.groups):
-                w, b = gr.g.weight, gr.g.bias
-                flat = torch.zeros(w.numel() + b.numel() + (i == len(st.groups) - 1), dtype=w.dtype, device=w.device)
-                w.grad = flat[: w.numel()].view_as(w)
-                b.grad = flat[w.numel() : w.numel() + b.numel()].view_as(b)
-                self._buckets.append(flat)
-            self._bucket_key = key()
-        return self._buckets
+        else:
+            self._grads.start(st)
 
     def reduce_grads(self) -> None:
         """Finish the data-axis gradient all-reduces: wait, then divide the sums by the global batch."""
-        if not self._reducing:
+        if self._grads is None or not self._grads.pending:
             return
         t0 = time.perf_counter()
         with collective("the data-axis gradient all-reduce", self.data_group):
-            for work in self._reducing:
-                work.wait(self.timeout)
-        self._reducing = []
+            self._grads.wait(self.timeout)
         self.comm_seconds += time.perf_counter() - t0
-        count = self._buckets[-1][-1].clone()
-        for flat in self._buckets:
-            flat.div_(count)
+        self._grads.average()
 
     def gather_layer_energies(self, local: Tensor, local_batch: int) -> Tensor | None:
         """Per-layer batch-mean energies of the whole network on the logging rank (None elsewhere)."""

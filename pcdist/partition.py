@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .network import LayerSpec
+from .layers import LayerKind
 
-__all__ = ["layer_flops", "partition_layers"]
+__all__ = ["layer_flops", "layer_costs", "partition_layers"]
 
 
-def layer_flops(spec: LayerSpec, index: int = 2) -> int:
-    """FLOPs per sample of one inference step of global layer ``index``.
+def layer_flops(spec: LayerKind, index: int = 2) -> int:
+    """FLOPs per sample of one inference step of global layer ``index`` (each kind's own count:
+    layer 1 does no GEMM during PC inference, its input being clamped)."""
+    return spec.flops(index)
 
-    A layer predicts (one GEMM), back-projects (another) and does elementwise work.
-    Layer 1 does neither GEMM during PC inference: its input is clamped, so its
-    prediction is computed once per batch and it has no free node to project to.
-    """
-    gemms = 0 if index == 1 else 4 * spec.in_features * spec.out_features
-    return gemms + 6 * spec.out_features
+
+def layer_costs(specs: Sequence[LayerKind]) -> list[int]:
+    """The cost of every layer of a network (its FLOPs per sample and inference step), for the partition."""
+    return [s.flops(l) for l, s in enumerate(specs, start=1)]
 
 
 def partition_layers(costs: Sequence[int], P: int) -> list[tuple[int, int]]:

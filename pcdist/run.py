@@ -219,7 +219,7 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
                 logger.log({"val/accuracy": acc}, done)
                 result["val/accuracy"] = acc
         if ckpt:
-            meta = {"step": done, "model": [list(net.dims), [s.activation.name if s.activation else None for s in net.specs]],
+            meta = {"step": done, "model": net.signature(),
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state()}
             path = save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0,
                                    leader=is_rank0)

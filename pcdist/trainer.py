@@ -8,7 +8,7 @@ import time
 import torch
 from torch import Tensor
 
-from .engine import Stage
+from .engine import INITS, Stage
 from .network import PCNetwork
 from .parallel import Parallel
 
@@ -64,7 +64,7 @@ class PCTrainer:
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self._stage: Stage | None = None
-        if init not in ("ff", "deeppcr"):
+        if init not in INITS:
             raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
         self.init = init
         self.skip_above = skip_above
@@ -77,7 +77,7 @@ class PCTrainer:
         if self._stage is None or self._stage_key != key:
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
             self._stage = Stage(self.net, batch_size, self.x_momentum, self.init,
-                                transposed_weights=self.algorithm == "pc")
+                                static_weights=self.algorithm == "pc")
             self._stage_key = key
         return self._stage
 
@@ -164,13 +164,14 @@ class PCTrainer:
         st.weights_changed()
 
     def _check_batch(self, x: Tensor, y: Tensor) -> int:
-        d_in, d_out = self.net.dims[0], self.net.dims[-1]
-        if x.ndim != 2 or x.shape[1] != d_in:
-            raise ValueError(f"x must have shape [batch, {d_in}] (the model's input width), got {list(x.shape)}")
-        if y.ndim != 2 or y.shape[1] != d_out or y.shape[0] != x.shape[0]:
+        s_in, s_out = self.net.node_shapes[0], self.net.node_shapes[-1]
+        if x.ndim != 1 + len(s_in) or tuple(x.shape[1:]) != s_in:
+            raise ValueError(f"x must have shape [batch, {', '.join(map(str, s_in))}] (the model's input "
+                             f"{'width' if len(s_in) == 1 else 'shape'}), got {list(x.shape)}")
+        if y.ndim != 1 + len(s_out) or tuple(y.shape[1:]) != s_out or y.shape[0] != x.shape[0]:
             raise ValueError(
-                f"y must have shape [{x.shape[0]}, {d_out}] (batch, the model's output width; one-hot labels), "
-                f"got {list(y.shape)}"
+                f"y must have shape [{x.shape[0]}, {', '.join(map(str, s_out))}] (batch, the model's output width; "
+                f"one-hot labels), got {list(y.shape)}"
             )
         return x.shape[0]
 

@@ -98,7 +98,8 @@ def test_a_failed_write_never_damages_the_previous_checkpoint(two_checkpoints, t
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     net = pcdist.PCNetwork.from_dims([64, 256, 10], activation="gelu")
-    with pytest.raises(CheckpointError, match=r"was written by a model with dims/activations \[\[64, 128, 128, 10\]"):
+    with pytest.raises(CheckpointError, match=r"was written by a different model: dense 64->128 tanh, dense 128->128 tanh, dense 128->10 None; "
+                       r"this run has dense 64->256 gelu, dense 256->10 None"):
         load_checkpoint(latest_checkpoint(two_checkpoints), net, None)
 
 
@@ -147,3 +148,32 @@ def test_skip_mode_changes_nothing_when_training_is_healthy(tmp_path):
     assert results["skip"]["train/skipped_updates"] == 0
     for a, b in zip(results["stop_w"], results["skip_w"]):
         assert torch.equal(a, b)
+
+
+LEGACY = Path(__file__).resolve().parent / "data" / "checkpoint-860de00-step-00000002"
+
+
+def test_a_checkpoint_written_before_layer_kinds_still_loads(tmp_path):
+    """tests/data holds a real checkpoint written by pcdist at commit 860de00 (before layer kinds;
+    its meta records the model as [dims, activations]): 64-16-16-10 gelu, AdamW, step 2. It must
+    verify, load every layer's weights and optimizer state as written, and still refuse another model."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(LEGACY), str(run / "checkpoints" / "step-00000002")], check=True)
+    path = latest_checkpoint(run)
+    assert path == run / "checkpoints" / "step-00000002"
+    net = pcdist.PCNetwork.from_dims([64, 16, 16, 10], activation="gelu", energy="ce")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    assert load_checkpoint(path, net, opt)["step"] == 2
+    saved = torch.load(path / "layers-0001-0004.pt", weights_only=True)
+    state = net.layer_state_dict()
+    assert set(state) == set(saved["layers"])
+    for key, value in saved["layers"].items():
+        assert torch.equal(state[key], value), key
+    for l in (1, 2, 3):
+        g, k = net._locate(l)
+        for name, p in (("weight", g.weight), ("bias", g.bias)):
+            for s in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][s][k], saved["optimizer"][f"layers.{l}.{name}"][s]), (l, name, s)
+    with pytest.raises(CheckpointError, match="was written by a different model: dense 64->16 gelu"):
+        load_checkpoint(path, pcdist.PCNetwork.from_dims([64, 16, 16, 10], activation="tanh"), None)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pcdist.network import LayerSpec
+from pcdist.layers import LayerSpec
 from pcdist.partition import layer_flops, partition_layers
 
 

@@ -1,0 +1,73 @@
+"""Trajectories of this checkout against another commit's pcdist, bit for bit.
+
+Runs every configuration of the float64 reference grid (tests/test_reference.py: all
+activations x both energies, and pc/ipc x value momentum x SGD/AdamW x depths x energies)
+for three training steps with both engines side by side in one process, and reports for
+each whether the value nodes, energies and weights after every step are bit-identical
+(torch.equal), else the largest difference.
+
+    python benchmarks/identity.py --ref 860de00      # the commit before layer kinds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
+
+import pcdist  # noqa: E402
+from baseline import import_ref  # noqa: E402
+from test_reference import ACT_NAMES, BATCH_SIZES, DIMS, GRID, OPTIMIZERS, make_batch, make_seq  # noqa: E402
+
+
+def trajectory(lib, seq, make_opt, T, x_momentum, algorithm, energy, seed):
+    """Value nodes, energies and weights after each of three steps of ``lib``'s engine."""
+    net = lib.PCNetwork.from_sequential(seq, energy=energy)
+    tr = lib.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=0.1, x_momentum=x_momentum, algorithm=algorithm)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    out = []
+    for B in BATCH_SIZES:
+        x, y = make_batch(B, seq[0].in_features, seq[-1].out_features, gen)
+        stats = tr.step(x, y)
+        out += [torch.tensor([stats["energy"], *stats["layer_energies"]], dtype=torch.float64), *tr.value_nodes(),
+                *[p.detach().clone() for p in net.to_sequential().parameters()]]
+    return out
+
+
+def cases():
+    for act in ACT_NAMES:
+        for energy in ("se", "ce"):
+            yield f"activations-{act}-{energy}", make_seq([6, 8, 8, 8, 4], [act] * 3, seed=ACT_NAMES.index(act)), \
+                OPTIMIZERS["sgd_momentum"], 5, 0.0, "pc", energy, 1
+    for i, (a, m, o, d, e) in enumerate(GRID):
+        dims, same_act = DIMS[d]
+        acts = [ACT_NAMES[(i + (0 if same_act else k)) % len(ACT_NAMES)] for k in range(len(dims) - 2)]
+        yield f"grid-{a}-mu{m}-{o}-{d}-{e}", make_seq(dims, acts, seed=100 + i), OPTIMIZERS[o], 4 + i % 4, m, a, e, i
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref", default="860de00", help="the git commit to compare with")
+    args = ap.parse_args()
+    old = import_ref(args.ref)
+    torch.set_num_threads(1)
+    n = same = 0
+    for name, seq, make_opt, T, mu, algorithm, energy, seed in cases():
+        new_t = trajectory(pcdist, seq, make_opt, T, mu, algorithm, energy, seed)
+        old_t = trajectory(old, seq, make_opt, T, mu, algorithm, energy, seed)
+        equal = len(new_t) == len(old_t) and all(torch.equal(a, b) for a, b in zip(new_t, old_t))
+        n, same = n + 1, same + equal
+        if not equal:
+            diff = max(float((a - b).abs().max()) for a, b in zip(new_t, old_t))
+            print(f"DIFFERS {name}: max |difference| {diff:.3g}")
+    print(f"{same} of {n} configurations bit-identical to {args.ref} (value nodes, energies, weights; 3 steps each)")
+    return 0 if same == n else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
