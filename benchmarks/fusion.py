@@ -6,15 +6,19 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   limit   the batched matmuls pcdist's step performs, alone, into preallocated buffers
   torch_ops  pcdist with its fused error kernel off (PCDIST_NATIVE=0): the error pass as
              separate torch ops, as on a machine without a C compiler
+  baseline   (with --baseline REF) pcdist as it was at git commit REF, same network
 
-The four run interleaved (round-robin, several rounds) in one process; each ratio is
-the median over rounds of the ratio within a round (pcdist and limit run back to back),
-so machine drift between rounds cancels out. Writes
+Shapes A, B, C are MLPs (dense layers); M is a μPC network (residual layers) of A's shape:
+64 -> 32 x 128 -> 10. The variants run interleaved (round-robin, several rounds) in one
+process; each ratio is the median over rounds of the ratio within a round (pcdist and
+limit run back to back), so machine drift between rounds cancels out. Writes
 benchmarks/results/fusion.json and benchmarks/results/fusion_depth.png.
 
     python benchmarks/fusion.py            # full run (a few minutes on 2 cores)
-    python benchmarks/fusion.py --quick    # fewer rounds, for a smoke test
+    python benchmarks/fusion.py --quick    # fewer rounds
+    python benchmarks/fusion.py --tiny     # tiny shapes, a smoke test of the script (not a measurement)
     python benchmarks/fusion.py --activation gelu   # writes fusion_gelu.json / fusion_gelu_depth.png
+    python benchmarks/fusion.py --baseline 860de00  # also times that commit's engine on A, B, C
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ from torch import nn
 import pcdist
 
 OUT = Path(__file__).resolve().parent / "results"
-SHAPES = {  # name: (input, hidden widths, output)
-    "A": (64, [128] * 32, 10),
-    "B": (784, [512] * 16, 10),
-    "C": (784, [128, 128], 10),
+SHAPES = {  # name: (input, hidden widths, output, model)
+    "A": (64, [128] * 32, 10, "mlp"),
+    "B": (784, [512] * 16, 10, "mlp"),
+    "C": (784, [128, 128], 10, "mlp"),
+    "M": (64, [128] * 32, 10, "mupc"),
 }
 DEPTHS = [4, 8, 16, 32, 64]
+TINY_SHAPES = {"A": (16, [16] * 4, 4, "mlp"), "B": (32, [24] * 3, 4, "mlp"), "C": (32, [16, 16], 4, "mlp"),
+               "M": (16, [16] * 4, 4, "mupc")}
+TINY_DEPTHS = [2, 4]
 
 
 ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU}
@@ -55,29 +63,34 @@ def make_seq(d_in: int, hidden: list[int], d_out: int, activation: str = "tanh")
     return nn.Sequential(*mods)
 
 
-class LoopPC:
-    """The per-layer PC loop researchers write: autograd through a Python loop over layers."""
+def make_layers(shape, activation: str) -> list[nn.Module]:
+    """One torch module per PC layer: Linear (+ activation) for an MLP, μPC's residual layers otherwise."""
+    d_in, hidden, d_out, model = shape
+    if model == "mupc":
+        return list(pcdist.mupc_layers(d_in, hidden[0], len(hidden) + 1, d_out, activation))
+    mods = list(make_seq(d_in, hidden, d_out, activation))
+    return [nn.Sequential(*mods[i : i + 2]) for i in range(0, len(mods) - 1, 2)] + [mods[-1]]
 
-    def __init__(self, seq: nn.Sequential, T: int, x_lr: float):
-        self.linears = [m for m in seq if isinstance(m, nn.Linear)]
-        self.acts = [m for m in seq if not isinstance(m, nn.Linear)]
-        self.T, self.x_lr = T, x_lr
-        self.opt = torch.optim.AdamW(seq.parameters(), lr=1e-4, fused=True)
+
+class LoopPC:
+    """The per-layer PC loop researchers write: autograd through a Python loop over layers,
+    u_l = layers[l](h_{l-1})."""
+
+    def __init__(self, layers: list[nn.Module], T: int, x_lr: float):
+        self.layers, self.T, self.x_lr = layers, T, x_lr
+        self.opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-4, fused=True)
 
     def energy(self, hs: list[torch.Tensor]) -> torch.Tensor:
-        L, E = len(self.linears), 0.0
-        for l, lin in enumerate(self.linears, start=1):
-            u = lin(hs[l - 1])
-            if l < L:
-                u = self.acts[l - 1](u)
-            E = E + 0.5 * (hs[l] - u).square().sum()
+        E = 0.0
+        for l, layer in enumerate(self.layers, start=1):
+            E = E + 0.5 * (hs[l] - layer(hs[l - 1])).square().sum()
         return E
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.no_grad():
             hs = [x]
-            for lin, act in zip(self.linears[:-1], self.acts):
-                hs.append(act(lin(hs[-1])))
+            for layer in self.layers[:-1]:
+                hs.append(layer(hs[-1]))
             hs.append(y)
         hidden = [h.requires_grad_(True) for h in hs[1:-1]]
         for _ in range(self.T):
@@ -123,27 +136,39 @@ class MatmulLimit:
             torch.bmm(gr["h"].transpose(1, 2), gr["d"], out=gr["gw"])
 
 
-def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh"):
-    d_in, hidden, d_out = shape
+def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh", baseline=None):
+    d_in, hidden, d_out, model = shape
     torch.manual_seed(0)
-    seq = make_seq(d_in, hidden, d_out, activation)
+    layers = make_layers(shape, activation)
     x = torch.randn(B, d_in)
     y = nn.functional.one_hot(torch.randint(0, d_out, (B,)), d_out).float()
-    loop = LoopPC(copy.deepcopy(seq), T, x_lr)
-    net = pcdist.PCNetwork.from_sequential(seq)
-    trainer = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
-    limit = MatmulLimit(net, B, T)
+
+    def trainer(lib):
+        if lib is baseline:  # an engine from before from_layers: the same MLP as one Sequential
+            net = lib.PCNetwork.from_sequential(nn.Sequential(*pcdist.PCNetwork.from_layers(layers).to_sequential()))
+        else:
+            net = lib.PCNetwork.from_layers(layers)
+        return lib.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
+
+    loop = LoopPC(copy.deepcopy(layers), T, x_lr)
+    main = trainer(pcdist)
+    variants = {"loop": lambda: loop.step(x, y)}
     # pcdist with the error pass as separate torch ops (PCDIST_NATIVE=0), as on a machine without a C compiler.
-    ops_net = pcdist.PCNetwork.from_sequential(seq)
-    ops = pcdist.PCTrainer(ops_net, torch.optim.AdamW(ops_net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
+    ops = trainer(pcdist)
     os.environ["PCDIST_NATIVE"] = "0"
     try:
         ops.stage(B)  # the kernel choice is made when the buffers are built
     finally:
         del os.environ["PCDIST_NATIVE"]
+    if any(getattr(g, "kernel", None) is not None for g in main.stage(B).groups):
+        variants["torch_ops"] = lambda: ops.step(x, y)
+    if baseline is not None and model == "mlp":
+        old = trainer(baseline)
+        variants["baseline"] = lambda: old.step(x, y)
     # pcdist and limit run next to each other in every round: their ratio is taken per round.
-    return {"loop": lambda: loop.step(x, y), "torch_ops": lambda: ops.step(x, y),
-            "pcdist": lambda: trainer.step(x, y), "limit": limit.step}
+    variants["pcdist"] = lambda: main.step(x, y)
+    variants["limit"] = MatmulLimit(main.net, B, T).step
+    return variants
 
 
 def time_interleaved(variants: dict, rounds: int, min_time: float) -> dict[str, list[float]]:
@@ -172,46 +197,55 @@ def ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="few rounds")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and two rounds: a smoke test, not a measurement")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--T", type=int, default=20)
     ap.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh", help="of every hidden layer")
+    ap.add_argument("--baseline", metavar="REF", help="also time pcdist at this git commit (shapes A, B, C)")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    rounds, min_time = (3, 0.05) if args.quick else (15, 0.3)
-    kw = dict(B=args.batch, T=args.T, x_lr=0.1, activation=args.activation)
+    rounds, min_time = (2, 0.01) if args.tiny else (3, 0.05) if args.quick else (15, 0.3)
+    baseline = None
+    if args.baseline:
+        from baseline import import_ref
+
+        baseline = import_ref(args.baseline)
+    kw = dict(B=args.batch, T=args.T, x_lr=0.1, activation=args.activation, baseline=baseline)
     stem = "fusion" if args.activation == "tanh" else f"fusion_{args.activation}"
+    ratios = [("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist"), ("baseline", "pcdist")]
 
     shapes = {}
-    for name, shape in SHAPES.items():
+    for name, shape in (TINY_SHAPES if args.tiny else SHAPES).items():
         samples = time_interleaved(make_variants(shape, **kw), rounds, min_time)
         med = {k: statistics.median(v) for k, v in samples.items()}
         shapes[name] = {
-            "dims": f"{shape[0]} -> {len(shape[1])} hidden x {shape[1][0]} -> {shape[2]}",
+            "dims": f"{shape[0]} -> {len(shape[1])} hidden x {shape[1][0]} -> {shape[2]} ({shape[3]})",
             "seconds": med,
-            "loop/pcdist": ratio(samples, "loop", "pcdist"),
-            "pcdist/limit": ratio(samples, "pcdist", "limit"),
-            "torch_ops/pcdist": ratio(samples, "torch_ops", "pcdist"),
+            **{f"{a}/{b}": ratio(samples, a, b) for a, b in ratios if a in samples},
             "rounds": samples,
         }
-        print(f"shape {name} ({shapes[name]['dims']}): loop {med['loop'] * 1e3:8.2f} ms  pcdist {med['pcdist'] * 1e3:8.2f} ms  "
-              f"limit {med['limit'] * 1e3:8.2f} ms  loop/pcdist {shapes[name]['loop/pcdist']:5.2f}x  "
-              f"pcdist/limit {shapes[name]['pcdist/limit']:5.2f}x  "
-              f"(torch ops {med['torch_ops'] * 1e3:.2f} ms: kernel gain {shapes[name]['torch_ops/pcdist']:4.2f}x)", flush=True)
+        r = shapes[name]
+        print(f"shape {name} ({r['dims']}): " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in med.items()) + "  "
+              + "  ".join(f"{k} {v:5.3f}x" for k, v in r.items() if "/" in k), flush=True)
 
     depth = {}
-    for n in DEPTHS:
-        samples = time_interleaved(make_variants((64, [128] * n, 10), **kw), max(3, rounds // 2), min_time)
+    for n in TINY_DEPTHS if args.tiny else DEPTHS:
+        d_in, hidden, d_out, _ = (TINY_SHAPES if args.tiny else SHAPES)["A"]
+        kw_depth = {**kw, "baseline": None}
+        samples = time_interleaved(make_variants((d_in, hidden[:1] * n, d_out, "mlp"), **kw_depth),
+                                   max(2 if args.tiny else 3, rounds // 2), min_time)
         med = {k: statistics.median(v) for k, v in samples.items()}
         depth[n] = med
-        print(f"depth {n:3d} hidden x 128: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in med.items()), flush=True)
+        print(f"depth {n:3d} hidden x {hidden[0]}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in med.items()),
+              flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "config": {"dtype": "float32", "batch": args.batch, "T": args.T, "activation": args.activation,
-                   "threads": torch.get_num_threads(),
-                   "torch": torch.__version__, "machine": platform.machine(), "quick": args.quick},
+                   "threads": torch.get_num_threads(), "baseline": args.baseline,
+                   "torch": torch.__version__, "machine": platform.machine(), "quick": args.quick, "tiny": args.tiny},
         "shapes": shapes,
         "depth": {str(k): v for k, v in depth.items()},
     }
@@ -229,10 +263,11 @@ def plot_depth(depth: dict, path: Path, activation: str = "tanh") -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = sorted(depth)
     for name, style in (("loop", "o-"), ("torch_ops", "x:"), ("pcdist", "s-"), ("limit", "^--")):
-        ax.plot(xs, [depth[n][name] * 1e3 for n in xs], style, label=name.replace("_", " "))
+        if name in depth[xs[0]]:
+            ax.plot(xs, [depth[n][name] * 1e3 for n in xs], style, label=name.replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("hidden layers (width 128)")
+    ax.set_xlabel("hidden layers")
     ax.set_ylabel("ms per training step (T = 20)")
     ax.set_title(f"PC training step vs depth, {activation}, float32, batch 64")
     ax.legend()

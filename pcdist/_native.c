@@ -12,6 +12,10 @@
  * f, sub, *_backward, add_) by one. Activation codes match pcdist.native.ACT_CODES; f'(a) at the kinks follows aten's
  * threshold/hardtanh/leaky_relu backward conventions.
  *
+ * The residual (μPC) layers' passes, pcd_res_*: s = phi(h) (and a copy x = h where phi' needs its
+ * input), e = h - u with the value step's own-error term, and the back-projection into a target
+ * target = beta * target + alpha_a * t * phi'(h) + alpha_e * e (phi' read from s, or from x).
+ *
  * Built with -O3 -march=native -ffast-math -fopenmp: every (activation, mode) pair gets its
  * own branch-free loop, vectorised with glibc's libmvec for tanh, exp and erf, and split over the
  * OpenMP threads torch already runs.
@@ -74,34 +78,110 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
         }                                                                                 \
     }
 
+/* The residual passes of one activation: which = 0: s = phi(src) (x = src if x); which = 1:
+ * target = beta * target + alpha_a * t * phi'(.) + alpha_e * e, phi' from u = s (or x for gelu);
+ * without e (a layer with no skip) the last term is absent; beta 0 ignores the target's old contents. */
+#define PCD_RES(T, SUFFIX, ACTNAME, FWD, DER)                                                    \
+    static void SUFFIX##_res_##ACTNAME(int which, int nthreads, T lo, T hi, const T *src, T *s, T *xs, \
+                                       const T *t, const T *e, T *target, long n, T beta, T alpha_a, T alpha_e) { \
+        const T one = (T)1, zero = (T)0;                                                       \
+        (void)nthreads; (void)lo; (void)hi; (void)one; (void)zero;                             \
+        long nchunks = (n + CHUNK - 1) / CHUNK;                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nchunks > 2)")    \
+        for (long c = 0; c < nchunks; c++) {                                                   \
+            long i0 = c * CHUNK, i1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;               \
+            if (which == 0) {                                                                  \
+                _Pragma("omp simd")                                                            \
+                for (long i = i0; i < i1; i++) {                                               \
+                    T x = src[i];                                                              \
+                    s[i] = (FWD);                                                              \
+                }                                                                              \
+                if (xs)                                                                        \
+                    for (long i = i0; i < i1; i++) xs[i] = src[i];                             \
+            } else if (!e) { /* no skip: the error term is absent (e may be of another shape) */ \
+                _Pragma("omp simd")                                                            \
+                for (long i = i0; i < i1; i++) {                                               \
+                    T u = s[i], x = xs ? xs[i] : u;                                            \
+                    target[i] = (beta == zero ? zero : beta * target[i]) + alpha_a * t[i] * (DER); \
+                }                                                                              \
+            } else if (beta == zero) {                                                         \
+                _Pragma("omp simd")                                                            \
+                for (long i = i0; i < i1; i++) {                                               \
+                    T u = s[i], x = xs ? xs[i] : u;                                            \
+                    target[i] = alpha_a * t[i] * (DER) + alpha_e * e[i];                       \
+                }                                                                              \
+            } else {                                                                           \
+                _Pragma("omp simd")                                                            \
+                for (long i = i0; i < i1; i++) {                                               \
+                    T u = s[i], x = xs ? xs[i] : u;                                            \
+                    target[i] = beta * target[i] + alpha_a * t[i] * (DER) + alpha_e * e[i];    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 #define PCD_GELU_T(T, TANHF, x) TANHF((T)PCD_SQRT_2_PI * ((x) + (T)PCD_KAPPA * (x) * (x) * (x)))
+#define PCD_EACH(M, T, SUFFIX, TANHF, EXPF, ERFF)                                          \
+    M(T, SUFFIX, tanh, TANHF(x), one - u * u)                                          \
+    M(T, SUFFIX, sigmoid, one / (one + EXPF(-x)), (one - u) * u)                       \
+    M(T, SUFFIX, relu, x > zero ? x : zero, u > zero ? one : zero)                     \
+    M(T, SUFFIX, leaky_relu, x > zero ? x : x * lo, u > zero ? one : lo)               \
+    M(T, SUFFIX, hard_tanh, x < lo ? lo : (x > hi ? hi : x), (u > lo && u < hi) ? one : zero) \
+    M(T, SUFFIX, identity, x, one)                                                     \
+    M(T, SUFFIX, gelu, (T)0.5 * x * (one + ERFF(x * (T)PCD_SQRT1_2)),                   \
+      (T)0.5 * (one + ERFF(x * (T)PCD_SQRT1_2)) + x * (T)PCD_INV_SQRT_2PI * EXPF((T)-0.5 * x * x)) \
+    M(T, SUFFIX, gelu_tanh, (T)0.5 * x * (one + PCD_GELU_T(T, TANHF, x)),                \
+      (T)0.5 * (one + PCD_GELU_T(T, TANHF, x)) + (T)0.5 * x * (one - PCD_GELU_T(T, TANHF, x) * PCD_GELU_T(T, TANHF, x)) \
+          * (T)PCD_SQRT_2_PI * (one + (T)(3 * PCD_KAPPA) * x * x))
+
+#define PCD_PICK(k, SUFFIX, INFIX, act)                                                   \
+    switch (act) {                                                                        \
+    case TANH: k = SUFFIX##INFIX##tanh; break;                                            \
+    case SIGMOID: k = SUFFIX##INFIX##sigmoid; break;                                      \
+    case RELU: k = SUFFIX##INFIX##relu; break;                                            \
+    case LEAKY_RELU: k = SUFFIX##INFIX##leaky_relu; break;                                \
+    case HARD_TANH: k = SUFFIX##INFIX##hard_tanh; break;                                  \
+    case GELU: k = SUFFIX##INFIX##gelu; break;                                            \
+    case GELU_TANH: k = SUFFIX##INFIX##gelu_tanh; break;                                  \
+    default: k = SUFFIX##INFIX##identity; break;                                          \
+    }
+
 #define PCD_TYPE(T, SUFFIX, TANHF, EXPF, ERFF)                                            \
-    PCD_ACT(T, SUFFIX, tanh, TANHF(x), one - u * u)                                    \
-    PCD_ACT(T, SUFFIX, sigmoid, one / (one + EXPF(-x)), (one - u) * u)                 \
-    PCD_ACT(T, SUFFIX, relu, x > zero ? x : zero, u > zero ? one : zero)               \
-    PCD_ACT(T, SUFFIX, leaky_relu, x > zero ? x : x * lo, u > zero ? one : lo)         \
-    PCD_ACT(T, SUFFIX, hard_tanh, x < lo ? lo : (x > hi ? hi : x), (u > lo && u < hi) ? one : zero) \
-    PCD_ACT(T, SUFFIX, identity, x, one)                                               \
-    PCD_ACT(T, SUFFIX, gelu, (T)0.5 * x * (one + ERFF(x * (T)PCD_SQRT1_2)),             \
-            (T)0.5 * (one + ERFF(x * (T)PCD_SQRT1_2)) + x * (T)PCD_INV_SQRT_2PI * EXPF((T)-0.5 * x * x)) \
-    PCD_ACT(T, SUFFIX, gelu_tanh, (T)0.5 * x * (one + PCD_GELU_T(T, TANHF, x)),          \
-            (T)0.5 * (one + PCD_GELU_T(T, TANHF, x)) + (T)0.5 * x * (one - PCD_GELU_T(T, TANHF, x) * PCD_GELU_T(T, TANHF, x)) \
-                * (T)PCD_SQRT_2_PI * (one + (T)(3 * PCD_KAPPA) * x * x))                  \
+    PCD_EACH(PCD_ACT, T, SUFFIX, TANHF, EXPF, ERFF)                                       \
+    PCD_EACH(PCD_RES, T, SUFFIX, TANHF, EXPF, ERFF)                                       \
     /* mode = fresh + 2 * (d wanted) + 4 * update; lo, hi: leaky slope / hard_tanh bounds */ \
     void pcd_errors_##SUFFIX(int act, int mode, int nthreads, double lo, double hi, T *au, const T *ur, \
                              T *h, T *e, T *d, const T *bias, long n, long B, long O, double lr) { \
         void (*k)(int, int, T, T, T *, const T *, T *, T *, T *, const T *, long, long, long, T); \
-        switch (act) {                                                                    \
-        case TANH: k = SUFFIX##_tanh; break;                                              \
-        case SIGMOID: k = SUFFIX##_sigmoid; break;                                        \
-        case RELU: k = SUFFIX##_relu; break;                                              \
-        case LEAKY_RELU: k = SUFFIX##_leaky_relu; break;                                  \
-        case HARD_TANH: k = SUFFIX##_hard_tanh; break;                                    \
-        case GELU: k = SUFFIX##_gelu; break;                                              \
-        case GELU_TANH: k = SUFFIX##_gelu_tanh; break;                                    \
-        default: k = SUFFIX##_identity; break;                                            \
+        PCD_PICK(k, SUFFIX, _, act)                                                       \
+        k(mode, nthreads, (T)lo, (T)hi, au, ur, h, e, d, bias, n, B, O, (T)lr);           \
+    }                                                                                     \
+    /* which = 0: s = phi(src), x = src if x; 1: the back-projection (see PCD_RES) */    \
+    void pcd_res_act_##SUFFIX(int act, int which, int nthreads, double lo, double hi, const T *src, T *s, \
+                              T *x, const T *t, const T *e, T *target, long n, double beta, double alpha_a, \
+                              double alpha_e) {                                           \
+        void (*k)(int, int, T, T, const T *, T *, T *, const T *, const T *, T *, long, T, T, T); \
+        PCD_PICK(k, SUFFIX, _res_, act)                                                   \
+        k(which, nthreads, (T)lo, (T)hi, src, s, x, t, e, target, n, (T)beta, (T)alpha_a, (T)alpha_e); \
+    }                                                                                     \
+    /* e = h - u; then h -= lr * e on the first `stepped` elements (lr != 0) */          \
+    void pcd_res_errors_##SUFFIX(int nthreads, const T *u, T *h, T *e, long n, long stepped, double lr) { \
+        const T l = (T)lr;                                                                \
+        long nchunks = (n + CHUNK - 1) / CHUNK;                                           \
+        (void)nthreads;                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nchunks > 2)") \
+        for (long c = 0; c < nchunks; c++) {                                              \
+            long i0 = c * CHUNK, i1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;          \
+            long j1 = i1 < stepped ? i1 : stepped;                                        \
+            _Pragma("omp simd")                                                           \
+            for (long i = i0; i < j1; i++) {                                              \
+                T ei = h[i] - u[i];                                                       \
+                e[i] = ei;                                                                \
+                h[i] = h[i] - l * ei;                                                     \
+            }                                                                             \
+            _Pragma("omp simd")                                                           \
+            for (long i = (j1 > i0 ? j1 : i0); i < i1; i++) e[i] = h[i] - u[i];            \
         }                                                                                 \
-        k(mode, nthreads, (T)lo, (T)hi, au, ur, h, e, d, bias, n, B, O, (T)lr);                                     \
     }
 
 PCD_TYPE(float, f32, tanhf, expf, erff)

@@ -16,22 +16,36 @@ from omegaconf import DictConfig, OmegaConf
 from .activations import ACTIVATIONS
 from .errors import ConfigError
 from .energies import ENERGIES
+from .layers.dense import INITS as DENSE_INITS
 from .trainer import ALGORITHMS
 
-__all__ = ["Config", "ModelConfig", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig", "TrainerConfig",
+__all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig", "TrainerConfig",
            "LoggerConfig", "load_config", "validate", "DATASETS"]
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
 
 
+MODELS = ("mlp", "mupc")
+
+
 @dataclass
 class ModelConfig:
+    name: str = "mlp"
+    """mlp (Linear + activation layers of widths model.dims) or mupc (a μPC residual network of
+    model.depth layers of width model.width; its input and output widths come from the data)."""
     dims: list[int] = field(default_factory=lambda: [64, 128, 128, 10])
-    """Widths: input, hidden..., output. Must match the data (input features, classes)."""
+    """mlp: widths input, hidden..., output. Must match the data (input features, classes)."""
+    width: int = 128
+    """mupc: width N of the hidden layers."""
+    depth: int = 32
+    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer."""
     activation: str = "tanh"
-    """Hidden activation: tanh, relu, leaky_relu, gelu, hard_tanh, sigmoid, identity."""
+    """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
+    gelu, hard_tanh, sigmoid, identity."""
     energy: str = "se"
     """Output energy: se (squared error) or ce (cross-entropy)."""
+    init: str = "default"
+    """mlp: weight init, default (nn.Linear's) or orthogonal (orthogonal W, zero bias; for deep plain MLPs)."""
 
 
 @dataclass
@@ -174,6 +188,11 @@ def load_config(cfg: Any) -> Config:
     return conf
 
 
+def num_layers(c: Config) -> int:
+    """The model's number of PC layers (weight layers)."""
+    return c.model.depth if c.model.name == "mupc" else len(c.model.dims) - 1
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"config {key}={value!r} is invalid: allowed {allowed}")
@@ -186,7 +205,11 @@ def _finite(x: Any) -> bool:
 def validate(c: Config) -> None:
     """Raise ValueError naming the first key whose value is out of range."""
     m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
+    _check(m.name in MODELS, "model.name", m.name, ", ".join(MODELS))
     _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
+    _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
+    _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
+    _check(m.init in DENSE_INITS, "model.init", m.init, ", ".join(DENSE_INITS))
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
     _check(d.name in DATASETS, "data.name", d.name, ", ".join(DATASETS))
@@ -207,8 +230,9 @@ def validate(c: Config) -> None:
     _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
     _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
     _check(p.layer >= 1, "parallel.layer", p.layer, "an integer >= 1")
-    _check(p.layer <= len(m.dims) - 1, "parallel.layer", p.layer,
-           f"at most the number of layers ({len(m.dims) - 1}, from model.dims)")
+    _check(p.layer <= num_layers(c), "parallel.layer", p.layer,
+           f"at most the number of layers ({num_layers(c)}, from "
+           f"{'model.dims' if m.name == 'mlp' else 'model.depth'})")
     _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
     _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
     _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")

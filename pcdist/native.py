@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["ACT_CODES", "act_code", "library", "usable", "Kernel"]
+__all__ = ["ACT_CODES", "act_code", "library", "usable", "Kernel", "ResidualKernel"]
 
 ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5, "gelu": 6,
              "gelu_tanh": 7}
@@ -114,11 +114,13 @@ def library() -> ctypes.CDLL | None:
         warnings.warn(f"pcdist: the fused CPU kernel is unavailable, using torch ops instead: {e}",
                       RuntimeWarning, stacklevel=2)
         return None
-    for name, ct in (("pcd_errors_f32", ctypes.c_float), ("pcd_errors_f64", ctypes.c_double)):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double,
-                       *[ctypes.c_void_p] * 6, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double]
-        fn.restype = None
+    i, d, p, n = ctypes.c_int, ctypes.c_double, ctypes.c_void_p, ctypes.c_long
+    for suffix in ("f32", "f64"):
+        for name, args in ((f"pcd_errors_{suffix}", [i, i, i, d, d, *[p] * 6, n, n, n, d]),
+                           (f"pcd_res_act_{suffix}", [i, i, i, d, d, *[p] * 6, n, d, d, d]),
+                           (f"pcd_res_errors_{suffix}", [i, p, p, p, n, n, d])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
     _lib = lib
     return lib
 
@@ -190,3 +192,63 @@ class Kernel:
                     (k1 - k0) * B * O, B, O, 0.0 if lr is None else lr)
             args = self._args[key] = tuple(t(v) for t, v in zip(self._fn.argtypes, vals))
         self._fn(*args)
+
+
+class ResidualKernel:
+    """The residual kind's elementwise passes over one group's buffers (pcdist/layers/residual.py).
+
+    ``activate``: s = phi(h_in) (and x = h_in where phi' needs its input); ``errors``: e = h_out - u
+    and the value step's own-error term h_out -= lr * e; ``backproject``: target = beta * target
+    + alpha_a * t * phi'(h_in) + alpha_e * e, phi' read from s (or x). One pass each, where
+    torch ops take two or three.
+    """
+
+    def __init__(self, act, h_in: Tensor, s: Tensor, x: Tensor | None, u: Tensor, h_out: Tensor, e: Tensor,
+                 t: Tensor | None):
+        like = [b for b in (h_in, s, x, u, h_out, e, t) if b is not None]
+        if any(not b.is_contiguous() or b.dtype != u.dtype for b in like):
+            raise ValueError("native residual kernel: every buffer must be contiguous and of one dtype")
+        lib = library()
+        f64 = u.dtype == torch.float64
+        self._act_fn = lib.pcd_res_act_f64 if f64 else lib.pcd_res_act_f32
+        self._err_fn = lib.pcd_res_errors_f64 if f64 else lib.pcd_res_errors_f32
+        lo, hi = (act.negative_slope, 0.0) if act.name == "leaky_relu" else (act.min_val, act.max_val)
+        self._head = (act_code(act), lo, hi)
+        self._keep = like  # the buffers outlive the pointers
+        self._h_in, self._s, self._x = h_in, s, x
+        self._u, self._h_out, self._e, self._t = u, h_out, e, t
+        self._per_layer = u[0].numel()
+        self._cache: dict[tuple, tuple] = {}
+
+    def _call(self, fn, key, make):
+        args = self._cache.get(key)
+        if args is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            args = self._cache[key] = tuple(t(v) for t, v in zip(fn.argtypes, make()))
+        fn(*args)
+
+    def activate(self) -> None:
+        src, s, x = self._h_in, self._s, self._x
+        threads = torch.get_num_threads()
+        self._call(self._act_fn, ("act", threads), lambda: (self._head[0], 0, threads, *self._head[1:], src.data_ptr(),
+                   s.data_ptr(), x.data_ptr() if x is not None else None, None, None, None, src.numel(), 0.0, 0.0, 0.0))
+
+    def errors(self, lr: float | None, stepped: int) -> None:
+        u, h, e = self._u, self._h_out, self._e
+        n_step = 0 if lr is None else stepped * self._per_layer
+        threads = torch.get_num_threads()
+        self._call(self._err_fn, ("err", threads, lr, n_step), lambda: (threads, u.data_ptr(), h.data_ptr(),
+                   e.data_ptr(), u.numel(), n_step, 0.0 if lr is None else lr))
+
+    def backproject(self, target: Tensor, skip: Tensor | None, beta: float, alpha_a: float, alpha_e: float) -> None:
+        """target = beta * target + alpha_a * t * phi'(h_in) (+ alpha_e * skip, the skip term's errors)."""
+        t, s, x = self._t, self._s, self._x
+        if target.numel() != t.numel() or (skip is not None and skip.numel() != t.numel()):
+            raise ValueError("native residual kernel: target and skip must have the back-projection's shape")
+        threads = torch.get_num_threads()
+        e = None if skip is None else skip.data_ptr()
+        key = ("bp", threads, target.data_ptr(), e, beta, alpha_a, alpha_e)
+        self._call(self._act_fn, key, lambda: (self._head[0], 1, threads, *self._head[1:], None, s.data_ptr(),
+                   x.data_ptr() if x is not None else None, t.data_ptr(), e, target.data_ptr(), t.numel(), beta,
+                   alpha_a, alpha_e))

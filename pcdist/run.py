@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, load_config
+from .config import Config, load_config, num_layers
 from .data import DataError, load_dataset, one_hot
 from .errors import ConfigError
 from .metrics import make_logger
+from .layers import mupc_specs
 from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
 from .trainer import PCTrainer, warmup_cosine
@@ -70,11 +71,20 @@ def _optimizer(c: Config, params, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
 
 
+def model_specs(c: Config, d_in: int, d_out: int) -> list:
+    """The layer kinds of the configured model; a μPC network takes its input and output widths
+    from the data (``d_in`` features, ``d_out`` classes)."""
+    m = c.model
+    if m.name == "mupc":
+        return mupc_specs(d_in, m.width, m.depth, d_out, m.activation)
+    return mlp_specs(m.dims, m.activation, m.init)
+
+
 def _check_data(c: Config, ds) -> None:
-    if ds.num_features != c.model.dims[0]:
+    if c.model.name == "mlp" and ds.num_features != c.model.dims[0]:
         raise DataError(f"data {c.data.name} has {ds.num_features} input features but model.dims[0]="
                         f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
-    if ds.num_classes != c.model.dims[-1]:
+    if c.model.name == "mlp" and ds.num_classes != c.model.dims[-1]:
         raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
     for name, x in (("train", ds.x_train), ("val", ds.x_val)):
         if not torch.isfinite(x).all():
@@ -97,7 +107,7 @@ def train(cfg) -> dict:
     c = load_config(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _warn_restart_hazard()
-    ParallelDims(c.parallel.data, c.parallel.layer).validate(world, len(c.model.dims) - 1)
+    ParallelDims(c.parallel.data, c.parallel.layer).validate(world, num_layers(c))
     device = _device(c)
     if c.parallel.backend == "nccl" and device.type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
@@ -116,15 +126,16 @@ def train(cfg) -> dict:
 
 def _run(c: Config, device: torch.device, distributed: bool) -> dict:
     dtype = getattr(torch, c.trainer.dtype)
-    specs = mlp_specs(c.model.dims, c.model.activation)
+    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+    ds = load_dataset(c.data.name, c.data.root, teacher, c.trainer.seed, c.data.val_fraction,
+                      c.data.synthetic_train, c.data.synthetic_val)
+    _check_data(c, ds)
+    specs = model_specs(c, ds.num_features, ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
                                  micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
     else:
         par = Parallel.single(len(specs))
-    ds = load_dataset(c.data.name, c.data.root, c.model.dims, c.trainer.seed, c.data.val_fraction,
-                      c.data.synthetic_train, c.data.synthetic_val)
-    _check_data(c, ds)
     if c.trainer.epochs is not None:
         c.trainer.max_steps = c.trainer.epochs * (len(ds.x_train) // c.trainer.batch_size)
     net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)

@@ -4,7 +4,8 @@ Each rank owns a slice of layers and only trades boundary tensors with its
 neighbours (and keeps a replica of the upstream neighbour's last node, which must stay
 bit-for-bit equal to the original); the data axis splits the batch. The maths must not change: value
 nodes, weights and energies after several steps must equal one process to 1e-9
-(float64), for P in {2, 4}, a 2 x 2 data x layer mesh and an uneven 7-over-3 split.
+(float64), for P in {2, 4}, a 2 x 2 data x layer mesh and uneven splits, for MLPs (dense
+layers) and μPC networks (residual layers).
 """
 
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class Case:
     T: int = 4
     init: str = "ff"
     prepost: bool = True  # gloo's early receives; False: one batch_isend_irecv per step (NCCL's way)
+    mupc: str | None = None  # the activation of a μPC network with dims = (d_in, width, depth, d_out)
 
 
 CASES = {
@@ -44,7 +46,21 @@ CASES = {
     "P2-deeppcr-init": Case((6, 8, 8, 8, 8, 8, 4), layer=2, micro_batches=2, init="deeppcr"),
     "P2-ipc-one-batch-exchange": Case((6, 8, 8, 8, 8, 4), layer=2, algorithm="ipc", x_momentum=0.5, prepost=False),
     "uneven-7-over-3": Case((6, 8, 8, 5, 5, 5, 7, 4), layer=3, algorithm="ipc", energy="se", micro_batches=3, x_momentum=0.5),
+    "mupc-P2-pc-se": Case((6, 8, 8, 4), layer=2, mupc="relu", micro_batches=2),
+    "mupc-P4-ipc-ce-momentum": Case((6, 8, 10, 4), layer=4, algorithm="ipc", energy="ce", x_momentum=0.5,
+                                    optimizer="adamw", mupc="tanh"),
+    "mupc-D2xP2-pc-ce": Case((6, 8, 6, 4), layer=2, data=2, energy="ce", optimizer="adamw", mupc="gelu",
+                             micro_batches=2),
+    "mupc-uneven-7-over-3-deeppcr": Case((6, 8, 7, 4), layer=3, x_momentum=0.3, mupc="tanh", init="deeppcr",
+                                         micro_batches=3),
 }
+
+
+def specs_of(case):
+    if case.mupc is None:
+        return pcdist.mlp_specs(case.dims)
+    d_in, width, depth, d_out = case.dims
+    return pcdist.mupc_specs(d_in, width, depth, d_out, case.mupc)
 
 
 def make_optimizer(case, params):
@@ -57,19 +73,20 @@ def batches(case):
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(case.steps):
-        x = torch.randn(case.B, case.dims[0], generator=g, dtype=DT)
-        y = torch.eye(case.dims[-1], dtype=DT)[torch.randint(0, case.dims[-1], (case.B,), generator=g)]
+        d_in, d_out = specs_of(case)[0].in_features, specs_of(case)[-1].out_features
+        x = torch.randn(case.B, d_in, generator=g, dtype=DT)
+        y = torch.eye(d_out, dtype=DT)[torch.randint(0, d_out, (case.B,), generator=g)]
         out.append((x, y))
     return out
 
 
 def initial_state(case):
-    net = pcdist.PCNetwork(pcdist.mlp_specs(case.dims), energy=case.energy, dtype=DT, seed=7)
+    net = pcdist.PCNetwork(specs_of(case), energy=case.energy, dtype=DT, seed=7)
     return net.layer_state_dict()
 
 
 def single_process(case):
-    net = pcdist.PCNetwork(pcdist.mlp_specs(case.dims), energy=case.energy, dtype=DT, init=False)
+    net = pcdist.PCNetwork(specs_of(case), energy=case.energy, dtype=DT, init=False)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
                           x_momentum=case.x_momentum, algorithm=case.algorithm, init=case.init)
@@ -82,7 +99,7 @@ def single_process(case):
 
 def worker(rank, world, case, out_dir):
     init_distributed(timeout_s=60)
-    specs = pcdist.mlp_specs(case.dims)
+    specs = specs_of(case)
     par = Parallel.from_mesh(ParallelDims(case.data, case.layer), specs, micro_batches=case.micro_batches, timeout_s=60)
     assert par.prepost, "gloo (CPU) runs post receives a step ahead by default"
     par.prepost = case.prepost
@@ -134,4 +151,6 @@ def test_parallel_run_equals_single_process(name, tmp_path):
     others = [res for res in results if not res["logging"]]
     assert all(s == {} for res in others for s in res["stats"])
     # The split really happened: every rank owns fewer layers than the whole (P > 1 cases).
-    assert all(res["layers"][1] - res["layers"][0] < len(case.dims) - 1 for res in results)
+    assert all(res["layers"][1] - res["layers"][0] < len(specs_of(case)) for res in results)
+    if name.startswith("mupc-uneven"):
+        assert len({res["layers"][1] - res["layers"][0] for res in results}) > 1, "the split is uneven"

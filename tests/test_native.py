@@ -132,6 +132,75 @@ def test_training_with_kernel_equals_torch_ops(acts, algorithm, x_momentum, ener
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name + ("_tanh" if a.approximate == "tanh" else ""))
+def test_residual_kernel_equals_torch_ops(act, dtype):
+    """The residual kind's passes: s = phi(h) (x = h where phi' needs it), e = h_out - u with the
+    value step on the first layers, and target = beta target + alpha_a t phi'(h) (+ alpha_e e)."""
+    if act.name == "leaky_relu":
+        act = Activation("leaky_relu", negative_slope=0.2)
+    gen = torch.Generator().manual_seed(1)
+    K, B, N = 4, 7, 33
+    rand = lambda: torch.randn(K, B, N, generator=gen, dtype=dtype)  # noqa: E731
+    h_in, u, h0, t = rand() * 2, rand(), rand(), rand()
+    h_in[0, 0, :4] = torch.tensor([0.0, -0.5, 0.75, 1e-30], dtype=dtype)  # at the kinks
+    s, x, e = torch.full_like(h_in, 7.0), torch.full_like(h_in, 7.0) if act.needs_input else None, rand()
+    h_out = h0.clone()
+    k = native.ResidualKernel(act, h_in, s, x, u, h_out, e, t)
+    ulp = torch.finfo(dtype).eps
+    tol = dict(atol=128 * ulp, rtol=128 * ulp) if act.name == "gelu" else dict(atol=16 * ulp, rtol=8 * ulp)
+    k.activate()
+    torch.testing.assert_close(s, act.forward(h_in.clone()), **tol)
+    if x is not None:
+        assert torch.equal(x, h_in)
+    for lr, stepped in ((None, K), (0.3, K), (0.3, K - 2)):
+        h_out.copy_(h0)
+        k.errors(lr, stepped)
+        assert torch.equal(e, h0 - u), "e = h - u exactly: zero errors stay zero"
+        want = h0.clone()
+        if lr is not None:
+            want[:stepped] -= lr * (h0 - u)[:stepped]
+        torch.testing.assert_close(h_out, want, **tol)
+    phi_t = act.grad(t, h_in, act.forward(h_in.clone()), out=torch.empty_like(t))  # t * phi'(h_in)
+    for beta in (0.0, 1.0, 0.5):
+        for skip in (None, e):
+            target0 = torch.full_like(t, float("nan")) if beta == 0.0 else rand()
+            target = target0.clone()
+            k.backproject(target, skip, beta, -0.7, 0.4)
+            want = -0.7 * phi_t + (0.0 if skip is None else 0.4 * e) + (0.0 if beta == 0.0 else beta * target0)
+            torch.testing.assert_close(target, want, **tol)
+    with pytest.raises(ValueError, match="must have the back-projection's shape"):
+        k.backproject(torch.zeros(K, B, N + 1, dtype=dtype), None, 0.0, 1.0, 1.0)
+
+
+def run_mupc_training(act, algorithm, x_momentum, energy, native_on, monkeypatch, steps=3):
+    monkeypatch.setenv("PCDIST_NATIVE", "1" if native_on else "0")
+    net = pcdist.PCNetwork(pcdist.mupc_specs(6, 9, 6, 4, act), energy=energy, dtype=torch.float64, seed=2)
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=6, x_lr=0.2,
+                               x_momentum=x_momentum, algorithm=algorithm)
+    gen = torch.Generator().manual_seed(5)
+    energies = []
+    for _ in range(steps):
+        x, y = make_batch(8, 6, 4, gen)
+        energies.append(trainer.step(x, y)["energy"])
+    used = [gr.kernel is not None for gr in trainer.stage(8).groups]
+    return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("algorithm,x_momentum,energy", [("pc", 0.0, "se"), ("pc", 0.5, "ce"), ("ipc", 0.0, "ce")])
+@pytest.mark.parametrize("act", ["relu", "tanh", "gelu"])
+def test_mupc_training_with_kernel_equals_torch_ops(act, algorithm, x_momentum, energy, monkeypatch):
+    """float64: the residual kind's kernels change nothing beyond round-off."""
+    on = run_mupc_training(act, algorithm, x_momentum, energy, True, monkeypatch)
+    off = run_mupc_training(act, algorithm, x_momentum, energy, False, monkeypatch)
+    assert all(on[3]) and not any(off[3]), "the kernel runs every group; PCDIST_NATIVE=0 selects torch ops"
+    assert on[0] == pytest.approx(off[0], abs=1e-12, rel=1e-12)
+    for a, b in zip(on[1] + on[2], off[1] + off[2]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_no_compiler_falls_back_with_a_warning(tmp_path):
     """Without a compiler the engine warns once and trains with torch ops."""
     code = (

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import native
 from ..activations import Activation, get_activation
 from ..energies import output_energy, output_signal
 from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight
@@ -198,14 +199,21 @@ class ResidualBound(BoundGroup):
         self.u = torch.empty(K, B, O, **kw)
         self.d = torch.empty(K, B, O, **kw) if self.is_output else e_out  # -dE/du
         self.t = torch.empty(K, B, I, **kw) if back else None
+        # phi, the error with the value step, and the back-projection's elementwise part, one pass each (CPU).
+        self.kernel = native.ResidualKernel(self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t) \
+            if native.usable(self.act, self.u) and h_in.is_contiguous() and self.d.is_contiguous() else None
 
     def _predict(self, h: Tensor, s: Tensor, x: Tensor | None, w: Tensor, b: Tensor | None, u: Tensor) -> None:
         """u = skip * h + a (phi(h) @ w + b) for one layer ([B, I] operands) or all K ([K, B, I])."""
         mm = torch.baddbmm if h.dim() == 3 else torch.addmm
-        if not self.identity:
-            self.act.forward(h, out=s)
-        if x is not None:
-            x.copy_(h)
+        if self.kernel is not None and h is self.h_in:  # all K layers at once
+            if not self.identity or x is not None:
+                self.kernel.activate()
+        else:
+            if not self.identity:
+                self.act.forward(h, out=s)
+            if x is not None:
+                x.copy_(h)
         if b is not None:
             mm(b, s, w, beta=self.a, alpha=self.a, out=u)
             if self.skip:
@@ -266,13 +274,19 @@ class ResidualBound(BoundGroup):
         if self.is_output:
             output_signal(self.energy, self.u[0], self.h_out[0], self.d[0])
             return
+        stepped = self.K - 1 if hold_last else self.K
+        if self.kernel is not None:
+            self.kernel.errors(step_lr, stepped)
+            return
         torch.sub(self.h_out, self.u, out=self.e_out)
         if step_lr is not None:
-            stepped = self.K - 1 if hold_last else self.K
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
+        if self.kernel is not None:
+            self.kernel.backproject(target, self.d if self.skip else None, beta, alpha * self.a, alpha)
+            return
         if not self.identity:
             self.act.grad(t, self.x, self.s, out=t)  # * phi'(h_in)
         if beta == 0.0:
