@@ -207,3 +207,56 @@ def test_case_c_se_momentum_T2(impl):
     check(res, hidden=[[[0.945]], [[-0.05]]], energy=0.606527625,
           layer_energies=[0.0015125, 0.000015125, 0.605],
           params=[([[1.9945]], [-1.0055]), ([[-1.000051975]], [0.499945]), ([[1.9945]], [0.11])])
+
+
+# ---------------------------------------------------------------------------------------------
+# Case D: a μPC network (residual kind), relu, se.  d_in = 1, width N = 1, depth L = 4, d_out = 1,
+# so the scalings are a_1 = 1/sqrt(d_in) = 1, a_h = 1/sqrt(N L) = 1/2 (layers 2, 3), a_L = 1/N = 1:
+#   u1 = W1 x;  u2 = h1 + 1/2 W2 relu(h1);  u3 = h2 + 1/2 W3 relu(h2);  u4 = W4 relu(h3)
+# W = [1, 1, -1, 2], x = 2, y = 1, B = 1, T = 2, x_lr = 0.25, SGD lr = 0.1.
+#
+# Init (feed-forward): h1 = u1 = 2;  h2 = u2 = 2 + 1 = 3;  h3 = u3 = 3 - 1.5 = 1.5;  u4 = 3, e4 = y - u4 = -2.
+# Value gradient g_l = e_l - P_{l+1}, P_{l+1} = -dE_{l+1}/dh_l = a (W e_{l+1}) relu'(h_l) + skip * e_{l+1}
+# (for the output, e4 is y - u4 = -dE_out/du4 and there is no skip).
+# Step 1: e1 = e2 = e3 = 0;  P4 = 1 * 2 * (-2) * 1 = -4:  g1 = g2 = 0,  g3 = 0 - (-4) = 4
+#   h3 <- 1.5 - 0.25 * 4 = 0.5
+# Step 2 (h = 2, 3, 0.5):  e1 = e2 = 0;  e3 = 0.5 - 1.5 = -1;  u4 = 2 * 0.5 = 1, e4 = 0
+#   g1 = 0 - (1/2 * 1 * e2 * 1 + e2) = 0
+#   g2 = 0 - (1/2 * (-1) * (-1) * 1 + (-1)) = 0.5       (the skip passes e3 down in full)
+#   g3 = -1 - (1 * 2 * 0 * 1) = -1
+#   h2 <- 3 - 0.125 = 2.875;  h3 <- 0.5 + 0.25 = 0.75
+# pc fresh evaluation (h = 2, 2.875, 0.75):
+#   e1 = 0                                              E1 = 0
+#   u2 = 3, e2 = -0.125                                 E2 = 0.0078125
+#   u3 = 2.875 - 0.5 * 2.875 = 1.4375, e3 = -0.6875     E3 = 0.236328125
+#   u4 = 1.5, e4 = 1 - 1.5 = -0.5                       E4 = 0.125          F = 0.369140625
+# Weight gradients dF/dW_l = -a_l e_l phi(h_{l-1}) (phi = identity on layer 1):
+#   dW1 = 0;  dW2 = -1/2 (-0.125) 2 = 0.125;  dW3 = -1/2 (-0.6875) 2.875 = 0.98828125;  dW4 = -(-0.5) 0.75 = 0.375
+# SGD(lr = 0.1): W = [1, 0.9875, -1.098828125, 1.9625]
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_case_d_mupc_relu_T2(impl):
+    from reference import MuPCReference
+
+    W, x, y = [1.0, 1.0, -1.0, 2.0], torch.tensor([[2.0]], dtype=DT), torch.tensor([[1.0]], dtype=DT)
+    kw = dict(T=2, x_lr=0.25, x_momentum=0.0, algorithm="pc")
+    make_opt = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    if impl == "reference":
+        ref = MuPCReference(1, 1, 4, 1, "relu", make_opt, energy="se", **kw)
+        with torch.no_grad():
+            for w_l, value in zip(ref.weights, W):
+                w_l.fill_(value)
+        stats = ref.step(x, y)
+        hs, weights = ref.hs, [float(w_l.detach()) for w_l in ref.weights]
+    else:
+        pcdist = pytest.importorskip("pcdist")
+        net = pcdist.PCNetwork(pcdist.mupc_specs(1, 1, 4, 1, "relu"), energy="se", dtype=DT, init=False)
+        net.load_layer_state_dict({f"layers.{l}.weight": torch.tensor([[w]], dtype=DT) for l, w in enumerate(W, 1)})
+        trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), **kw)
+        stats = trainer.step(x, y)
+        hs = trainer.value_nodes()
+        weights = [float(net.layer_state_dict()[f"layers.{l}.weight"]) for l in range(1, 5)]
+    assert [float(h) for h in hs[1:4]] == pytest.approx([2.0, 2.875, 0.75], abs=TOL)
+    assert stats["energy"] == pytest.approx(0.369140625, abs=TOL)
+    assert stats["layer_energies"] == pytest.approx([0.0, 0.0078125, 0.236328125, 0.125], abs=TOL)
+    assert weights == pytest.approx([1.0, 0.9875, -1.098828125, 1.9625], abs=TOL)
