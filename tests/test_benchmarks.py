@@ -77,3 +77,16 @@ def test_scaling_model_efficiency_is_one_gpu_time_over_step_time(tmp_path):
         assert r["gpus"] == r["P"] * r["D"]
         assert r["weak_scaling_efficiency"] == res["one_gpu_ms"] / r["step_ms"]
     assert res["assumptions"]["layers_per_rank"] == 8
+
+
+def test_depth_benchmark_reports_accuracy_time_and_the_gap(tmp_path):
+    stdout = run("depth.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "depth.json").read_text())
+    assert (tmp_path / "depth.png").read_bytes()[:8] == PNG_MAGIC
+    assert res["config"]["tiny"] and sorted(map(int, res["depths"])) == [3, 4]
+    for depth, row in res["depths"].items():
+        assert {"mupc_pc", "mlp_pc", "mupc_bp"} <= set(row)
+        for method in ("mupc_pc", "mlp_pc", "mupc_bp"):
+            assert 0.0 <= row[method]["accuracy"] <= 1.0 and row[method]["step_s"] > 0
+            assert f"depth {int(depth):4d}  {method}" in stdout
+        assert row["bp_minus_pc_points"] == 100 * (row["mupc_bp"]["accuracy"] - row["mupc_pc"]["accuracy"])

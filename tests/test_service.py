@@ -122,3 +122,39 @@ def test_resume_on_a_different_number_of_layer_ranks(tmp_path):
     a, b = layer_state(tmp_path / "a/checkpoints/step-00000024"), layer_state(tmp_path / "b/checkpoints/step-00000024")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+MUPC = {"model": {"name": "mupc", "depth": 128, "width": 32, "activation": "relu", "energy": "se"},
+        "pc": {"T": 16, "x_lr": 0.3},
+        "optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0, "warmup_steps": 0, "schedule": "constant"},
+        "trainer": {"dtype": "float64", "batch_size": 16, "max_steps": 3, "eval_every": 3, "log_every": 1,
+                    "ckpt_every": 3, "progress": "off"},
+        "logger": {"name": "none", "mode": "disabled"}}
+
+
+def test_torchrun_mupc_128_layers_on_four_layer_ranks_equals_one_process(tmp_path):
+    """torchrun --nproc_per_node=4 train.py model=mupc model.depth=128 parallel.layer=4: the 128-layer
+    μPC network trains split over four ranks, and its metrics and weights equal one process's (float64)."""
+    overrides = [f"{group}.{key}={value}" for group, keys in MUPC.items() for key, value in keys.items()
+                 if group != "logger"]
+    overrides = ["model=mupc", "logger=none", *[o for o in overrides if not o.startswith("model.name")]]
+    torchrun(4, *overrides, "parallel.layer=4", f"hydra.run.dir={tmp_path / 'p4'}", timeout=600)
+    one = pcdist.train({**MUPC, "run_dir": str(tmp_path / "p1")})
+    rows4, rows1 = {}, {}
+    for rows, run_dir in ((rows4, tmp_path / "p4"), (rows1, tmp_path / "p1")):
+        for r in read_metrics(run_dir / "metrics.jsonl"):
+            rows.setdefault(r["step"], {}).update(r)
+    assert sorted(rows4) == sorted(rows1) == [1, 2, 3]
+    for step, r1 in rows1.items():
+        layers = [k for k in r1 if k.startswith("train/layer_energy/")]
+        assert len(layers) == 128
+        for key in ["train/energy", *layers]:
+            assert rows4[step][key] == pytest.approx(r1[key], abs=1e-9, rel=1e-9), (step, key)
+    assert rows4[3]["val/accuracy"] == one["val/accuracy"]
+    ckpt = "checkpoints/step-00000003"
+    files = sorted(p.name for p in (tmp_path / "p4" / ckpt).glob("layers-*.pt"))
+    assert len(files) == 4, files
+    a, b = layer_state(tmp_path / "p4" / ckpt), layer_state(tmp_path / "p1" / ckpt)
+    assert a.keys() == b.keys() and len(a) == 128
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-9, rtol=0, msg=k)
