@@ -17,7 +17,7 @@ from .activations import Activation, activation_from_module, get_activation
 from .energies import check_energy
 from .layers import Dense, LayerGroup, LayerKind, group_layers, kind_from_module, seeded_generator
 
-__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature"]
+__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential"]
 
 
 def mlp_specs(dims: Sequence[int], activation: str | Activation = "tanh", init: str = "default") -> list[Dense]:
@@ -94,19 +94,25 @@ class PCNetwork(nn.Module):
         return cls(mlp_specs(dims, activation, init), energy=energy, **kw)
 
     @classmethod
-    def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se",
+    def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shape: Sequence[int] | None = None,
                     layers_owned: tuple[int, int] | None = None) -> "PCNetwork":
         """A PCNetwork with a copy of the weights of ``layers``, one torch module per PC layer.
 
         Module l maps value node l-1 to the prediction of node l; the last one is the output
         layer. Each module gets the fastest kind that expresses it (``pcdist.layers.kind_from_module``):
-        nn.Linear / nn.Sequential(nn.Linear, activation) -> dense, pcdist.ResidualLinear -> residual.
-        ``layers_owned=(a, b)`` keeps only layers a..b-1 (a layer slice).
+        [nn.Flatten,] nn.Linear [+ activation] -> dense, nn.Conv1d/2d [+ activation] [+ pooling] -> conv,
+        pcdist.ResidualLinear -> residual. ``input_shape`` is the input node's shape without the batch
+        (needed when the first layer is a convolution, e.g. (1, 8, 8)). ``layers_owned=(a, b)`` keeps
+        only layers a..b-1 (a layer slice).
         """
         mods = list(layers)
         if not mods:
             raise ValueError("from_layers needs at least one module")
-        picked = [kind_from_module(m, l, l == len(mods)) for l, m in enumerate(mods, start=1)]
+        picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
+        for l, m in enumerate(mods, start=1):
+            kind, params = kind_from_module(m, l, l == len(mods), shape)
+            picked.append((kind, params))  # shapes that do not chain are named by the constructor
+            shape = tuple(kind.out_shape)
         p = next(iter(picked[0][1].values()))
         net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
                   init=False)
@@ -115,16 +121,16 @@ class PCNetwork(nn.Module):
         return net
 
     @classmethod
-    def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None) -> "PCNetwork":
-        """A PCNetwork with a copy of the weights of Linear, activation, ..., Linear (or of a slice)."""
-        specs, linears = _parse_sequential(seq)
-        p = linears[0].weight
-        net = cls(specs, energy=energy, layers=layers, dtype=p.dtype, device=p.device, init=False)
-        state = {}
-        for l, lin in enumerate(linears, start=1):
-            state[f"layers.{l}.weight"], state[f"layers.{l}.bias"] = lin.weight, lin.bias
-        net.load_layer_state_dict(state)
-        return net
+    def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,
+                        input_shape: Sequence[int] | None = None) -> "PCNetwork":
+        """A PCNetwork with a copy of the weights of an nn.Sequential (or of a slice of it).
+
+        A value node goes after each nn.Linear / nn.Conv1d / nn.Conv2d with the activation and the
+        pooling that follow it; an nn.Flatten goes with the nn.Linear after it. ``input_shape`` as in
+        ``from_layers`` (a network that starts with a convolution needs it). Anything else cannot be
+        placed where a value node would go: build such networks with ``from_layers``.
+        """
+        return cls.from_layers(split_sequential(seq), energy=energy, input_shape=input_shape, layers_owned=layers)
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Each kind's init (dense: nn.Linear's default; residual: N(0, 1)), layer by layer.
@@ -221,32 +227,61 @@ class PCNetwork(nn.Module):
         return nn.Sequential(*mods)
 
 
-def _parse_sequential(seq: nn.Sequential) -> tuple[list[Dense], list[nn.Linear]]:
-    """Dense layers and Linear modules of Linear, [activation], Linear, ... (flattened)."""
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
+
+
+def split_sequential(seq: nn.Sequential) -> list[nn.Sequential]:
+    """The modules of ``seq`` (nested Sequentials flattened) as one nn.Sequential per PC layer:
+    [nn.Flatten,] (nn.Linear | nn.Conv1d | nn.Conv2d) [, activation] [, pooling]. The modules are
+    shared, not copied. A module that fits nowhere is named in a ValueError."""
     mods = [m for m in seq.modules() if not isinstance(m, nn.Sequential)]
-    specs: list[Dense] = []
-    linears: list[nn.Linear] = []
-    pending: Activation | None = None
+    blocks: list[list[nn.Module]] = []
+    flatten: tuple[int, nn.Flatten] | None = None
+    hint = ("from_sequential puts a value node after each nn.Linear / nn.Conv with its activation and pooling; "
+            "for other blocks give one module per PC layer to PCNetwork.from_layers")
     for i, m in enumerate(mods):
-        if isinstance(m, nn.Linear):
-            if m.bias is None:
-                raise ValueError(f"module {i} ({m}) has no bias; PCNetwork layers need bias=True")
-            if linears:
-                specs[-1] = Dense(specs[-1].in_features, specs[-1].out_features, pending or Activation("identity"))
-            specs.append(Dense(m.in_features, m.out_features, None))
-            linears.append(m)
-            pending = None
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            blocks.append([m] if flatten is None else [flatten[1], m])
+            flatten = None
+        elif isinstance(m, nn.Flatten):
+            if flatten is not None:
+                raise ValueError(f"module {i} (Flatten) follows another nn.Flatten")
+            flatten = (i, m)
+        elif not blocks:
+            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
+        elif flatten is not None:
+            raise ValueError(f"module {i} ({type(m).__name__}) follows the nn.Flatten at module {flatten[0]}: "
+                             f"a Flatten goes right before an nn.Linear; {hint}")
         else:
-            if not linears:
-                raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear")
-            if pending is not None:
-                raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row are not supported")
-            pending = activation_from_module(m)
-            if pending.name == "identity":
-                pending = Activation("identity")
-    if not linears:
-        raise ValueError("the Sequential has no nn.Linear layer")
-    if pending is not None and pending.name != "identity":
-        raise ValueError(f"the output layer must not be followed by an activation (found {pending.name}); "
+            cur = blocks[-1]
+            layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
+            has_act = any(_is_activation(x) for x in cur if x is not layer and not isinstance(x, nn.Flatten))
+            has_pool = any(isinstance(x, _POOLS) for x in cur)
+            if _is_activation(m) and not has_act and not has_pool:
+                cur.append(m)
+            elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
+                cur.append(m)
+            elif _is_activation(m):
+                raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row cannot be placed "
+                                 f"where a value node would go; {hint}")
+            else:
+                raise ValueError(f"module {i} ({type(m).__name__}) cannot be placed where a value node would go; "
+                                 f"{hint}")
+    if flatten is not None:
+        raise ValueError(f"module {flatten[0]} (Flatten) is not followed by an nn.Linear")
+    if not blocks:
+        raise ValueError("the Sequential has no nn.Linear or nn.Conv layer")
+    last = blocks[-1]
+    acts = [activation_from_module(x) for x in last if _is_activation(x)]
+    if acts and acts[0].name != "identity":
+        raise ValueError(f"the output layer must not be followed by an activation (found {acts[0].name}); "
                          "the output energy acts on u_L = a_L")
-    return specs, linears
+    return [nn.Sequential(*b) for b in blocks]
+
+
+def _is_activation(m: nn.Module) -> bool:
+    try:
+        activation_from_module(m)
+        return True
+    except ValueError:
+        return False

@@ -46,10 +46,10 @@ def layer_energies_from(predict, L, hs, energy):
     out = []
     for l in range(1, L + 1):
         u = predict(l, hs[l - 1])
-        if l < L:  # hidden layer
-            out.append(0.5 * ((hs[l] - u) ** 2).sum(1))
+        if l < L:  # hidden layer (a node of any shape: summed over all but the batch)
+            out.append(0.5 * ((hs[l] - u) ** 2).flatten(1).sum(1))
         elif energy == "se":
-            out.append(0.5 * ((hs[l] - u) ** 2).sum(1))
+            out.append(0.5 * ((hs[l] - u) ** 2).flatten(1).sum(1))
         elif energy == "ce":
             out.append(-(hs[l] * torch.log_softmax(u, dim=1)).sum(1))
         else:

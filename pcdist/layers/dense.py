@@ -40,7 +40,9 @@ class Dense(LayerKind):
     """One Linear layer: in/out widths and its activation (None for the output layer: u_L = a_L).
 
     ``init``: "default" (nn.Linear's U(-1/sqrt(in), 1/sqrt(in))) or "orthogonal" (W orthogonal,
-    bias 0: keeps the signal's norm through deep plain MLPs).
+    bias 0: keeps the signal's norm through deep plain MLPs). ``bias=False``: no bias (u = f(W h)).
+    ``input_shape``: the shape of the input node when it is not a vector (an image after
+    nn.Flatten: the layer reads it flattened, in_features = its size).
     """
 
     kind = "dense"
@@ -48,14 +50,19 @@ class Dense(LayerKind):
     out_features: int
     activation: Activation | None
     init: str = field(default="default")
+    bias: bool = True
+    input_shape: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.init not in INITS:
             raise ValueError(f"unknown dense init {self.init!r}; allowed: {', '.join(INITS)}")
+        if self.input_shape is not None and math.prod(self.input_shape) != self.in_features:
+            raise ValueError(f"dense input_shape {list(self.input_shape)} has {math.prod(self.input_shape)} "
+                             f"elements, not in_features={self.in_features}")
 
     @property
     def in_shape(self) -> tuple[int, ...]:
-        return (self.in_features,)
+        return (self.in_features,) if self.input_shape is None else tuple(self.input_shape)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -76,8 +83,13 @@ class Dense(LayerKind):
 
     def signature(self) -> dict:
         act = self.activation
-        return {"kind": self.kind, "in": self.in_features, "out": self.out_features,
-                "activation": None if act is None else act.name}
+        sig = {"kind": self.kind, "in": self.in_features, "out": self.out_features,
+               "activation": None if act is None else act.name}
+        if not self.bias:
+            sig["bias"] = False
+        if self.input_shape is not None:
+            sig["in_shape"] = list(self.input_shape)
+        return sig
 
     def check(self, index: int, is_output: bool) -> None:
         if is_output and self.activation is not None:
@@ -97,17 +109,29 @@ class DenseGroup(LayerGroup):
         super().__init__(kind, first, K)
         kw = dict(dtype=dtype, device=device)
         self.weight = nn.Parameter(torch.empty(K, kind.in_features, kind.out_features, **kw))
-        self.bias = nn.Parameter(torch.empty(K, kind.out_features, **kw))
+        if kind.bias:
+            self.bias = nn.Parameter(torch.empty(K, kind.out_features, **kw))
+        else:  # the phases add a zero bias, so bias-free layers take the same fused path
+            self.bias = None
+            self.register_buffer("zero_bias", torch.zeros(K, kind.out_features, **kw), persistent=False)
 
     @property
     def spec(self) -> Dense:
         return self.kind
 
+    @property
+    def b_KO(self) -> Tensor:
+        """The biases [K, O] (zeros for bias-free layers)."""
+        return self.zero_bias if self.bias is None else self.bias
+
     def public_params(self, k: int) -> dict[str, Tensor]:
-        return {"weight": self.weight[k].T, "bias": self.bias[k]}  # nn.Linear's layout
+        out = {"weight": self.weight[k].T}  # nn.Linear's layout
+        if self.bias is not None:
+            out["bias"] = self.bias[k]
+        return out
 
     def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
-        w, b = self.weight[k], self.bias[k]
+        w, b = self.weight[k], self.b_KO[k]
         with torch.no_grad():
             if self.kind.init == "orthogonal":
                 q = torch.empty(w.T.shape, dtype=w.dtype)
@@ -116,20 +140,25 @@ class DenseGroup(LayerGroup):
                 return
             bound = 1.0 / math.sqrt(self.kind.in_features)
             w.copy_(torch.rand(w.shape, generator=generator, dtype=w.dtype).mul_(2 * bound).sub_(bound))
-            b.copy_(torch.rand(b.shape, generator=generator, dtype=b.dtype).mul_(2 * bound).sub_(bound))
+            if self.bias is not None:
+                b.copy_(torch.rand(b.shape, generator=generator, dtype=b.dtype).mul_(2 * bound).sub_(bound))
 
     def to_module(self, k: int) -> nn.Module:
         s, p = self.kind, self.weight
-        lin = nn.Linear(s.in_features, s.out_features, dtype=p.dtype, device=p.device)
+        lin = nn.Linear(s.in_features, s.out_features, bias=s.bias, dtype=p.dtype, device=p.device)
         with torch.no_grad():
-            lin.weight.copy_(self.weight[k].T)
-            lin.bias.copy_(self.bias[k])
-        return lin if s.activation is None else nn.Sequential(lin, s.activation.to_module())
+            for name, t in self.public_params(k).items():
+                getattr(lin, name).copy_(t)
+        mods = ([] if s.input_shape is None else [nn.Flatten()]) + [lin] + \
+            ([] if s.activation is None else [s.activation.to_module()])
+        return mods[0] if len(mods) == 1 else nn.Sequential(*mods)
 
     def forward(self, h_BI: Tensor) -> Tensor:
         act = self.kind.activation
+        if self.kind.input_shape is not None:
+            h_BI = h_BI.flatten(1)
         for k in range(self.K):
-            h_BI = torch.addmm(self.bias[k], h_BI, self.weight[k])
+            h_BI = torch.addmm(self.b_KO[k], h_BI, self.weight[k])
             if act is not None:
                 h_BI = act(h_BI)
         return h_BI
@@ -146,23 +175,25 @@ class DenseBound(BoundGroup):
     """
 
     def __init__(self, g: DenseGroup, h_in, h_out, e_out, B: int, static_weights: bool, energy: str | None):
+        if g.kind.input_shape is not None:  # an image node, read flattened (a free view of the block)
+            h_in = h_in.flatten(2)
         super().__init__(g, h_in, h_out, e_out, energy)
         K = self.K
         self.act = g.kind.activation
         self.w_KIO = g.weight
         self.w_t = TransposedWeight(g.weight, copy=static_weights)
-        self.b_K1O = g.bias.unsqueeze(1)
+        self.b_K1O = g.b_KO.unsqueeze(1)
         kw = dict(dtype=g.weight.dtype, device=g.weight.device)
         self.a = torch.empty(K, B, g.kind.out_features, **kw)
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
         self.d = torch.empty_like(self.a)
-        self.layers = [(g.bias[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
+        self.layers = [(g.b_KO[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         # Squared-error output: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
         self._y_minus_b = torch.empty_like(self.a) if energy == "se" else None
         # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
         # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
-        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.bias, u=self.u) \
+        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u) \
             if not self.is_output and native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
 
     # -- feed-forward init ----------------------------------------------------------
@@ -188,7 +219,7 @@ class DenseBound(BoundGroup):
         """The group's K chained predictions solved at once; a and u then follow from one GEMM."""
         from ..deeppcr import solve
 
-        states = solve((self.w_KIO, self.g.bias, self.act), h_BI).states  # [K + 1, B, O]
+        states = solve((self.w_KIO, self.g.b_KO, self.act), h_BI).states  # [K + 1, B, O]
         sel = slice(None) if rows is None else rows
         self.h_out[:, sel].copy_(states[1:])
         a = self.a[:, sel]
@@ -240,12 +271,15 @@ class DenseBound(BoundGroup):
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
+        if target.dim() > 3:  # an image node
+            target = target.flatten(2)
         target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
 
     def weight_grads(self, scale: float) -> None:
         w, b = self.g.weight, self.g.bias
         w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
-        torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
+        if b is not None:
+            torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
 
     def energies(self) -> Tensor:
         if self.is_output:
