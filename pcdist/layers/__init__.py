@@ -5,7 +5,9 @@
 * ``residual`` (``Residual``): μPC's scaled residual layers, the path that trains
   100+ layer networks (pcdist/layers/residual.py);
 * ``conv`` (``Conv``): Conv1d / Conv2d + activation + optional max / average pooling on
-  [C, (H,) W] nodes (pcdist/layers/conv.py).
+  [C, (H,) W] nodes (pcdist/layers/conv.py);
+* ``module`` (``ModuleKind``): any other nn.Module, VJPs by torch.func, K identical modules
+  vmapped (pcdist/layers/module.py).
 
 ``base.py`` defines the interface a kind implements; ``group_layers`` stacks runs of
 equal layers into groups; ``kind_from_module`` picks the fastest kind for a torch module.
@@ -21,11 +23,12 @@ from ..activations import Activation, activation_from_module
 from .base import BoundGroup, LayerGroup, LayerKind, seeded_generator
 from .conv import Conv, ConvGroup
 from .dense import Dense, DenseGroup
+from .module import AnyModule, ModuleGroup, ModuleKind
 from .residual import Residual, ResidualGroup, ResidualLinear, mupc_layers, mupc_specs
 
 LayerSpec = Dense  # the name of the dense kind before there were other kinds
 
-__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Conv", "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual",
+__all__ = ["AnyModule", "LayerKind", "LayerGroup", "BoundGroup", "Conv", "ModuleGroup", "ModuleKind", "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual",
            "ResidualGroup",
            "ResidualLinear", "group_layers", "kind_from_module", "mupc_layers", "mupc_specs", "seeded_generator"]
 
@@ -133,7 +136,19 @@ def _residual_from_module(m: nn.Module, in_shape, is_output: bool):
     return kind, params
 
 
-_FROM_MODULE = (_residual_from_module, _conv_from_module, _dense_from_module)  # fastest kind first
+def _module_from_module(m: nn.Module, in_shape, is_output: bool):
+    """Any other module: the generic kind (needs the input node's shape)."""
+    if in_shape is None:
+        return None
+    inner = m.module if isinstance(m, AnyModule) else m
+    first = list(inner)[0] if isinstance(inner, nn.Sequential) and len(inner) else inner
+    if isinstance(first, nn.Linear) and len(in_shape) > 1:
+        return None  # an image node into a Linear: the error asks for the nn.Flatten
+    kind = ModuleKind.of(inner, tuple(in_shape))
+    return kind, dict(inner.named_parameters())
+
+
+_FROM_MODULE = (_residual_from_module, _conv_from_module, _dense_from_module, _module_from_module)  # fastest first
 
 
 def kind_from_module(m: nn.Module, index: int, is_output: bool,
@@ -141,6 +156,10 @@ def kind_from_module(m: nn.Module, index: int, is_output: bool,
     """The fastest kind that expresses module ``m`` as PC layer ``index`` on an input node of shape
     ``in_shape`` (needed for convolutions), and its parameters in the kind's public layout;
     ValueError naming the module if no kind does."""
+    if isinstance(m, AnyModule):  # the user asks for the generic kind
+        if in_shape is None:
+            raise ValueError(f"layer {index} (AnyModule) is the first layer: give input_shape")
+        return _module_from_module(m, in_shape, is_output)
     for from_module in _FROM_MODULE:
         got = from_module(m, in_shape, is_output)
         if got is not None:

@@ -1,0 +1,281 @@
+"""The ``module`` kind: any nn.Module between two value nodes, u_l = module(h_{l-1}).
+
+Shape letters: K layers in a group, B batch.
+
+Predictions by calling the module (``torch.func.functional_call`` with this layer's
+parameters); the back-projection P = (du/dh_in)^T d and the weight gradients by autograd
+(``torch.func.vjp``), where d = -dE/du is the layer's error signal (its error e for a
+hidden layer). K identical modules (same structure and parameter shapes) stack their
+parameters with ``torch.func.stack_module_state`` and run as one ``vmap``-ed call; a
+module that vmap cannot run (data-dependent control flow, in-place tricks) runs layer by
+layer instead, with the same numbers.
+
+Each prediction records the linearisation the back-projection needs (one forward with
+autograd bookkeeping); the weight gradients are taken only where they are used (the
+evaluation before a weight update). Modules with running statistics or randomness would
+change at every inference step: a BatchNorm in training mode or a Dropout with p > 0 in
+training mode is refused with a message (``.eval()`` fixes both: BatchNorm then uses its
+running statistics as constants, Dropout is the identity).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vjp, vmap
+
+from ..energies import output_energy, output_signal
+from .base import BoundGroup, LayerGroup, LayerKind
+
+__all__ = ["ModuleKind", "ModuleGroup", "AnyModule", "check_module"]
+
+
+class AnyModule(nn.Module):
+    """Marks a module to be trained as a generic PC layer (the ``module`` kind) even where a faster
+    kind exists; forward is the module's own."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.module(h)
+
+
+def check_module(m: nn.Module, index: int) -> None:
+    """Refuse what would drift silently: running statistics and randomness in training mode."""
+    for name, sub in m.named_modules():
+        what = f"layer {index} ({type(m).__name__}{'.' + name if name else ''}: {type(sub).__name__})"
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            raise ValueError(f"{what} is in training mode: its batch statistics (and running averages) would change "
+                             "at every inference step. Call .eval() on it (its running statistics become constants) "
+                             "or leave it out")
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0:
+            raise ValueError(f"{what} draws a new mask at every inference step, so the energy PC minimises would "
+                             "change under it; call .eval() on it (the identity) or leave it out")
+
+
+def _structure(m: nn.Module) -> str:
+    """What makes two modules stackable: their repr and every parameter's and buffer's name, shape, dtype."""
+    parts = [repr(m)]
+    parts += [f"p {n} {tuple(p.shape)} {p.dtype}" for n, p in m.named_parameters()]
+    parts += [f"b {n} {tuple(b.shape)} {b.dtype}" for n, b in m.named_buffers()]
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class ModuleKind(LayerKind):
+    """A generic PC layer: ``template`` (its structure; the group holds the parameters) maps a node of
+    ``input_shape`` to a prediction of ``output_shape``."""
+
+    kind = "module"
+    structure: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    template: nn.Module = field(compare=False, repr=False, hash=False)
+    num_params: int = 0
+
+    @classmethod
+    def of(cls, m: nn.Module, in_shape: tuple[int, ...], index: int = 0) -> "ModuleKind":
+        """The module kind of ``m`` on a node of shape ``in_shape`` (the output shape by one probe call)."""
+        check_module(m, index)
+        p = next(iter(m.parameters()), None)
+        kw = dict(dtype=p.dtype if p is not None else torch.get_default_dtype(),
+                  device=p.device if p is not None else "cpu")
+        with torch.no_grad():
+            out = m(torch.zeros(2, *in_shape, **kw))
+        if not isinstance(out, Tensor) or out.shape[0] != 2:
+            raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch [B, {', '.join(map(str, in_shape))}] "
+                             f"to one tensor [B, ...]")
+        return cls(_structure(m), tuple(in_shape), tuple(out.shape[1:]), copy.deepcopy(m),
+                   sum(q.numel() for q in m.parameters()))
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.input_shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.output_shape
+
+    def __str__(self) -> str:
+        return f"module {type(self.template).__name__} {list(self.input_shape)} -> {list(self.output_shape)}"
+
+    def flops(self, index: int) -> int:
+        """An estimate (the module is opaque): a multiply-add per parameter and sample for the prediction,
+        as many for the back-projection (not on layer 1), and elementwise work on the output."""
+        return (2 if index == 1 else 4) * self.num_params + 8 * math.prod(self.output_shape)
+
+    def signature(self) -> dict:
+        return {"kind": self.kind, "module": self.structure, "in": list(self.input_shape),
+                "out": list(self.output_shape)}
+
+    def make_group(self, first: int, K: int, dtype=None, device=None) -> "ModuleGroup":
+        return ModuleGroup(self, first, K, dtype=dtype, device=device)
+
+
+def _mangle(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class ModuleGroup(LayerGroup):
+    """K identical modules: each parameter and buffer stacked to [K, ...] (``stack_module_state``)."""
+
+    reads_errors = True  # the back-projection maps the errors themselves through the module's VJP
+
+    def __init__(self, kind: ModuleKind, first: int, K: int, dtype=None, device=None):
+        super().__init__(kind, first, K)
+        copies = [copy.deepcopy(kind.template).to(dtype=dtype, device=device) for _ in range(K)]
+        params, buffers = stack_module_state(copies)
+        self.names = list(params)
+        self.buffer_names = list(buffers)
+        self.stacked = nn.ParameterDict({_mangle(n): nn.Parameter(p.detach().clone()) for n, p in params.items()})
+        for n, b in buffers.items():
+            self.register_buffer("buf__" + _mangle(n), b.clone())
+        self.base = copies[0]
+
+    def params(self) -> dict[str, Tensor]:
+        return {n: self.stacked[_mangle(n)] for n in self.names}
+
+    def buffers_(self) -> dict[str, Tensor]:
+        return {n: getattr(self, "buf__" + _mangle(n)) for n in self.buffer_names}
+
+    def public_params(self, k: int) -> dict[str, Tensor]:
+        return {n: self.stacked[_mangle(n)][k] for n in self.names}
+
+    def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
+        """The module's own init (its reset_parameters), drawn from ``generator``'s seed."""
+        fresh = copy.deepcopy(self.base)
+        with torch.random.fork_rng(devices=[]):
+            if generator is not None:
+                torch.manual_seed(generator.initial_seed())
+            for sub in fresh.modules():
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+        with torch.no_grad():
+            for n, p in fresh.named_parameters():
+                self.stacked[_mangle(n)][k].copy_(p)
+
+    def to_module(self, k: int) -> nn.Module:
+        m = copy.deepcopy(self.base)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.copy_(self.stacked[_mangle(n)][k])
+            for n, b in m.named_buffers():
+                if n in self.buffer_names:
+                    b.copy_(getattr(self, "buf__" + _mangle(n))[k])
+        return m
+
+    def call(self, k: int, h: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
+        """Layer k on a batch h [B, ...] (differentiable)."""
+        p = {n: t[k] for n, t in (params or self.params()).items()}
+        b = {n: t[k] for n, t in self.buffers_().items()}
+        return functional_call(self.base, (p, b), (h,))
+
+    def forward(self, h: Tensor) -> Tensor:
+        for k in range(self.K):
+            h = self.call(k, h)
+        return h
+
+    def bind(self, h_in, h_out, e_out, batch_size, static_weights, energy, init) -> "ModuleBound":
+        return ModuleBound(self, h_in, h_out, e_out, batch_size, energy)
+
+
+class ModuleBound(BoundGroup):
+    """A ModuleGroup's phases: vmap over the K stacked modules (or a loop where vmap cannot run them)."""
+
+    def __init__(self, g: ModuleGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, B: int, energy: str | None):
+        super().__init__(g, h_in, h_out, e_out, energy)
+        kw = dict(dtype=h_in.dtype, device=h_in.device)
+        self.u = torch.empty(self.K, B, *g.kind.out_shape, **kw)
+        self.d = torch.empty_like(self.u) if self.is_output else e_out  # -dE/du
+        self._vjp = None  # the linearisation at the last prediction's input
+        self.batched = self._vmap_works()
+
+    def _vmap_works(self) -> bool:
+        """vmap of the module over K, checked once on two samples against a call per layer."""
+        g = self.g
+        try:
+            x = self.h_in[:, :2].detach().clone().normal_()
+            with torch.no_grad():
+                got = self._map(g.params(), x, batched=True)
+                want = torch.stack([g.call(k, x[k]) for k in range(self.K)])
+            return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+        except Exception:
+            return False
+
+    def _map(self, params: dict[str, Tensor], x: Tensor, batched: bool | None = None) -> Tensor:
+        """u [K, B, ...] of the K layers on inputs x [K, B, ...]."""
+        g = self.g
+        if batched if batched is not None else self.batched:
+            return vmap(lambda p, b, h: functional_call(g.base, (p, b), (h,)))(params, g.buffers_(), x)
+        return torch.stack([g.call(k, x[k], params) for k in range(self.K)])
+
+    def feedforward(self, rows: slice | None, init: str) -> None:
+        sel = slice(None) if rows is None else rows
+        h = self.h_in[0][sel]
+        with torch.no_grad():
+            for k in range(self.K):
+                self.u[k][sel] = h = self.g.call(k, h)
+        if not self.is_output:
+            self.h_out[:, sel].copy_(self.u[:, sel])
+        self.cached = True
+        self._vjp = None
+
+    def predict(self) -> None:
+        params = {n: p.detach() for n, p in self.g.params().items()}
+        if self.first == 1:  # a clamped input: no back-projection, so no linearisation
+            with torch.no_grad():
+                self.u.copy_(self._map(params, self.h_in))
+        else:
+            # A copy: the fused value step moves h_in before the back-projection reads the linearisation.
+            u, self._vjp = vjp(lambda x: self._map(params, x), self.h_in.clone())
+            self.u.copy_(u)
+        self.cached = True
+
+    def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
+        if not self.cached:
+            self.predict()
+        elif self._vjp is None and self.first > 1:  # u from the feed-forward init: linearise here,
+            params = {n: p.detach() for n, p in self.g.params().items()}  # before the step moves h
+            _, self._vjp = vjp(lambda x: self._map(params, x), self.h_in.clone())
+        if self.is_output:
+            flat = lambda t: t[0].flatten(1)  # noqa: E731
+            output_signal(self.energy, flat(self.u), flat(self.h_out), flat(self.d))
+            return
+        torch.sub(self.h_out, self.u, out=self.e_out)
+        if step_lr is not None:
+            stepped = self.K - 1 if hold_last else self.K
+            self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
+
+    def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
+        (p,) = self._vjp(self.d)
+        if beta == 0.0:
+            torch.mul(p, alpha, out=target)
+        else:
+            if beta != 1.0:
+                target.mul_(beta)
+            target.add_(p, alpha=alpha)
+
+    def weight_grads(self, scale: float) -> None:
+        g = self.g
+        params = {n: p.detach() for n, p in g.params().items()}
+        x = self.h_in.detach()
+        _, fn = vjp(lambda p: self._map(p, x), params)
+        (grads,) = fn(self.d)
+        for n, p in g.params().items():
+            torch.mul(grads[n], scale, out=p.grad)
+
+    def energies(self) -> Tensor:
+        if self.is_output:
+            flat = lambda t: t[0].flatten(1)  # noqa: E731
+            return output_energy(self.energy, flat(self.u), flat(self.h_out), flat(self.d)).reshape(1)
+        return super().energies()
+
+    def weights_changed(self) -> None:
+        self.cached = False
+        self._vjp = None
