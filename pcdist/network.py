@@ -247,11 +247,11 @@ def split_sequential(seq: nn.Sequential) -> list[nn.Sequential]:
             if flatten is not None:
                 raise ValueError(f"module {i} (Flatten) follows another nn.Flatten")
             flatten = (i, m)
-        elif not blocks:
-            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
         elif flatten is not None:
             raise ValueError(f"module {i} ({type(m).__name__}) follows the nn.Flatten at module {flatten[0]}: "
                              f"a Flatten goes right before an nn.Linear; {hint}")
+        elif not blocks:
+            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
         else:
             cur = blocks[-1]
             layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]

@@ -1,0 +1,224 @@
+"""The conv and module kinds against the independent autograd reference, in float64.
+
+The reference (tests/reference.py ``pc_step``) predicts each layer by calling the user's own
+torch modules (nn.Conv2d, nn.MaxPool2d, nn.LayerNorm, ...) and takes every gradient from
+torch.autograd of the energy; pcdist computes the same steps with its conv kind (aten
+convolution and its backward, pooling backward with saved indices) and its module kind
+(torch.func VJPs, vmapped stacks). After every step the value nodes, energies and weights
+must agree to 1e-10.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import pcdist
+from pcdist.layers import AnyModule
+from pcdist.network import split_sequential
+from reference import pc_step
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DT = torch.float64
+ATOL = 1e-10
+
+
+class Gate(nn.Module):
+    """A residual block on an image node: h + 0.5 tanh(conv1x1(h))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, h):
+        return h + 0.5 * torch.tanh(self.conv(h))
+
+
+class Residual(nn.Module):
+    """A small attention-free residual block: h + 0.5 tanh(W LayerNorm(h))."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + 0.5 * torch.tanh(self.lin(self.norm(h)))
+
+
+def conv_net(name):
+    """(layers: one module per PC layer, input shape)."""
+    torch.manual_seed(sum(map(ord, name)))
+    if name == "2d-maxpool-fused":  # layers 2 and 3 stack into one group of K = 2
+        seq = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+                            nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(),
+                            nn.Flatten(), nn.Linear(48, 4))
+        shape = (1, 8, 8)
+    elif name == "2d-stride-avgpool":
+        seq = nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.GELU(), nn.AvgPool2d(2, 1),
+                            nn.Conv2d(4, 4, (3, 2), padding=(1, 0), bias=False), nn.Sigmoid(),
+                            nn.Flatten(), nn.Linear(4 * 3 * 2, 6), nn.Tanh(), nn.Linear(6, 4))
+        shape = (2, 7, 7)
+    elif name == "2d-dilated-grouped":
+        seq = nn.Sequential(nn.Conv2d(2, 4, 3, padding=2, dilation=2), nn.Tanh(),
+                            nn.Conv2d(4, 4, 3, padding="same", groups=2), nn.LeakyReLU(0.1), nn.MaxPool2d(3, 2, 1),
+                            nn.Flatten(), nn.Linear(4 * 3 * 3, 4))
+        shape = (2, 6, 6)
+    else:  # "1d": two stacked 1-D layers, max pooling, then a dense output
+        seq = nn.Sequential(nn.Conv1d(2, 4, 5, padding=2), nn.Tanh(), nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(),
+                            nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(), nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(),
+                            nn.MaxPool1d(2),
+                            nn.Flatten(), nn.Linear(4 * 5, 4))
+        shape = (2, 10)
+    return list(split_sequential(seq.to(DT))), shape
+
+
+def module_net(name):
+    torch.manual_seed(sum(map(ord, name)))
+    if name == "layernorm-linear":
+        layers = [nn.Linear(5, 7), nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7), nn.Tanh()),
+                  nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7), nn.Tanh()), nn.Linear(7, 4)]
+        layers[0] = nn.Sequential(layers[0], nn.Tanh())
+    elif name == "residual-blocks":  # three identical blocks: one vmapped group of K = 3
+        layers = [nn.Sequential(nn.Linear(5, 7), nn.Tanh()), Residual(7), Residual(7), Residual(7), nn.Linear(7, 4)]
+    else:  # "mixed": conv, a generic block on an image node, dense, residual (μPC) and generic
+        layers = [nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU()),
+                  Gate(2),
+                  nn.Sequential(nn.Flatten(), nn.Linear(2 * 4 * 4, 6), nn.Tanh()),
+                  pcdist.ResidualLinear(6, 6, "tanh", scale=0.4, dtype=DT),
+                  Residual(6), nn.Linear(6, 4)]
+    return [m.to(DT) for m in layers], ((1, 4, 4) if name == "mixed" else (5,))
+
+
+def compare(layers, shape, energy, algorithm, x_momentum, optimizer, steps=3, T=4):
+    net = pcdist.PCNetwork.from_layers(copy.deepcopy(layers), energy=energy, input_shape=shape)
+    make_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                "adamw": lambda p: torch.optim.AdamW(p, lr=0.02, weight_decay=0.01)}[optimizer]
+    trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=0.1, x_momentum=x_momentum,
+                               algorithm=algorithm)
+    ref = copy.deepcopy(layers)
+    params = [p for m in ref for p in m.parameters()]
+    opt = make_opt(params)
+    gen = torch.Generator().manual_seed(7)
+    for s, B in enumerate((5, 7, 6)[:steps]):
+        x = torch.randn(B, *shape, generator=gen, dtype=DT)
+        y = nn.functional.one_hot(torch.randint(0, 4, (B,), generator=gen), 4).to(DT)
+        stats = trainer.step(x, y)
+        ref_stats, hs = pc_step(lambda l, h: ref[l - 1](h), len(ref), params, opt, x, y, T, 0.1, x_momentum,
+                                algorithm, energy)
+        for n, (a, b) in enumerate(zip(trainer.value_nodes(), hs)):
+            assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"step {s}: h_{n}: {m}")
+        assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=ATOL, rel=0)
+        assert stats["layer_energies"] == pytest.approx(ref_stats["layer_energies"], abs=ATOL, rel=0)
+        for a, b in zip(net.to_layers().parameters(), params):
+            assert_close(a.detach(), b.detach(), atol=ATOL, rtol=0, msg=lambda m: f"step {s}: weights: {m}")
+    with torch.no_grad():
+        assert_close(net(x), nn.Sequential(*ref)(x), atol=ATOL, rtol=0)
+    return net
+
+
+CONV = ["2d-maxpool-fused", "2d-stride-avgpool", "2d-dilated-grouped", "1d"]
+MODES = [("pc", 0.0, "se", "sgd"), ("pc", 0.5, "ce", "adamw"), ("ipc", 0.0, "ce", "sgd"), ("ipc", 0.5, "se", "adamw")]
+
+
+@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES, ids=["-".join(map(str, m)) for m in MODES])
+@pytest.mark.parametrize("name", CONV)
+def test_conv_kind_equals_the_reference(name, algorithm, x_momentum, energy, optimizer):
+    layers, shape = conv_net(name)
+    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer)
+    kinds = [g.kind.kind for g in net.groups]
+    assert "conv" in kinds and "module" not in kinds, kinds
+    if name in ("2d-maxpool-fused", "1d"):
+        assert any(g.kind.kind == "conv" and g.K == 2 for g in net.groups), "equal conv layers form one group"
+
+
+@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES, ids=["-".join(map(str, m)) for m in MODES])
+@pytest.mark.parametrize("name", ["layernorm-linear", "residual-blocks", "mixed"])
+def test_module_kind_equals_the_reference(name, algorithm, x_momentum, energy, optimizer):
+    layers, shape = module_net(name)
+    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer)
+    kinds = [g.kind.kind for g in net.groups]
+    assert "module" in kinds, kinds
+    if name == "residual-blocks":
+        assert [g.K for g in net.groups] == [1, 3, 1], "the three identical blocks stack into one group"
+    if name == "mixed":
+        assert kinds == ["conv", "module", "dense", "residual", "module", "dense"]
+
+
+@pytest.mark.parametrize("algorithm,x_momentum", [("pc", 0.0), ("pc", 0.5), ("ipc", 0.0)])
+def test_module_kind_on_linear_tanh_equals_the_dense_kind(algorithm, x_momentum):
+    """The generic path (AnyModule) and the fused dense path compute the same steps to 1e-12."""
+    torch.manual_seed(3)
+    blocks = split_sequential(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                                            nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT))
+    nets = [pcdist.PCNetwork.from_layers(copy.deepcopy(blocks), energy="ce"),
+            pcdist.PCNetwork.from_layers([copy.deepcopy(blocks[0])] + [AnyModule(copy.deepcopy(m)) for m in blocks[1:]],
+                                         energy="ce")]
+    assert [g.kind.kind for g in nets[1].groups] == ["dense", "module", "module"]
+    trainers = [pcdist.PCTrainer(n, torch.optim.SGD(n.parameters(), lr=0.05), T=4, x_lr=0.1, x_momentum=x_momentum,
+                                 algorithm=algorithm) for n in nets]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(6, 5, generator=gen, dtype=DT)
+        y = torch.eye(3, dtype=DT)[torch.randint(0, 3, (6,), generator=gen)]
+        a, b = (t.step(x, y) for t in trainers)
+        assert a["energy"] == pytest.approx(b["energy"], abs=1e-12, rel=0)
+        for p, q in zip(*(t.value_nodes() for t in trainers)):
+            assert_close(p, q, atol=1e-12, rtol=0)
+    for p, q in zip(*(n.to_sequential().parameters() for n in nets)):
+        assert_close(p.detach(), q.detach(), atol=1e-12, rtol=0)
+
+
+def test_round_trip_of_a_conv_network():
+    """from_sequential copies the weights; to_sequential gives back the same modules and outputs."""
+    torch.manual_seed(4)
+    seq = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1),
+                        nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(16, 10, bias=False)).to(DT)
+    net = pcdist.PCNetwork.from_sequential(seq, energy="ce", input_shape=(1, 8, 8))
+    back = net.to_sequential()
+    assert [type(m) for m in back] == [type(m) for m in seq]
+    for p, q in zip(back.parameters(), seq.parameters()):
+        assert torch.equal(p, q)
+    x = torch.randn(3, 1, 8, 8, dtype=DT)
+    assert_close(net(x), seq(x), atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)),
+     r"module 1 \(LayerNorm\) cannot be placed where a value node would go; .*PCNetwork.from_layers"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout(0.1), nn.Linear(4, 2)),
+     r"module 2 \(Dropout\) cannot be placed where a value node would go"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.ReLU(), nn.Linear(4, 2)),
+     r"module 2 \(ReLU\): two activations in a row cannot be placed where a value node would go"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.ReLU(), nn.Linear(4, 2)), r"module 1 \(ReLU\) follows the nn.Flatten"),
+])
+def test_from_sequential_names_the_module_it_cannot_place(build, message):
+    with pytest.raises(ValueError, match=message):
+        pcdist.PCNetwork.from_sequential(build())
+
+
+def test_conv_networks_need_their_input_shape_and_a_flatten():
+    seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
+    with pytest.raises(ValueError, match="give input_shape"):
+        pcdist.PCNetwork.from_sequential(seq)
+    with pytest.raises(ValueError, match=r"reads the node of shape \[2, 6, 6\] with an nn.Linear: put nn.Flatten\(\)"):
+        pcdist.PCNetwork.from_layers([nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()), nn.Linear(72, 3)],
+                                     input_shape=(1, 8, 8))
+
+
+@pytest.mark.parametrize("module, message", [
+    (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()), r"BatchNorm1d\) is in training mode"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Tanh()), r"Dropout\) draws a new mask at every inference step"),
+])
+def test_running_statistics_and_randomness_are_refused_in_training_mode(module, message):
+    layers = [nn.Sequential(nn.Linear(3, 4), nn.Tanh()), module, nn.Linear(4, 2)]
+    with pytest.raises(ValueError, match=message):
+        pcdist.PCNetwork.from_layers(layers)
+    module.eval()  # fixed statistics / the identity: a deterministic function of the node, allowed
+    net = pcdist.PCNetwork.from_layers(layers)
+    assert net.groups[1].kind.kind == "module"
+    with torch.no_grad():
+        x = torch.randn(3, 3)
+        assert_close(net(x), nn.Sequential(*layers)(x))
