@@ -4,16 +4,19 @@ Each rank owns a slice of layers and only trades boundary tensors with its
 neighbours (and keeps a replica of the upstream neighbour's last node, which must stay
 bit-for-bit equal to the original); the data axis splits the batch. The maths must not change: value
 nodes, weights and energies after several steps must equal one process to 1e-9
-(float64), for P in {2, 4}, a 2 x 2 data x layer mesh and uneven splits, for MLPs (dense
-layers) and μPC networks (residual layers).
+(float64), for P in {2, 3, 4}, a 2 x 2 data x layer mesh and uneven splits, for MLPs (dense
+layers), μPC networks (residual layers), a conv network ([C, H, W] boundary messages) and a
+network mixing every kind.
 """
 
 from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 import pcdist
+from pcdist.network import split_sequential
 from pcdist.parallel import Parallel, ParallelDims, init_distributed
 from spawn import WorkerError, run
 
@@ -36,6 +39,7 @@ class Case:
     init: str = "ff"
     prepost: bool = True  # gloo's early receives; False: one batch_isend_irecv per step (NCCL's way)
     mupc: str | None = None  # the activation of a μPC network with dims = (d_in, width, depth, d_out)
+    net: str | None = None  # "conv" or "mixed": the network of ``layers_of`` (dims unused)
 
 
 CASES = {
@@ -53,10 +57,45 @@ CASES = {
                              micro_batches=2),
     "mupc-uneven-7-over-3-deeppcr": Case((6, 8, 7, 4), layer=3, x_momentum=0.3, mupc="tanh", init="deeppcr",
                                          micro_batches=3),
+    "conv-P2-pc-se": Case((), layer=2, net="conv", micro_batches=2),
+    "conv-P3-ipc-ce-momentum": Case((), layer=3, net="conv", algorithm="ipc", energy="ce", x_momentum=0.5,
+                                    optimizer="adamw"),
+    "conv-D2xP2-pc-ce": Case((), layer=2, data=2, net="conv", energy="ce", micro_batches=2),
+    "mixed-P2-pc-se-momentum": Case((), layer=2, net="mixed", x_momentum=0.5),
+    "mixed-P3-ipc-ce": Case((), layer=3, net="mixed", algorithm="ipc", energy="ce", micro_batches=3),
 }
 
 
+class Gate(nn.Module):
+    """A residual block on an image node (the module kind): h + 0.5 tanh(conv1x1(h))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, h):
+        return h + 0.5 * torch.tanh(self.conv(h))
+
+
+def layers_of(name):
+    """(one module per PC layer, input shape) of the conv and mixed-kind networks."""
+    torch.manual_seed(11)
+    if name == "conv":
+        seq = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+                            *[m for _ in range(3) for m in (nn.Conv2d(3, 3, 3, padding=1), nn.ReLU())],
+                            nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Tanh(),
+                            nn.Flatten(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 4))
+        return split_sequential(seq.to(DT)), (1, 8, 8)
+    layers = [nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU()), Gate(2), Gate(2),
+              nn.Sequential(nn.Flatten(), nn.Linear(32, 6), nn.Tanh()), pcdist.ResidualLinear(6, 6, "tanh", scale=0.4),
+              pcdist.ResidualLinear(6, 6, "tanh", scale=0.4), nn.Linear(6, 4)]
+    return [m.to(DT) for m in layers], (1, 4, 4)
+
+
 def specs_of(case):
+    if case.net is not None:
+        layers, shape = layers_of(case.net)
+        return list(pcdist.PCNetwork.from_layers(layers, input_shape=shape).specs)
     if case.mupc is None:
         return pcdist.mlp_specs(case.dims)
     d_in, width, depth, d_out = case.dims
@@ -73,14 +112,18 @@ def batches(case):
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(case.steps):
-        d_in, d_out = specs_of(case)[0].in_features, specs_of(case)[-1].out_features
-        x = torch.randn(case.B, d_in, generator=g, dtype=DT)
+        specs = specs_of(case)
+        d_in, d_out = specs[0].in_shape, specs[-1].out_features
+        x = torch.randn(case.B, *d_in, generator=g, dtype=DT)
         y = torch.eye(d_out, dtype=DT)[torch.randint(0, d_out, (case.B,), generator=g)]
         out.append((x, y))
     return out
 
 
 def initial_state(case):
+    if case.net is not None:
+        layers, shape = layers_of(case.net)
+        return pcdist.PCNetwork.from_layers(layers, input_shape=shape).layer_state_dict()
     net = pcdist.PCNetwork(specs_of(case), energy=case.energy, dtype=DT, seed=7)
     return net.layer_state_dict()
 
@@ -152,5 +195,8 @@ def test_parallel_run_equals_single_process(name, tmp_path):
     assert all(s == {} for res in others for s in res["stats"])
     # The split really happened: every rank owns fewer layers than the whole (P > 1 cases).
     assert all(res["layers"][1] - res["layers"][0] < len(specs_of(case)) for res in results)
+    if case.net is not None:
+        kinds = {g.kind.kind for g in pcdist.PCNetwork(specs_of(case), dtype=DT).groups}
+        assert kinds >= ({"conv", "dense"} if case.net == "conv" else {"conv", "module", "dense", "residual"}), kinds
     if name.startswith("mupc-uneven"):
         assert len({res["layers"][1] - res["layers"][0] for res in results}) > 1, "the split is uneven"
