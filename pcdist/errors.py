@@ -8,3 +8,7 @@ ValueError, so code that catches ValueError keeps working.
 
 class ConfigError(ValueError):
     """A config key (or mesh factor) has a value that cannot work; the message names it."""
+
+
+class PeerError(RuntimeError):
+    """A point-to-point exchange or a collective with other ranks failed or timed out."""

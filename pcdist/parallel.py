@@ -1,23 +1,13 @@
-"""Where a rank sits in the (data, layer) mesh, and its point-to-point boundary exchange.
+"""Where a rank sits in the (data, layer) mesh, and the collectives between ranks.
 
-Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by FLOPs)
-and keeps a replica of its upstream neighbour's last node h_{a_r - 1}. Per inference
-step it trades two tensors of shape [B, width] with each neighbour, in ONE exchange:
+Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by each layer
+kind's FLOPs) and trades boundary tensors with its two neighbours once per inference step
+(pcdist/exchange.py). The data axis splits the batch; weight gradients are all-reduced
+over it only, one bucket per fused group, overlapped with the next group's gradient GEMMs
+(pcdist/buckets.py). Energies and metrics are reduced to one logging rank when logged. A
+single process is the case with no neighbours and no data peers: every exchange is empty.
 
-    downstream   send e_{b_r - 1} (the error of its last node) to r + 1
-    upstream     send -W_{a_r}^T d_{a_r} (its first layer's back-projection) to r - 1
-
-and receives their counterparts; both ranks then apply the same update to the shared
-node. The exchange is posted once the boundary layers are computed, the interior
-layers compute while the messages fly, and only the value update waits. On NCCL the
-exchange is one ``batch_isend_irecv`` over the Stage's preallocated views; on gloo
-the receives are posted a step ahead (see ``update_values``). The feed-forward init
-is pipelined over micro-batches. The data axis splits the batch; weight gradients
-are all-reduced over it only, one bucket per fused group, overlapped with the next
-group's gradient GEMMs. A single process is the case with no neighbours and no data
-peers: every exchange is empty.
-
-The PC maths lives in ``engine.Stage``; this module only moves its boundary tensors.
+The PC maths lives in ``engine.Stage``; this module only places the rank and moves tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +25,8 @@ from torch import Tensor
 
 from .buckets import GradBuckets
 from .engine import Stage
-from .errors import ConfigError
+from .errors import ConfigError, PeerError
+from .exchange import LayerExchange
 from .layers import LayerKind
 from .partition import layer_costs, partition_layers
 
@@ -94,10 +85,6 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     return device
 
 
-class PeerError(RuntimeError):
-    """A point-to-point exchange or a collective with other ranks failed or timed out."""
-
-
 @contextmanager
 def collective(what: str, group=None):
     """Run a collective; a failure (a peer died or stopped answering within the process-group
@@ -147,26 +134,9 @@ def _who_fell_behind(ranks: list[int]) -> str:
             + ", ".join(f"rank {r} only step {begun[r]}" for r in behind) + ": it died or stopped answering)")
 
 
-def _wait(reqs) -> float:
-    """Wait for (work, peer, what, timeout) tuples; returns the seconds spent blocked.
-
-    A failure names both ranks.
-    """
-    t0 = time.perf_counter()
-    for work, peer, what, timeout in reqs:
-        try:
-            work.wait(timeout)
-        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
-            me = dist.get_rank()
-            raise PeerError(
-                f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
-                f"(is rank {peer} alive?): {e}"
-            ) from e
-    return time.perf_counter() - t0
-
-
-class Parallel:
-    """This rank's layer slice, its neighbours on the layer axis and its data-axis group.
+class Parallel(LayerExchange):
+    """This rank's layer slice, its neighbours on the layer axis (the point-to-point schedule of
+    ``pcdist.exchange.LayerExchange``) and its data-axis group.
 
     ``Parallel.single(num_layers)`` is the single-process case (no peers at all);
     ``Parallel.from_mesh(dims, specs)`` builds the (data, layer) DeviceMesh of a
@@ -177,22 +147,13 @@ class Parallel:
                  data_group=None, data_size: int = 1, layer_rank: int = 0, layer_size: int = 1,
                  logging_rank: int | None = None, micro_batches: int = 1, data_rank: int = 0,
                  timeout_s: float = 300.0, prepost: bool = False):
+        super().__init__(prev, next, micro_batches, timeout_s, prepost)
         self.layers, self.num_layers = layers, num_layers
-        self.prev, self.next = prev, next
         self.data_group, self.data_size = data_group, data_size
         self.layer_rank, self.layer_size = layer_rank, layer_size
         self.data_rank = data_rank
-        self.timeout = timedelta(seconds=timeout_s)
         self.logging_rank = logging_rank  # global rank that gathers stats; None: no gathering needed
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
-        self.micro_batches = micro_batches
         self._grads = GradBuckets(data_group) if data_group is not None else None  # data axis only
-        self._pending: list = []  # the boundary exchange in flight (posted by errors)
-        # gloo only: the next step's receives, posted as soon as this step's are consumed.
-        self.prepost = prepost
-        self._recvs: list = []
-        self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
         self.steps_begun = 0  # recorded in the store for error messages (``collective``)
 
     @classmethod
@@ -229,123 +190,18 @@ class Parallel:
                    data_rank=mesh.get_local_rank("data"), timeout_s=timeout_s, prepost=dev.type != "cuda")
 
     @property
-    def is_first(self) -> bool:
-        return self.prev is None
-
-    @property
-    def is_last(self) -> bool:
-        return self.next is None
-
-    @property
     def is_logging(self) -> bool:
         return self.logging_rank is None or dist.get_rank() == self.logging_rank
 
-    # -- point to point -----------------------------------------------------------
-    def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
-             *more) -> list:
-        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``.
-
-        ``more`` repeats (send, to, recv, frm) for further peers in the same batch.
-        """
-        ops, peers = [], []
-        quads = [(send, to, recv, frm), *(more[i : i + 4] for i in range(0, len(more), 4))]
-        for send, to, recv, frm in quads:
-            if to is not None:
-                ops.append(dist.P2POp(dist.isend, send, to))
-                peers.append((to, f"{what} send"))
-            if frm is not None:
-                ops.append(dist.P2POp(dist.irecv, recv, frm))
-                peers.append((frm, f"{what} receive"))
-        if not ops:
-            return []
-        works = dist.batch_isend_irecv(ops)
-        return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
-
     def feedforward(self, st: Stage) -> None:
-        """The feed-forward init, pipelined over micro-batches across the layer slices."""
+        """The pipelined feed-forward init (``LayerExchange.feedforward``), which begins a training
+        step: recorded in the store so a failed collective can name who fell behind."""
         self.steps_begun += 1
         if self.data_group is not None or self.prev is not None or self.next is not None:
             _mark_progress(self.steps_begun)
-        if self.prev is None and self.next is None:
-            st.feedforward()
-            return
-        M = min(self.micro_batches, st.B)
-        bounds = [st.B * m // M for m in range(M + 1)]
-        sends = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            rows = slice(lo, hi)
-            self.comm_seconds += _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
-            st.feedforward(rows)
-            if self.next is not None:
-                sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
-        self.comm_seconds += _wait(sends)
+        super().feedforward(st)
 
-    def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True,
-               step_lr: float | None = None) -> None:
-        """Errors of every group, and the step's one boundary exchange posted as early as possible.
-
-        The boundary quantities come first: the first layer's error and back-projection
-        (for the upstream neighbour) and the last node's error (for the downstream one).
-        Then one batch_isend_irecv sends both and receives their counterparts, and the
-        interior groups compute while the messages fly; ``update_values`` waits for them.
-        Every input of this phase is local (the upstream node is replicated), so nothing
-        here waits. ``exchange=False`` (an evaluation after the last update) sends nothing.
-        ``step_lr``: fuse the value step into the passes (see ``Stage.errors``).
-        """
-        if not exchange or (self.prev is None and self.next is None):
-            st.errors(None, need_all_deltas, step_lr)
-            return
-        first, last = st.groups[0], st.groups[-1]
-        st.errors([first], need_all_deltas, step_lr)
-        if self.prev is not None:
-            st.backproject([first])
-        if last is not first:
-            st.errors([last], need_all_deltas, step_lr)
-        if self._recvs:  # the receives were posted at the end of the last step
-            self._pending = self._recvs + self._p2p(st.send_error, self.next, None, None, "boundary exchange",
-                                                    st.send_backproj, self.prev, None, None)
-            self._recvs = []
-        else:
-            self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
-                                      st.send_backproj, self.prev, st.recv_error, self.prev)
-        st.errors(st.groups[1:-1], need_all_deltas, step_lr)
-
-    def backproject(self, st: Stage) -> None:
-        """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""
-        st.backproject(st.groups[1:] if self.prev is not None else None)
-
-    def update_values(self, st: Stage, x_lr: float, more: bool = False) -> None:
-        """Wait for the boundary messages, then the value step (owned nodes and the replica).
-
-        ``more``: another exchange follows in this batch. On gloo its receives are then
-        posted right away: gloo sends only once the receiver has posted (a rendezvous
-        run by its transport threads), so a receive posted a step ahead lets the peer's
-        send go out inline when it is posted, instead of waiting for both transport
-        threads to get a core that the compute threads hold. NCCL matches sends and
-        receives by order within one batch and keeps the single batch_isend_irecv.
-        """
-        if self._pending:
-            self.comm_seconds += _wait(self._pending)
-        self._pending = []
-        st.update_values(x_lr)
-        if more and self.prepost and (self.prev is not None or self.next is not None):
-            self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
-                                    None, None, st.recv_error, self.prev)
-
-    def predict(self, net, x: Tensor) -> Tensor | None:
-        """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""
-        if self.prev is None and self.next is None:
-            return net(x)
-        h = x
-        if self.prev is not None:
-            h = torch.empty(x.shape[0], *net.node_shapes[net.first - 1], dtype=x.dtype, device=x.device)
-            self.comm_seconds += _wait(self._p2p(None, None, h, self.prev, "prediction"))
-        out = net(h).contiguous()
-        if self.next is not None:
-            self.comm_seconds += _wait(self._p2p(out, self.next, None, None, "prediction"))
-            return None
-        return out
-
+    # -- collectives ----------------------------------------------------------------
     def any_rank(self, flag: bool, device: torch.device | str = "cpu") -> bool:
         """True on every rank if ``flag`` is true on any rank (one tiny all-reduce; none in one process)."""
         if self.logging_rank is None:
