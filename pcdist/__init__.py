@@ -7,6 +7,7 @@ neighbours (see the README).
 
 from . import deeppcr
 from .activations import ACTIVATIONS, Activation, get_activation
+from .config import compose
 from .energies import ENERGIES
 from .errors import ConfigError
 from .fuse import FusedModules, fuse
@@ -23,6 +24,7 @@ __all__ = [
     "ENERGIES",
     "Activation",
     "ConfigError",
+    "compose",
     "FusedModules",
     "LayerSpec",
     "Parallel",

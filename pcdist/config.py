@@ -214,9 +214,9 @@ def make_config(cfg: Any = None) -> Config:
     """The validated Config of a run, on top of conf/'s defaults.
 
     A DictConfig is taken as composed already (train.py's). A dict (or None) is merged onto
-    ``compose()``; a string value for a group selects that group's file as on the command
-    line: ``{"data": "mnist", "optim": "sgd", "trainer": {"max_steps": 100}}`` is
-    ``train.py data=mnist optim=sgd trainer.max_steps=100``.
+    ``compose()``; a string value for a group selects that group's file and a dotted key sets
+    one value, as on the command line: ``{"optim": "sgd", "optim.lr": 0.01, "trainer":
+    {"max_steps": 100}}`` is ``train.py optim=sgd optim.lr=0.01 trainer.max_steps=100``.
     """
     if isinstance(cfg, DictConfig):
         return load_config(cfg)
@@ -224,9 +224,13 @@ def make_config(cfg: Any = None) -> Config:
         raise ConfigError(f"pcdist.train needs a dict or an omegaconf DictConfig as its config, got {type(cfg).__name__}")
     cfg = dict(cfg or {})
     choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
+    dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}
     base = compose(choices)
     OmegaConf.set_struct(base, False)  # unknown keys are named by load_config, against the dataclasses
-    return load_config(OmegaConf.merge(base, cfg))
+    merged = OmegaConf.merge(base, cfg)
+    for key, value in dotted.items():
+        OmegaConf.update(merged, key, value, merge=True)
+    return load_config(merged)
 
 
 def load_config(cfg: Any) -> Config:

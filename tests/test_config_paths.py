@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # (command-line overrides, the same run as pcdist.train's dict)
 SAME_RUNS = [
     ([], {}),
-    (["optim.lr=0.01", "pc.T=5", "model.dims=[64,32,10]", "trainer.seed=3"],
-     {"optim": {"lr": 0.01}, "pc": {"T": 5}, "model": {"dims": [64, 32, 10]}, "trainer": {"seed": 3}}),
-    (["optim=sgd", "data=mnist", "experiment=deep_narrow", "parallel=cpu_sim"],
-     {"optim": "sgd", "data": "mnist", "experiment": "deep_narrow", "parallel": "cpu_sim"}),
+    (["optim=sgd", "data=mnist", "experiment=deep_narrow", "parallel=cpu_sim", "optim.lr=0.01", "pc.T=5",
+      "model.dims=[64,32,10]", "trainer.seed=3"],
+     {"optim": "sgd", "data": "mnist", "experiment": "deep_narrow", "parallel": "cpu_sim", "optim.lr": 0.01,
+      "pc": {"T": 5}, "model": {"dims": [64, 32, 10]}, "trainer.seed": 3}),
 ]
 
 
@@ -32,7 +32,7 @@ def cli_config(*overrides: str) -> Config:
     return load_config(yaml.safe_load(out.stdout))
 
 
-@pytest.mark.parametrize("overrides, python", SAME_RUNS, ids=["defaults", "values", "groups"])
+@pytest.mark.parametrize("overrides, python", SAME_RUNS, ids=["defaults", "groups and values"])
 def test_python_and_the_command_line_compose_the_same_config(overrides, python):
     assert asdict(make_config(python)) == asdict(cli_config(*overrides))
 

@@ -140,10 +140,12 @@ def test_train_py_reports_a_missing_array_as_one_line(tmp_path):
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr == (f"error: data.path={npz}: no array y_val; expected x_train, "
                                                   f"y_train, x_val, y_val (found x_train, y_train, x_val)\n")
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", "logger=none",
-                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.startswith("error: data=arrays reads your arrays from data.path: set "
-                                                         "data.path=")
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_arrays_without_a_path_say_which_key_to_set(tmp_path):
+    with pytest.raises(DataError, match=r"^data=arrays reads your arrays from data.path: set data.path="):
+        pcdist.train({"data": "arrays", "logger": "none", "run_dir": str(tmp_path)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,51 +169,63 @@ class Samples(torch.utils.data.Dataset):
 
 
 def small_cfg(run_dir, **extra):
-    cfg = {"model": {"dims": [64, 32, 32, 32, 10]}, "logger": {"name": "none"}, "run_dir": str(run_dir),
-           "trainer": {"max_steps": 12, "eval_every": 6, "log_every": 6, "ckpt_every": 12, "dtype": "float64",
-                       "progress": "off", "batch_size": 32}, "pc": {"T": 6}, "data": {"num_workers": 2}}
+    cfg = {"model": {"dims": [64, 16, 16, 16, 10]}, "logger": {"name": "none"}, "run_dir": str(run_dir),
+           "trainer": {"max_steps": 8, "eval_every": 8, "log_every": 4, "ckpt_every": 8, "dtype": "float64",
+                       "progress": "off", "batch_size": 32}, "pc": {"T": 4}, "data": {"num_workers": 2}}
     for k, v in extra.items():
         cfg.setdefault(k, {}).update(v)
     return cfg
+
+
+SMALL_CLI = ["model.dims=[64,16,16,16,10]", "trainer.max_steps=8", "trainer.eval_every=8", "trainer.log_every=4",
+             "trainer.ckpt_every=8", "trainer.dtype=float64", "trainer.batch_size=32", "pc.T=4", "logger=none",
+             "trainer.progress=off"]
 
 
 def digits_dataset():
     return Dataset(*load_digits(), num_classes=10)
 
 
+@pytest.fixture(scope="module")
+def in_memory(tmp_path_factory):
+    """The reference: small_cfg on the digits in memory, one process. Returns (run directory, result)."""
+    run_dir = tmp_path_factory.mktemp("memory")
+    return run_dir, pcdist.train(small_cfg(run_dir), data=digits_dataset())
+
+
+@pytest.fixture(scope="module")
+def npy_folder(tmp_path_factory):
+    """The digits as a folder of x_train.npy, y_train.npy, x_val.npy, y_val.npy."""
+    folder = tmp_path_factory.mktemp("npy")
+    for k, v in zip(("x_train", "y_train", "x_val", "y_val"), load_digits()):
+        np.save(folder / f"{k}.npy", v.numpy())
+    return folder
+
+
 def assert_same_weights(a: Path, b: Path, atol=0.0):
-    wa, wb = layer_state(a / "checkpoints/step-00000012"), layer_state(b / "checkpoints/step-00000012")
+    wa, wb = layer_state(a / "checkpoints/step-00000008"), layer_state(b / "checkpoints/step-00000008")
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
 
 
-def test_streamed_torch_datasets_train_exactly_as_in_memory(tmp_path):
+def test_streamed_torch_datasets_train_exactly_as_in_memory(in_memory, tmp_path):
     """pcdist.train(cfg, data=StreamedData(...)) with 2 real DataLoader workers takes the same global batches
     as the in-memory Dataset: the same weights (float64) and the same validation accuracy."""
     ds = digits_dataset()
-    memory = pcdist.train(small_cfg(tmp_path / "memory"), data=ds)
-    streamed_data = StreamedData(Samples(ds.x_train, ds.labels_train), Samples(ds.x_val, ds.labels_val), 10)
-    streamed = pcdist.train(small_cfg(tmp_path / "streamed"), data=streamed_data)
-    assert streamed["step"] == memory["step"] == 12
-    assert streamed["val/accuracy"] == memory["val/accuracy"]
-    assert_same_weights(tmp_path / "memory", tmp_path / "streamed")
-    assert "name: python" in (tmp_path / "streamed/config.yaml").read_text(), "the data came from Python"
+    data = StreamedData(Samples(ds.x_train, ds.labels_train), Samples(ds.x_val, ds.labels_val), 10)
+    streamed = pcdist.train(small_cfg(tmp_path), data=data)
+    assert streamed["step"] == in_memory[1]["step"] == 8
+    assert streamed["val/accuracy"] == in_memory[1]["val/accuracy"]
+    assert_same_weights(in_memory[0], tmp_path)
+    assert "name: python" in (tmp_path / "config.yaml").read_text(), "the data came from Python"
 
 
-def test_an_npy_folder_is_memory_mapped_and_streamed_like_its_npz(tmp_path):
-    """data=arrays on a folder of .npy files (memory-mapped, 2 workers) trains exactly as the same arrays
-    in an .npz (in memory)."""
-    x_tr, y_tr, x_va, y_va = load_digits()
-    arrays = {"x_train": x_tr.numpy(), "y_train": y_tr.numpy(), "x_val": x_va.numpy(), "y_val": y_va.numpy()}
-    np.savez(tmp_path / "d.npz", **arrays)
-    (tmp_path / "folder").mkdir()
-    for k, v in arrays.items():
-        np.save(tmp_path / "folder" / f"{k}.npy", v)
-    assert isinstance(load_arrays(str(tmp_path / "folder")), StreamedData)
-    for name in ("d.npz", "folder"):
-        pcdist.train(small_cfg(tmp_path / f"run-{name}", data={"name": "arrays", "path": str(tmp_path / name)}))
-    assert_same_weights(tmp_path / "run-d.npz", tmp_path / "run-folder")
+def test_an_npy_folder_is_memory_mapped_and_streamed_like_memory(in_memory, npy_folder, tmp_path):
+    """data=arrays on a folder of .npy files (memory-mapped, 2 workers) trains exactly as the same data in memory."""
+    assert isinstance(load_arrays(str(npy_folder)), StreamedData)
+    pcdist.train(small_cfg(tmp_path, data={"name": "arrays", "path": str(npy_folder)}))
+    assert_same_weights(in_memory[0], tmp_path)
 
 
 def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
@@ -230,20 +244,13 @@ def test_a_dataloader_is_refused_with_the_reason():
         StreamedData(loader, loader, 2)
 
 
-def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(tmp_path):
+def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(in_memory, npy_folder, tmp_path):
     """The real torchrun, three layer slices (first, middle, last) each streaming an .npy folder through a
     DataLoader worker: every slice agrees on every batch, so the weights equal one in-memory process to 1e-9
     (float64) and so does the validation accuracy."""
-    x_tr, y_tr, x_va, y_va = load_digits()
-    (tmp_path / "folder").mkdir()
-    for k, v in {"x_train": x_tr, "y_train": y_tr, "x_val": x_va, "y_val": y_va}.items():
-        np.save(tmp_path / "folder" / f"{k}.npy", v.numpy())
-    one = pcdist.train(small_cfg(tmp_path / "one"), data=digits_dataset())
-    torchrun(3, "data=arrays", f"data.path={tmp_path / 'folder'}", "data.num_workers=1", "parallel.layer=3",
-             "model.dims=[64,32,32,32,10]", "trainer.max_steps=12", "trainer.eval_every=6", "trainer.log_every=6",
-             "trainer.ckpt_every=12", "trainer.dtype=float64", "trainer.batch_size=32", "pc.T=6", "logger=none",
-             "trainer.progress=off", f"hydra.run.dir={tmp_path / 'three'}")
-    assert len(list((tmp_path / "three/checkpoints/step-00000012").glob("layers-*.pt"))) == 3
-    assert_same_weights(tmp_path / "one", tmp_path / "three", atol=1e-9)
-    val = [r["val/accuracy"] for r in read_metrics(tmp_path / "three/metrics.jsonl") if "val/accuracy" in r]
-    assert val[-1] == one["val/accuracy"]
+    torchrun(3, "data=arrays", f"data.path={npy_folder}", "data.num_workers=1", "parallel.layer=3", *SMALL_CLI,
+             f"hydra.run.dir={tmp_path}")
+    assert len(list((tmp_path / "checkpoints/step-00000008").glob("layers-*.pt"))) == 3
+    assert_same_weights(in_memory[0], tmp_path, atol=1e-9)
+    val = [r["val/accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/accuracy" in r]
+    assert val[-1] == in_memory[1]["val/accuracy"]

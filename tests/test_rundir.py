@@ -18,7 +18,8 @@ from pcdist.trainer import warmup_cosine
 from spawn import free_port
 from test_service import ROOT
 
-TINY = ["trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1", "logger=none", "trainer.progress=off"]
+TINY = ["model.dims=[64,16,10]", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1", "pc.T=2",
+        "logger=none", "trainer.progress=off"]
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -26,20 +27,25 @@ def run_dirs(root: Path) -> list[Path]:
     return sorted(p.parent for p in root.glob("runs/*/*/config.yaml"))
 
 
-def test_two_launches_at_once_write_two_directories(tmp_path):
-    """Two `python train.py` started together (no hydra.run.dir): two directories, each with one run's files."""
+def test_two_launches_at_once_write_two_directories_and_torchrun_ranks_agree(tmp_path):
+    """A plain `python train.py` and a torchrun launch of two layer ranks (without --standalone: the rendezvous
+    id 'none'), started together in one folder without hydra.run.dir: two directories, each holding one run's
+    files only; both torchrun ranks wrote their layer slice into the same one."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, f"trainer.seed={i}"], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    launches = [[sys.executable, str(ROOT / "train.py"), *TINY, "trainer.seed=1"],
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                 str(ROOT / "train.py"), "parallel.layer=2", *TINY, "trainer.seed=2"]]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in launches]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    dirs = run_dirs(tmp_path)
-    assert len(dirs) == 2, dirs
-    for d in dirs:
+    dirs = {yaml.safe_load((d / "config.yaml").read_text())["trainer"]["seed"]: d for d in run_dirs(tmp_path)}
+    assert sorted(dirs) == [1, 2] and len(run_dirs(tmp_path)) == 2, run_dirs(tmp_path)
+    for seed, d in dirs.items():
         assert [r["step"] for r in read_metrics(d / "metrics.jsonl") if "train/energy" in r] == [1, 2]
         assert sorted(p.name for p in (d / "configs").iterdir()) == ["attempt-1.yaml"]
-    seeds = {yaml.safe_load((d / "config.yaml").read_text())["trainer"]["seed"] for d in dirs}
-    assert seeds == {0, 1}, "each directory holds its own run's config"
+        assert len(list((d / "checkpoints/step-00000002").glob("layers-*.pt"))) == seed, "one file per layer rank"
+        assert f"run directory: {d}" in outs[seed - 1][0]
 
 
 def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path, monkeypatch):
@@ -65,26 +71,13 @@ def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path
         new_run_dir(tmp_path)
 
 
-def test_torchrun_ranks_agree_on_one_new_directory(tmp_path):
-    """The real torchrun without --standalone (rendezvous id 'none') and no hydra.run.dir: both ranks write
-    their layer slice into the same single new directory."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "train.py"), "parallel.layer=2", *TINY]
-    out = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (d,) = run_dirs(tmp_path)
-    assert len(list((d / "checkpoints/step-00000002").glob("layers-*.pt"))) == 2
-    assert f"run directory: {d}" in out.stdout
-
-
 # ---------------------------------------------------------------------------------------------
 # Resuming
 
 
 def cfg(run_dir, **over):
     c = {"logger": {"name": "none"}, "run_dir": str(run_dir), "pc": {"T": 4}, "model": {"dims": [64, 32, 10]},
-         "trainer": {"max_steps": 24, "eval_every": 12, "log_every": 4, "ckpt_every": 12, "dtype": "float64",
+         "trainer": {"max_steps": 24, "eval_every": 24, "log_every": 4, "ckpt_every": 12, "dtype": "float64",
                      "progress": "off", "batch_size": 32}, "optim": {"warmup_steps": 4}}
     for k, v in over.items():
         c.setdefault(k, {}).update(v) if isinstance(v, dict) else c.__setitem__(k, v)
