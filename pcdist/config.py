@@ -221,7 +221,8 @@ def make_config(cfg: Any = None) -> Config:
     if isinstance(cfg, DictConfig):
         return load_config(cfg)
     if cfg is not None and not isinstance(cfg, dict):
-        raise ConfigError(f"pcdist.train needs a dict or an omegaconf DictConfig as its config, got {type(cfg).__name__}")
+        raise ConfigError(f"pcdist.train needs a dict or an omegaconf DictConfig as its config, got "
+                          f"{type(cfg).__name__}")
     cfg = dict(cfg or {})
     choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
     dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import math
 
 import numpy as np
 import torch
@@ -57,6 +56,10 @@ class Dataset:
     @property
     def num_features(self) -> int:
         return math.prod(self.sample_shape)
+
+    def __len__(self) -> int:
+        """Training samples."""
+        return len(self.x_train)
 
     def flat(self) -> "Dataset":
         """The same data with every sample flattened to [features] (a view where the inputs are contiguous)."""
@@ -104,6 +107,7 @@ class StreamedData:
         return math.prod(self.sample_shape)
 
     def __len__(self) -> int:
+        """Training samples."""
         return len(self.train)
 
 

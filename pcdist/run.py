@@ -92,7 +92,8 @@ def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | Stre
 
 
 def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
-    return len(ds.data.train) if isinstance(ds, Streamed) else len(ds) if isinstance(ds, StreamedData) else len(ds.x_train)
+    """Training samples."""
+    return len(ds.data if isinstance(ds, Streamed) else ds)
 
 
 def _check_data(c: Config, ds) -> None:
@@ -201,7 +202,8 @@ def _run(c: Config, device: torch.device, distributed: bool, data) -> dict:
                           c.data.prefetch_factor, device, dtype)
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0)
-        x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device, dtype)
+        x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
+                                                                   dtype)
         trace = trainer.trace(x, y)  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
@@ -218,7 +220,8 @@ def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
         return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
                 f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
                 f"directory for a new run)")
-    return f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise trainer.stop_at)"
+    return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
+            f"trainer.stop_at)")
 
 
 def _announce(c: Config, resume, run_dir: Path, start: int, opt) -> None:
