@@ -37,13 +37,16 @@ COPY conf ./conf
 RUN pip install --no-deps . && rm -rf /src
 
 # Any uid may run the image (launch/docker.sh passes the host user's, so what it writes under the mounted
-# runs/ belongs to that user): HOME and the caches are in /tmp; runs/ is writable by all.
+# runs/ belongs to that user): HOME and the caches are in /tmp, USER spares lookups of a uid /etc/passwd lacks
+# (getpass.getuser), runs/ is writable by all.
 WORKDIR /app
 RUN useradd --create-home --uid 1000 pcdist \
     && mkdir -p runs data \
     && chmod 1777 runs
 USER 1000:1000
 ENV HOME=/tmp \
+    USER=pcdist \
+    LOGNAME=pcdist \
     WANDB_DIR=/app/runs \
     MPLCONFIGDIR=/tmp/matplotlib \
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
