@@ -2,6 +2,7 @@
 choice, changed settings on resume decided per key, and the config of every attempt kept."""
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -88,6 +89,19 @@ def snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.fixture(scope="module")
+def stopped_at_12(tmp_path_factory) -> Path:
+    """A run of cfg() stopped (trainer.stop_at) after its checkpoint at step 12 of 24."""
+    run_dir = tmp_path_factory.mktemp("stopped")
+    pcdist.train(cfg(run_dir, trainer={"stop_at": 12}))
+    return run_dir
+
+
+def copy_of(run: Path, dst: Path) -> Path:
+    shutil.copytree(run, dst)
+    return dst
+
+
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     pcdist.train(cfg(tmp_path, trainer={"max_steps": 12}))
     before = snapshot(tmp_path)
@@ -101,11 +115,11 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     assert snapshot(tmp_path) == before, "a rerun into a finished run must not write anything"
 
 
-def test_resume_never_and_require_refuse_with_one_line(tmp_path):
+def test_resume_never_and_require_refuse_with_one_line(stopped_at_12, tmp_path):
     with pytest.raises(pcdist.ConfigError, match=f"^resume=require but {tmp_path / 'new'} holds no checkpoint"):
         pcdist.train(cfg(tmp_path / "new", resume="require"))
     assert not (tmp_path / "new/checkpoints").exists()
-    pcdist.train(cfg(tmp_path / "done", trainer={"stop_at": 12}))
+    copy_of(stopped_at_12, tmp_path / "done")
     before = snapshot(tmp_path / "done")
     with pytest.raises(pcdist.ConfigError, match=r"^resume=never but .*done holds a run \(checkpoint step-00000012\)"):
         pcdist.train(cfg(tmp_path / "done", resume="never"))
@@ -113,12 +127,12 @@ def test_resume_never_and_require_refuse_with_one_line(tmp_path):
     assert pcdist.train(cfg(tmp_path / "done", resume="require"))["step"] == 24
 
 
-def test_changed_settings_on_resume_are_applied_said_and_kept(tmp_path, capsys):
+def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp_path, capsys):
     """Stop at 12, resume with a new LR, T and length: each change is one line with its decision; from step 12
     on the LR follows the new schedule (what a straight run with the new settings logs); every attempt's
     config is kept and config.yaml is the latest."""
     new = {"optim": {"lr": 0.01}, "pc": {"T": 3}, "trainer": {"max_steps": 36}}
-    pcdist.train(cfg(tmp_path / "run", trainer={"stop_at": 12}))
+    copy_of(stopped_at_12, tmp_path / "run")
     capsys.readouterr()
     pcdist.train(cfg(tmp_path / "run", **new))
     lines = capsys.readouterr().out.splitlines()
@@ -146,8 +160,8 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(tmp_path, capsys):
     assert "# resume: optim.lr changed 0.002 -> 0.01" in (tmp_path / "run/configs/attempt-2.yaml").read_text()
 
 
-def test_changes_to_the_model_or_data_are_refused_naming_every_key(tmp_path):
-    pcdist.train(cfg(tmp_path, trainer={"stop_at": 12}))
+def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12, tmp_path):
+    tmp_path = copy_of(stopped_at_12, tmp_path / "run")
     before = snapshot(tmp_path)
     with pytest.raises(pcdist.ConfigError) as info:
         pcdist.train(cfg(tmp_path, model={"dims": [64, 16, 10]}, trainer={"seed": 1, "batch_size": 16}))
