@@ -7,6 +7,7 @@ neighbours (see the README).
 
 from . import deeppcr
 from .activations import ACTIVATIONS, Activation, get_activation
+from .config import compose
 from .energies import ENERGIES
 from .errors import ConfigError
 from .fuse import FusedModules, fuse
@@ -25,6 +26,7 @@ __all__ = [
     "Activation",
     "ConfigError",
     "Dense",
+    "compose",
     "FusedModules",
     "LayerKind",
     "LayerSpec",

@@ -1,15 +1,20 @@
 """Structured configuration of a training run, validated before any process group exists.
 
-Hydra composes ``conf/`` into a DictConfig; ``load_config`` merges it onto these
-dataclasses (an unknown key or a wrong type names the key) and ``validate`` checks
-every value's range (the message names the key and what is allowed).
+The defaults live in ``conf/`` (shipped inside the package as ``pcdist/conf``): the
+command line (``train.py``, ``pcdist-train``) and ``pcdist.train(dict)`` both compose
+it with Hydra (``compose``, ``make_config``), so both start from the same values.
+``load_config`` merges the composed config onto these dataclasses (an unknown key or a
+wrong type names the key) and ``validate`` checks every value's range (the message
+names the key and what is allowed). The dataclass defaults mirror ``conf/``'s (a test
+keeps them equal), so ``Config()`` is the default run too.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,10 +24,22 @@ from .energies import ENERGIES
 from .layers.dense import INITS as DENSE_INITS
 from .trainer import ALGORITHMS
 
-__all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig", "TrainerConfig",
-           "LoggerConfig", "load_config", "validate", "DATASETS"]
+__all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
+           "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "make_config", "load_config", "validate", "DATASETS"]
 
-DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "arrays")
+PYTHON_DATA = "python"
+"""data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
+RESUME = ("auto", "never", "require")
+
+
+def _conf_dir() -> Path:
+    """The shipped config groups: ``pcdist/conf`` in an installed wheel, ``conf/`` beside the package in a checkout."""
+    here = Path(__file__).resolve().parent
+    return here / "conf" if (here / "conf" / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 MODELS = ("mlp", "mupc")
@@ -39,10 +56,10 @@ class ModelConfig:
     """mupc: width N of the hidden layers."""
     depth: int = 32
     """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer."""
-    activation: str = "tanh"
+    activation: str = "gelu"
     """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
     gelu, hard_tanh, sigmoid, identity."""
-    energy: str = "se"
+    energy: str = "ce"
     """Output energy: se (squared error) or ce (cross-entropy)."""
     init: str = "default"
     """mlp: weight init, default (nn.Linear's) or orthogonal (orthogonal W, zero bias; for deep plain MLPs)."""
@@ -51,9 +68,20 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = "digits"
-    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10."""
+    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10, arrays (your own, data.path)."""
     root: Optional[str] = None
     """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10)."""
+    path: Optional[str] = None
+    """arrays: an .npz holding x_train, y_train, x_val, y_val (loaded into memory), or a folder of
+    x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped, streamed by DataLoader workers).
+    x: [N, features] or [N, C, H, W], float or integer (uint8 is scaled to [0, 1]); y: integer class ids."""
+    num_classes: Optional[int] = None
+    """arrays: number of classes; None: the largest label + 1."""
+    num_workers: int = 2
+    """Streamed data (an arrays folder, torch Datasets): DataLoader worker processes per rank (0: load in the
+    training process)."""
+    prefetch_factor: int = 4
+    """Streamed data: batches each worker loads ahead."""
     val_fraction: float = 0.2
     """digits: held-out fraction (fixed stratified split)."""
     synthetic_train: int = 2048
@@ -80,7 +108,7 @@ class PCConfig:
 class OptimConfig:
     name: str = "adamw"
     """adamw or sgd."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak weight learning rate (> 0)."""
     weight_decay: float = 1e-4
     """Decoupled (adamw) or L2 (sgd) weight decay (>= 0)."""
@@ -88,7 +116,7 @@ class OptimConfig:
     """sgd: momentum in [0, 1)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """adamw: (beta1, beta2), each in [0, 1)."""
-    warmup_steps: int = 50
+    warmup_steps: int = 22
     """Linear warm-up steps (>= 0) before the cosine decay."""
     schedule: str = "cosine"
     """cosine (warm-up then cosine decay to final_lr_ratio) or constant (warm-up then flat)."""
@@ -112,7 +140,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 600
+    max_steps: int = 660
     """Training steps (batches) in all (>= 1); the LR schedule spans them."""
     epochs: Optional[int] = None
     """If set, overrides max_steps: epochs x (training samples // batch_size) steps."""
@@ -120,11 +148,11 @@ class TrainerConfig:
     """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
     batch_size: int = 64
     """Global batch size (>= 1, at least parallel.data)."""
-    eval_every: int = 50
+    eval_every: int = 66
     """Validate every N steps and at the end (>= 1)."""
-    log_every: int = 10
+    log_every: int = 11
     """Gather and log the training energy every N steps (>= 1)."""
-    ckpt_every: int = 200
+    ckpt_every: int = 220
     """Write a checkpoint every N steps and at the end (>= 1)."""
     ckpt_keep: int = 3
     """Checkpoints kept on disk (>= 1)."""
@@ -168,7 +196,56 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: Optional[str] = None
-    """Where the run writes; train.py sets it to Hydra's run directory."""
+    """Where the run writes; train.py sets it to Hydra's run directory. None: a new directory
+    runs/<date>/<time>-<id>, unique per launch (pcdist/rundir.py)."""
+    resume: str = "auto"
+    """A run directory that holds a checkpoint: auto (resume it), never (refuse: start a new directory),
+    require (refuse to start fresh: the directory must hold a checkpoint)."""
+
+
+GROUPS = ("model", "data", "pc", "optim", "parallel", "trainer", "logger", "experiment")
+"""The config groups of conf/config.yaml's defaults list."""
+
+
+def compose(overrides: Iterable[str] = ()) -> DictConfig:
+    """conf/ composed by Hydra with command-line overrides (``["data=mnist", "optim.lr=0.01"]``), as
+    ``train.py`` sees it (without the ``hydra`` section). Works inside another Hydra app too."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    outer = GlobalHydra.instance().hydra  # a running Hydra app: set aside, then restored
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose("config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+        if outer is not None:
+            GlobalHydra.instance().initialize(outer)
+
+
+def make_config(cfg: Any = None) -> Config:
+    """The validated Config of a run, on top of conf/'s defaults.
+
+    A DictConfig is taken as composed already (train.py's). A dict (or None) is merged onto
+    ``compose()``; a string value for a group selects that group's file and a dotted key sets
+    one value, as on the command line: ``{"optim": "sgd", "optim.lr": 0.01, "trainer":
+    {"max_steps": 100}}`` is ``train.py optim=sgd optim.lr=0.01 trainer.max_steps=100``.
+    """
+    if isinstance(cfg, DictConfig):
+        return load_config(cfg)
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ConfigError(f"pcdist.train needs a dict or an omegaconf DictConfig as its config, got "
+                          f"{type(cfg).__name__}")
+    cfg = dict(cfg or {})
+    choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
+    dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}
+    base = compose(choices)
+    OmegaConf.set_struct(base, False)  # unknown keys are named by load_config, against the dataclasses
+    merged = OmegaConf.merge(base, cfg)
+    for key, value in dotted.items():
+        OmegaConf.update(merged, key, value, merge=True)
+    return load_config(merged)
 
 
 def load_config(cfg: Any) -> Config:
@@ -212,7 +289,10 @@ def validate(c: Config) -> None:
     _check(m.init in DENSE_INITS, "model.init", m.init, ", ".join(DENSE_INITS))
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
-    _check(d.name in DATASETS, "data.name", d.name, ", ".join(DATASETS))
+    _check(d.name in DATASETS or d.name == PYTHON_DATA, "data.name", d.name, ", ".join(DATASETS))
+    _check(d.num_classes is None or d.num_classes >= 1, "data.num_classes", d.num_classes, "null or an integer >= 1")
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
+    _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "an integer >= 1")
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a fraction in (0, 1)")
     _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
     _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
@@ -250,3 +330,4 @@ def validate(c: Config) -> None:
     _check(t.progress in ("auto", "on", "off"), "trainer.progress", t.progress, "auto, on, off")
     _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")
     _check(lg.mode in ("offline", "online", "disabled"), "logger.mode", lg.mode, "offline, online, disabled")
+    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))

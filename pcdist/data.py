@@ -5,6 +5,13 @@
 * ``mnist`` / ``fashion_mnist``: the four standard IDX files (gzipped or not) in ``root``.
 * ``cifar10``: the standard python batches (``data_batch_1..5``, ``test_batch``) in ``root``
   or ``root/cifar-10-batches-py``, read by an unpickler that only builds numpy arrays.
+* ``arrays``: your own data (``load_arrays``): an ``.npz`` with ``x_train``, ``y_train``,
+  ``x_val``, ``y_val`` (into memory), or a folder of those four ``.npy`` files
+  (memory-mapped, streamed by DataLoader workers: ``StreamedData``).
+
+In memory, a ``Dataset`` holds inputs [N, *sample_shape] (flat features [N, F] or images
+[N, C, H, W], kept shaped) and integer labels [N]. ``StreamedData`` wraps map-style torch
+Datasets (items ``(x, label)``) that need not fit in memory; pcdist.loader reads them.
 
 A missing or malformed file raises DataError naming the path and the expected format.
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -22,7 +30,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Dataset", "DataError", "load_dataset", "load_digits", "one_hot", "read_idx"]
+__all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx"]
+
+ARRAYS = ("x_train", "y_train", "x_val", "y_val")
 
 
 class DataError(ValueError):
@@ -31,15 +41,74 @@ class DataError(ValueError):
 
 @dataclass
 class Dataset:
-    x_train: Tensor  # [N, features], float32
+    """Training and validation data in memory: inputs [N, *sample_shape] (float), labels [N] (int64)."""
+
+    x_train: Tensor  # [N, features] or [N, C, H, W], float32 (float64 kept)
     labels_train: Tensor  # [N], int64
     x_val: Tensor
     labels_val: Tensor
     num_classes: int
 
     @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
     def num_features(self) -> int:
-        return self.x_train.shape[1]
+        return math.prod(self.sample_shape)
+
+    def __len__(self) -> int:
+        """Training samples."""
+        return len(self.x_train)
+
+    def flat(self) -> "Dataset":
+        """The same data with every sample flattened to [features] (a view where the inputs are contiguous)."""
+        return Dataset(self.x_train.flatten(1), self.labels_train, self.x_val.flatten(1), self.labels_val,
+                       self.num_classes)
+
+
+@dataclass
+class StreamedData:
+    """Data that need not fit in memory: map-style ``torch.utils.data.Dataset``s whose items are
+    ``(x, label)`` (x a tensor or array of one sample's shape, label an int), read in batches by a
+    DataLoader with worker processes (``data.num_workers``) and pinned memory on CUDA.
+
+    pcdist builds the loader itself, so that every rank takes its shard of the same global
+    batch; pass datasets, not a DataLoader. A dataset may define ``__getitems__(indices)``
+    returning ``(x [b, ...], labels [b])`` to read a batch at once.
+    """
+
+    train: torch.utils.data.Dataset
+    val: torch.utils.data.Dataset
+    num_classes: int
+    sample_shape: tuple[int, ...] | None = None
+    """One sample's shape; None: taken from ``train[0]``."""
+
+    def __post_init__(self):
+        for split in ("train", "val"):
+            d = getattr(self, split)
+            if isinstance(d, torch.utils.data.DataLoader):
+                raise DataError(f"StreamedData({split}=...) got a DataLoader: pass its .dataset; pcdist builds the "
+                                f"loader so that every rank takes its shard of the same global batch")
+            if isinstance(d, torch.utils.data.IterableDataset) or not hasattr(d, "__getitem__") \
+                    or not hasattr(d, "__len__"):
+                raise DataError(f"StreamedData({split}=...) needs a map-style dataset (__len__ and __getitem__): every "
+                                f"rank reads its shard of each global batch by index; got {type(d).__name__}")
+            if len(d) == 0:
+                raise DataError(f"StreamedData {split} dataset is empty")
+        if not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise DataError(f"StreamedData num_classes={self.num_classes!r}: expected an integer >= 1")
+        if self.sample_shape is None:
+            self.sample_shape = tuple(torch.as_tensor(self.train[0][0]).shape)
+        self.sample_shape = tuple(int(s) for s in self.sample_shape)
+
+    @property
+    def num_features(self) -> int:
+        return math.prod(self.sample_shape)
+
+    def __len__(self) -> int:
+        """Training samples."""
+        return len(self.train)
 
 
 def one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -152,9 +221,125 @@ def _cifar10(root: Path) -> Dataset:
     return Dataset(f(xt), torch.from_numpy(yt), f(xv), torch.from_numpy(yv), num_classes=10)
 
 
+def as_float(x: np.ndarray | Tensor) -> Tensor:
+    """Inputs as a float tensor: uint8 scaled to [0, 1], other integers and bool as they are, float64 kept."""
+    t = torch.as_tensor(np.asarray(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+    if t.dtype == torch.uint8:
+        return t.to(torch.float32) / 255.0
+    return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
+
+
+def _check_arrays(where: str, a: dict, num_classes: int | None) -> int:
+    """Shapes, dtypes and label ranges of x_train, y_train, x_val, y_val; returns the number of classes."""
+    for split in ("train", "val"):
+        x, y = a[f"x_{split}"], a[f"y_{split}"]
+        if x.ndim < 2:
+            raise DataError(f"{where}: x_{split} has shape {x.shape}; expected [N, features] or [N, C, H, W]")
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer) or x.dtype == bool):
+            raise DataError(f"{where}: x_{split} has dtype {x.dtype}; expected float or integer inputs")
+        if y.ndim != 1:
+            raise DataError(f"{where}: y_{split} has shape {y.shape}; expected [N] integer class ids (not one-hot: "
+                            f"use y.argmax(1))")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{where}: y_{split} has dtype {y.dtype}; expected integer class ids (y.astype(int))")
+        if len(x) != len(y):
+            raise DataError(f"{where}: x_{split} has {len(x)} samples but y_{split} has {len(y)} labels")
+        if len(x) == 0:
+            raise DataError(f"{where}: x_{split} has no samples")
+    if a["x_train"].shape[1:] != a["x_val"].shape[1:]:
+        raise DataError(f"{where}: x_train samples have shape {a['x_train'].shape[1:]} but x_val samples "
+                        f"{a['x_val'].shape[1:]}")
+    low = min(int(a["y_train"].min()), int(a["y_val"].min()))
+    high = max(int(a["y_train"].max()), int(a["y_val"].max()))
+    classes = num_classes if num_classes is not None else high + 1
+    if low < 0 or high >= classes:
+        given = f"data.num_classes={num_classes}" if num_classes is not None else "the largest label + 1"
+        raise DataError(f"{where}: labels span [{low}, {high}], outside [0, {classes}) ({given})")
+    return classes
+
+
+def _check_finite(where: str, name: str, x: Tensor, offset: int = 0) -> None:
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        bad = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0, 0]) + offset
+        raise DataError(f"{where}: {name} sample {bad} holds NaN or Inf")
+
+
+class NpyArrays(torch.utils.data.Dataset):
+    """Samples of memory-mapped .npy arrays x [N, ...] and y [N]: read on demand, a batch at a time."""
+
+    def __init__(self, where: str, split: str, x: np.ndarray, y: np.ndarray):
+        self.where, self.split, self.x, self.y = where, split, x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return as_float(np.array(self.x[i])), int(self.y[i])
+
+    def __getitems__(self, indices: list[int]):
+        order = np.argsort(indices)  # ascending reads from the memory map, then back into batch order
+        rows = np.asarray(indices)[order]
+        x = np.empty((len(rows), *self.x.shape[1:]), dtype=self.x.dtype)
+        x[order] = self.x[rows]
+        return as_float(x), torch.from_numpy(np.asarray(self.y[indices], dtype=np.int64))
+
+
+def load_arrays(path: str, num_classes: int | None = None) -> Dataset | StreamedData:
+    """Your own data: an .npz with x_train, y_train, x_val, y_val (a Dataset in memory), or a folder
+    of x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped StreamedData).
+
+    x: [N, features] or [N, C, H, W] (kept shaped), float or integer (uint8 scaled to [0, 1]);
+    y: integer class ids in [0, num_classes) (None: the largest label + 1). Missing arrays,
+    mismatched shapes, bad labels and non-finite inputs raise DataError naming the file.
+    """
+    if path is None:
+        raise DataError("data=arrays reads your arrays from data.path: set data.path=/path/to/data.npz "
+                        "(x_train, y_train, x_val, y_val) or a folder of those four .npy files")
+    p = Path(path).expanduser()
+    where = f"data.path={path}"
+    if p.is_dir():
+        missing = [f"{k}.npy" for k in ARRAYS if not (p / f"{k}.npy").is_file()]
+        if missing:
+            raise DataError(f"{where}: missing {', '.join(missing)}; a folder needs x_train.npy, y_train.npy, "
+                            f"x_val.npy, y_val.npy")
+        a = {}
+        for k in ARRAYS:
+            try:
+                a[k] = np.load(p / f"{k}.npy", mmap_mode="r", allow_pickle=False)
+            except Exception as e:
+                raise DataError(f"{where}: {k}.npy is not a .npy array file: {e}") from e
+        classes = _check_arrays(where, a, num_classes)
+        return StreamedData(NpyArrays(where, "train", a["x_train"], a["y_train"]),
+                            NpyArrays(where, "val", a["x_val"], a["y_val"]), classes, a["x_train"].shape[1:])
+    if not p.is_file():
+        raise DataError(f"{where}: no such file or folder; expected an .npz with x_train, y_train, x_val, y_val or a "
+                        f"folder of those four .npy files")
+    try:
+        npz = np.load(p, allow_pickle=False)
+    except Exception as e:
+        raise DataError(f"{where}: not an .npz archive ({e}); expected one with x_train, y_train, x_val, y_val") from e
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise DataError(f"{where}: a single array; expected an .npz (np.savez) with x_train, y_train, x_val, y_val")
+    with npz:
+        missing = [k for k in ARRAYS if k not in npz.files]
+        if missing:
+            raise DataError(f"{where}: no array {', '.join(missing)}; expected x_train, y_train, x_val, y_val "
+                            f"(found {', '.join(npz.files) or 'none'})")
+        a = {k: npz[k] for k in ARRAYS}
+    classes = _check_arrays(where, a, num_classes)
+    x_train, x_val = as_float(a["x_train"]), as_float(a["x_val"])
+    _check_finite(where, "x_train", x_train)
+    _check_finite(where, "x_val", x_val)
+    return Dataset(x_train, torch.from_numpy(a["y_train"].astype(np.int64)), x_val,
+                   torch.from_numpy(a["y_val"].astype(np.int64)), classes)
+
+
 def load_dataset(name: str, root: str | None = None, dims: list[int] | None = None, seed: int = 0,
-                 val_fraction: float = 0.2, synthetic_train: int = 2048, synthetic_val: int = 512) -> Dataset:
+                 val_fraction: float = 0.2, synthetic_train: int = 2048, synthetic_val: int = 512,
+                 path: str | None = None, num_classes: int | None = None) -> Dataset | StreamedData:
     """The dataset ``name`` (see the module docstring); checks the labels against num_classes."""
+    if name == "arrays":
+        return load_arrays(path, num_classes)
     if name == "digits":
         ds = Dataset(*load_digits(val_fraction, seed=0), num_classes=10)
     elif name == "synthetic":
@@ -169,7 +354,7 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
             raise DataError(f"data.root={root} is not a directory")
         ds = _cifar10(r) if name == "cifar10" else _mnist(r)
     else:
-        raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10")
+        raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10, arrays")
     for split, labels in (("train", ds.labels_train), ("val", ds.labels_val)):
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= ds.num_classes):
             raise DataError(f"{name} {split} labels span [{int(labels.min())}, {int(labels.max())}], "

@@ -1,9 +1,11 @@
 """``train(cfg)``: one training run, from a config to final metrics, on 1 to N ranks.
 
 The same function runs in a single process (tests call it directly) and on every
-rank of ``torchrun``: it validates the config, joins the process group, places the
-rank in the (data, layer) mesh, loads the data, resumes from the newest valid
-checkpoint of the run directory, trains, evaluates, checkpoints and logs.
+rank of ``torchrun``: it composes and validates the config (conf/'s defaults, as the
+command line), joins the process group, places the rank in the (data, layer) mesh,
+loads the data, resumes from the newest valid checkpoint of the run directory
+(pcdist/rundir.py decides what changed settings mean), trains, evaluates, checkpoints
+and logs.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, load_config, num_layers
-from .data import DataError, load_dataset, one_hot
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import PYTHON_DATA, Config, make_config, num_layers
+from .data import DataError, Dataset, StreamedData, load_dataset, one_hot
 from .errors import ConfigError
+from .loader import Streamed
 from .metrics import make_logger
 from .layers import mupc_specs
 from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
+from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
 from .trainer import PCTrainer, warmup_cosine
 
 __all__ = ["train", "Preempted"]
@@ -80,17 +84,45 @@ def model_specs(c: Config, d_in: int, d_out: int) -> list:
     return mlp_specs(m.dims, m.activation, m.init)
 
 
+def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
+    """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
+
+    In-memory inputs are flattened to [N, features] (a view) for the vector models (mlp, mupc).
+    Streamed batches are flattened as they arrive (pcdist.loader).
+    """
+    if data is None:
+        d = c.data
+        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+        data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
+                            d.synthetic_val, d.path, d.num_classes)
+    elif not isinstance(data, (Dataset, StreamedData)):
+        raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
+                        f"StreamedData (torch Datasets), got {type(data).__name__}")
+    _check_data(c, data)
+    return data.flat() if isinstance(data, Dataset) else data
+
+
+def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
+    """Training samples."""
+    return len(ds.data if isinstance(ds, Streamed) else ds)
+
+
 def _check_data(c: Config, ds) -> None:
+    shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
     if c.model.name == "mlp" and ds.num_features != c.model.dims[0]:
-        raise DataError(f"data {c.data.name} has {ds.num_features} input features but model.dims[0]="
+        raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
                         f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
     if c.model.name == "mlp" and ds.num_classes != c.model.dims[-1]:
         raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
-    for name, x in (("train", ds.x_train), ("val", ds.x_val)):
-        if not torch.isfinite(x).all():
-            raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
-    if len(ds.x_train) < c.trainer.batch_size:
-        raise DataError(f"data {c.data.name} has {len(ds.x_train)} training samples, fewer than "
+    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
+        for name, x, labels in (("train", ds.x_train, ds.labels_train), ("val", ds.x_val, ds.labels_val)):
+            if not torch.isfinite(x).all():
+                raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
+            if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
+                                                                   or int(labels.max()) >= ds.num_classes)):
+                raise DataError(f"data {c.data.name} {name} labels must be integer class ids in [0, {ds.num_classes})")
+    if _num_train(ds) < c.trainer.batch_size:
+        raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
                         f"trainer.batch_size={c.trainer.batch_size}")
 
 
@@ -102,10 +134,24 @@ def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
     return perm[i * B : (i + 1) * B]
 
 
-def train(cfg) -> dict:
-    """Train as configured; returns the final metrics (complete on the logging rank)."""
-    c = load_config(cfg)
+def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
+    """Train as configured; returns the final metrics (complete on the logging rank).
+
+    ``cfg``: a dict applied on top of conf/'s defaults, as overrides on the command line are
+    (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a
+    DictConfig composed already (train.py's, ``pcdist.compose([...])``), or None (the
+    defaults). ``data``: your own data instead of ``data.name``: a ``pcdist.data.Dataset``
+    (tensors in memory) or ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader
+    worker processes). ``run_dir`` unset: a new directory (pcdist/rundir.py).
+    """
+    c = make_config(cfg)
+    if data is not None:
+        c.data.name = PYTHON_DATA
+    elif c.data.name == PYTHON_DATA:
+        raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
+                          f"and none was passed")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    c.run_dir = str(c.run_dir or next_run_dir())
     _warn_restart_hazard()
     ParallelDims(c.parallel.data, c.parallel.layer).validate(world, num_layers(c))
     device = _device(c)
@@ -118,18 +164,15 @@ def train(cfg) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(c.trainer.threads or max(1, (os.cpu_count() or 1) // local))
     try:
-        return _run(c, device, distributed)
+        return _run(c, device, distributed, data)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(c: Config, device: torch.device, distributed: bool) -> dict:
+def _run(c: Config, device: torch.device, distributed: bool, data) -> dict:
     dtype = getattr(torch, c.trainer.dtype)
-    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
-    ds = load_dataset(c.data.name, c.data.root, teacher, c.trainer.seed, c.data.val_fraction,
-                      c.data.synthetic_train, c.data.synthetic_val)
-    _check_data(c, ds)
+    ds = _load_data(c, data)
     specs = model_specs(c, ds.num_features, ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
@@ -137,29 +180,41 @@ def _run(c: Config, device: torch.device, distributed: bool) -> dict:
     else:
         par = Parallel.single(len(specs))
     if c.trainer.epochs is not None:
-        c.trainer.max_steps = c.trainer.epochs * (len(ds.x_train) // c.trainer.batch_size)
+        c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
+    run_dir = Path(c.run_dir)
+    resume = find_resume(c, run_dir)  # refuses (ConfigError) before any work
+    start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
+    if resume.checkpoint is not None and start >= end:
+        if par.is_logging:
+            print(_nothing_to_train(c, run_dir, start), flush=True)
+        return {"step": start, "run_dir": str(run_dir), "finished": True}
     net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
                         scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init)
-    run_dir = Path(c.run_dir or f"runs/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     is_rank0 = not distributed or dist.get_rank() == 0
-    start = 0
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        meta = load_checkpoint(ckpt, net, opt)
-        sched.load_state_dict(meta["scheduler"])
-        for g in opt.param_groups:
-            g["lr"] = meta["lr"]
+    if resume.checkpoint is not None:
+        meta = load_checkpoint(resume.checkpoint, net, opt)
+        if resume.schedule_changed:  # this run's schedule, at the resumed step
+            position_schedule(sched, opt, start)
+        else:
+            sched.load_state_dict(meta["scheduler"])
+            for g in opt.param_groups:
+                g["lr"] = meta["lr"]
         torch.set_rng_state(meta["rng"])
-        start = int(meta["step"])
     logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
     try:
-        if par.is_logging and ckpt is not None:
-            print(f"resumed from {ckpt} at step {start}", flush=True)
-        result = _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0)
-        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device, dtype)
+        if par.is_logging:
+            _announce(c, resume, run_dir, start, opt)
+        B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
+        if isinstance(ds, StreamedData):
+            ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
+                          c.data.prefetch_factor, device, dtype)
+        batches = _batches(c, ds, par, start, end, device, dtype)
+        result = _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0)
+        x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
+                                                                   dtype)
         trace = trainer.trace(x, y)  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
@@ -167,6 +222,44 @@ def _run(c: Config, device: torch.device, distributed: bool) -> dict:
         return result
     finally:
         logger.close()
+
+
+def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
+    """The one line for a rerun into a run that has nothing left to train."""
+    t = c.trainer
+    if step >= t.max_steps:
+        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
+                f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
+                f"directory for a new run)")
+    return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
+            f"trainer.stop_at)")
+
+
+def _announce(c: Config, resume, run_dir: Path, start: int, opt) -> None:
+    """Keep this attempt's config and say, one line each, how the run starts and what changed."""
+    attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
+    if resume.checkpoint is None:
+        print(f"new run in {run_dir} (config: {attempt})", flush=True)
+        return
+    print(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} (config: {attempt})", flush=True)
+    for line in resume.lines():
+        print(line, flush=True)
+    if resume.unknown_config:
+        print("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are not "
+              "checked", flush=True)
+    if resume.schedule_changed:
+        print(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
+              f"{opt.param_groups[0]['lr']:.4g}", flush=True)
+
+
+def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
+    """This rank's (x, y) of every step start..end-1."""
+    if isinstance(ds, Streamed):
+        yield from ds.train(start, end)
+        return
+    for step in range(start, end):
+        yield _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, step, c.trainer.seed), device,
+                     dtype)
 
 
 def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
@@ -177,16 +270,25 @@ def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
     return x, y
 
 
+def _val_chunks(ds, par: Parallel, device, dtype):
+    """This data rank's share of the validation set: (x on the device, labels) chunks."""
+    if isinstance(ds, Streamed):
+        yield from ds.val_chunks()
+        return
+    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
+    for chunk in torch.split(rows, 1024):
+        yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.labels_val[chunk]
+
+
 def _evaluate(c: Config, ds, net: PCNetwork, par: Parallel, device, dtype) -> float | None:
     """Validation accuracy (one feed-forward pass, argmax), summed over the data axis on the logging rank."""
-    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
-    correct = 0
+    correct = total = 0
     with torch.no_grad():
-        for chunk in torch.split(rows, 1024):
-            logits = par.predict(net, ds.x_val[chunk].to(device=device, dtype=dtype))
+        for x, labels in _val_chunks(ds, par, device, dtype):
+            logits = par.predict(net, x)
             if logits is not None:
-                correct += int((logits.argmax(1).cpu() == ds.labels_val[chunk]).sum())
-    total = len(rows) if par.is_last else 0
+                correct += int((logits.argmax(1).cpu() == labels).sum())
+                total += len(labels)
     summed = par.sum_to_logging([correct, total], device)  # NCCL reduces device tensors only
     return None if summed is None else summed[0] / max(1.0, summed[1])
 
@@ -207,7 +309,7 @@ def _catch_stop_signals() -> dict:
     return got
 
 
-def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0) -> dict:
+def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0) -> dict:
     t_cfg = c.trainer
     result: dict = {"step": start}
     clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
@@ -216,7 +318,7 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
     for step in range(start, end):
         done = step + 1
         stop = par.any_rank(bool(got["signal"]), device)  # every rank stops after the same step
-        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), t_cfg.batch_size, step, t_cfg.seed), device, dtype)
+        x, y = next(batches)
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
@@ -231,7 +333,8 @@ def _loop(c, ds, net, opt, sched, trainer, par, logger, run_dir, start, device, 
                 result["val/accuracy"] = acc
         if ckpt:
             meta = {"step": done, "model": net.signature(),
-                    "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state()}
+                    "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
+                    "config": asdict(c)}  # what pcdist/rundir.py compares a resumed run's settings with
             path = save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0,
                                    leader=is_rank0)
         result["step"] = done

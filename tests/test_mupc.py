@@ -176,8 +176,8 @@ def test_mixed_kinds_in_one_network():
 
 
 def test_bad_layers_name_the_module():
-    with pytest.raises(ValueError, match=r"layer 2 \(LayerNorm.*has no PC layer kind"):
-        pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)])
+    with pytest.raises(ValueError, match=r"layer 2 \(LSTM\) must map a batch \[B, 4\] to one tensor"):
+        pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.LSTM(4, 4), nn.Linear(4, 2)])
     with pytest.raises(ValueError, match="needs in_features == out_features"):
         ResidualLinear(3, 4, skip=True)
     with pytest.raises(ValueError, match="mupc depth must be an integer >= 2"):

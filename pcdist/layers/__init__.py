@@ -136,7 +136,7 @@ def _residual_from_module(m: nn.Module, in_shape, is_output: bool):
     return kind, params
 
 
-def _module_from_module(m: nn.Module, in_shape, is_output: bool):
+def _module_from_module(m: nn.Module, in_shape, is_output: bool, index: int = 0):
     """Any other module: the generic kind (needs the input node's shape)."""
     if in_shape is None:
         return None
@@ -144,11 +144,11 @@ def _module_from_module(m: nn.Module, in_shape, is_output: bool):
     first = list(inner)[0] if isinstance(inner, nn.Sequential) and len(inner) else inner
     if isinstance(first, nn.Linear) and len(in_shape) > 1:
         return None  # an image node into a Linear: the error asks for the nn.Flatten
-    kind = ModuleKind.of(inner, tuple(in_shape))
+    kind = ModuleKind.of(inner, tuple(in_shape), index)
     return kind, dict(inner.named_parameters())
 
 
-_FROM_MODULE = (_residual_from_module, _conv_from_module, _dense_from_module, _module_from_module)  # fastest first
+_FAST = (_residual_from_module, _conv_from_module, _dense_from_module)  # fastest first; then the module kind
 
 
 def kind_from_module(m: nn.Module, index: int, is_output: bool,
@@ -159,11 +159,14 @@ def kind_from_module(m: nn.Module, index: int, is_output: bool,
     if isinstance(m, AnyModule):  # the user asks for the generic kind
         if in_shape is None:
             raise ValueError(f"layer {index} (AnyModule) is the first layer: give input_shape")
-        return _module_from_module(m, in_shape, is_output)
-    for from_module in _FROM_MODULE:
+        return _module_from_module(m, in_shape, is_output, index)
+    for from_module in _FAST:
         got = from_module(m, in_shape, is_output)
         if got is not None:
             return got
+    got = _module_from_module(m, in_shape, is_output, index)
+    if got is not None:
+        return got
     what = "the output layer" if is_output else f"layer {index}"
     first = list(m)[0] if isinstance(m, nn.Sequential) and len(m) else m
     if isinstance(first, nn.Linear) and in_shape is not None and len(in_shape) > 1:

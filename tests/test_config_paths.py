@@ -1,0 +1,53 @@
+"""One source of defaults: pcdist.train(dict) and the command line compose the same conf/, and the
+dataclasses' defaults (their documentation) equal it."""
+
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+import pcdist
+from pcdist.config import Config, load_config, make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (command-line overrides, the same run as pcdist.train's dict)
+SAME_RUNS = [
+    ([], {}),
+    (["optim=sgd", "data=mnist", "experiment=pcx_fashion_mnist", "parallel=cpu_sim", "optim.lr=0.01", "pc.T=5",
+      "model.dims=[64,32,10]", "trainer.seed=3"],
+     {"optim": "sgd", "data": "mnist", "experiment": "pcx_fashion_mnist", "parallel": "cpu_sim", "optim.lr": 0.01,
+      "pc": {"T": 5}, "model": {"dims": [64, 32, 10]}, "trainer.seed": 3}),
+    # model=mupc brings its own pc and optim settings (a global package, after the pc and optim groups)
+    (["model=mupc", "model.depth=8", "pc.x_lr=0.2"], {"model": "mupc", "model.depth": 8, "pc.x_lr": 0.2}),
+    (["experiment=deep_narrow"], {"experiment": "deep_narrow"}),
+]
+
+
+def cli_config(*overrides: str) -> Config:
+    """The job config the real train.py composes (Hydra's --cfg job), validated."""
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--cfg", "job", *overrides], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return load_config(yaml.safe_load(out.stdout))
+
+
+@pytest.mark.parametrize("overrides, python", SAME_RUNS, ids=["defaults", "groups and values", "mupc", "deep_narrow"])
+def test_python_and_the_command_line_compose_the_same_config(overrides, python):
+    assert asdict(make_config(python)) == asdict(cli_config(*overrides))
+
+
+def test_the_dataclass_defaults_are_conf_defaults():
+    """Config() (what config.py documents key by key) is the run `python train.py` makes."""
+    assert asdict(Config()) == asdict(make_config(None))
+    assert Config().model.activation == "gelu" and Config().model.energy == "ce", "the CLI's model, not tanh/se"
+
+
+def test_python_dicts_are_checked_like_the_command_line():
+    with pytest.raises(pcdist.ConfigError, match="invalid config key trainer.foo"):
+        make_config({"trainer": {"foo": 1}})
+    with pytest.raises(pcdist.ConfigError, match="config pc.T=0 is invalid"):
+        make_config({"pc": {"T": 0}})

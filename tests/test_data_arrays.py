@@ -1,0 +1,256 @@
+"""Your own data: arrays on disk through train.py (data=arrays), and datasets passed to pcdist.train,
+streamed by real DataLoader worker processes in the same global batch order as in-memory data."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import pcdist
+from pcdist.data import DataError, Dataset, StreamedData, load_arrays, load_digits
+from pcdist.metrics import read_metrics
+from test_service import layer_state, torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def digits_images(classes=3):
+    """scikit-learn's digits of the first ``classes`` classes as [N, 1, 8, 8] float32 images in [0, 1]."""
+    x_tr, y_tr, x_va, y_va = load_digits()
+    keep_tr, keep_va = y_tr < classes, y_va < classes
+    return (x_tr[keep_tr].reshape(-1, 1, 8, 8).numpy(), y_tr[keep_tr].numpy(),
+            x_va[keep_va].reshape(-1, 1, 8, 8).numpy(), y_va[keep_va].numpy())
+
+
+def save_npz(path, x_train, y_train, x_val, y_val, **extra):
+    np.savez(path, x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val, **extra)
+    return path
+
+
+def test_train_py_trains_on_an_npz_of_images_with_three_classes(tmp_path):
+    """data=arrays data.path=my.npz through the real train.py: images [N, 1, 8, 8], 3 classes, learned well
+    beyond chance (1/3); the run records where the data came from."""
+    npz = save_npz(tmp_path / "three.npz", *digits_images(3))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", f"data.path={npz}",
+                          "model.dims=[64,32,3]", "trainer.max_steps=30", "trainer.eval_every=30",
+                          "trainer.batch_size=32", "logger=none", "trainer.progress=off", f"hydra.run.dir={run_dir}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    accuracy = float(out.stdout.split("val/accuracy ")[1].split(";")[0])
+    assert accuracy > 0.8, "digits 0, 1, 2 are easy: 30 steps must learn them far beyond chance (1/3)"
+    saved = (run_dir / "config.yaml").read_text()
+    assert "name: arrays" in saved and f"path: {npz}" in saved
+
+
+def test_inputs_keep_their_shape_and_dtype_rules(tmp_path):
+    """Images stay [N, C, H, W]; uint8 is scaled to [0, 1], other integers keep their values, float64 stays
+    float64; the number of classes is the largest label + 1 unless data.num_classes says more."""
+    rng = np.random.default_rng(0)
+    x8 = rng.integers(0, 256, (10, 3, 4, 4), dtype=np.uint8)
+    y = np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4])
+    ds = load_arrays(save_npz(tmp_path / "u8.npz", x8, y, x8[:4], np.array([5, 0, 1, 2])))
+    assert ds.x_train.shape == (10, 3, 4, 4) and ds.x_train.dtype == torch.float32
+    torch.testing.assert_close(ds.x_train, torch.from_numpy(x8.astype(np.float32) / 255))
+    assert ds.num_classes == 6 and ds.num_features == 48, "max label 5 (in val) + 1; 3 x 4 x 4 features"
+    counts = rng.integers(-5, 500, (10, 7)).astype(np.int64)
+    ds = load_arrays(save_npz(tmp_path / "i64.npz", counts, y, counts, y), num_classes=9)
+    assert torch.equal(ds.x_train, torch.from_numpy(counts).float()) and ds.num_classes == 9
+    x64 = rng.standard_normal((10, 7))
+    assert load_arrays(save_npz(tmp_path / "f64.npz", x64, y, x64, y)).x_train.dtype == torch.float64
+
+
+def test_wrong_model_width_names_the_image_shape(tmp_path):
+    npz = save_npz(tmp_path / "d.npz", np.zeros((40, 3, 4, 4), np.float32), np.arange(40) % 5,
+                   np.zeros((8, 3, 4, 4), np.float32), np.arange(8) % 5)
+    with pytest.raises(DataError, match=r"^data arrays has 48 input features \(3 x 4 x 4\) but model.dims\[0\]=64; "
+                                        r"set model.dims=\[48,...\]$"):
+        pcdist.train({"data": {"name": "arrays", "path": str(npz)}, "model": {"dims": [64, 10, 5]},
+                      "logger": {"name": "none"}, "run_dir": str(tmp_path / "run")})
+
+
+X, Y = np.zeros((6, 4), np.float32), np.array([0, 1, 2, 0, 1, 2])
+
+
+def nan_at(i, x=X):
+    x = x.copy()
+    x[i, 1] = np.nan
+    return x
+
+
+BAD_ARRAYS = [  # (arrays in the npz, data.num_classes, the exact message after "data.path=<file>: ")
+    ({"x_train": X, "y_train": Y, "x_val": X}, None, "no array y_val; expected x_train, y_train, x_val, y_val "
+                                                     "(found x_train, y_train, x_val)"),
+    ({"x_train": X, "y_train": np.eye(3)[Y], "x_val": X, "y_val": Y}, None,
+     "y_train has shape (6, 3); expected [N] integer class ids (not one-hot: use y.argmax(1))"),
+    ({"x_train": X, "y_train": Y.astype(np.float32), "x_val": X, "y_val": Y}, None,
+     "y_train has dtype float32; expected integer class ids (y.astype(int))"),
+    ({"x_train": X, "y_train": Y[:5], "x_val": X, "y_val": Y}, None, "x_train has 6 samples but y_train has 5 labels"),
+    ({"x_train": X, "y_train": Y, "x_val": np.zeros((6, 5), np.float32), "y_val": Y}, None,
+     "x_train samples have shape (4,) but x_val samples (5,)"),
+    ({"x_train": X[:, 0], "y_train": Y, "x_val": X, "y_val": Y}, None,
+     "x_train has shape (6,); expected [N, features] or [N, C, H, W]"),
+    ({"x_train": X, "y_train": Y, "x_val": X, "y_val": Y + 1}, 3,
+     "labels span [0, 3], outside [0, 3) (data.num_classes=3)"),
+    ({"x_train": X, "y_train": Y - 1, "x_val": X, "y_val": Y}, None,
+     "labels span [-1, 2], outside [0, 3) (the largest label + 1)"),
+    ({"x_train": X, "y_train": Y, "x_val": nan_at(4), "y_val": Y}, None, "x_val sample 4 holds NaN or Inf"),
+    ({"x_train": X.astype(np.complex64), "y_train": Y, "x_val": X, "y_val": Y}, None,
+     "x_train has dtype complex64; expected float or integer inputs"),
+]
+
+
+@pytest.mark.parametrize("arrays, num_classes, message", BAD_ARRAYS, ids=[m.split(";")[0] for *_, m in BAD_ARRAYS])
+def test_bad_arrays_give_one_exact_error(arrays, num_classes, message, tmp_path):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(DataError) as info:
+        load_arrays(str(path), num_classes)
+    assert str(info.value) == f"data.path={path}: {message}"
+
+
+def test_bad_files_give_one_exact_error(tmp_path):
+    single = tmp_path / "x.npy"
+    np.save(single, X)
+    garbage = tmp_path / "g.npz"
+    garbage.write_bytes(b"not a zip archive")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    np.save(folder / "x_train.npy", X)
+    np.save(folder / "y_train.npy", Y)
+    cases = [(single, "a single array; expected an .npz (np.savez) with x_train, y_train, x_val, y_val"),
+             (tmp_path / "absent.npz", "no such file or folder; expected an .npz with x_train, y_train, x_val, y_val "
+                                       "or a folder of those four .npy files"),
+             (folder, "missing x_val.npy, y_val.npy; a folder needs x_train.npy, y_train.npy, x_val.npy, y_val.npy")]
+    for path, message in cases:
+        with pytest.raises(DataError) as info:
+            load_arrays(str(path))
+        assert str(info.value) == f"data.path={path}: {message}"
+    with pytest.raises(DataError, match=f"^data.path={garbage}: not an .npz archive"):
+        load_arrays(str(garbage))
+
+
+def test_train_py_reports_a_missing_array_as_one_line(tmp_path):
+    npz = tmp_path / "partial.npz"
+    np.savez(npz, x_train=X, y_train=Y, x_val=X)
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", f"data.path={npz}", "logger=none",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == (f"error: data.path={npz}: no array y_val; expected x_train, "
+                                                  f"y_train, x_val, y_val (found x_train, y_train, x_val)\n")
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_arrays_without_a_path_say_which_key_to_set(tmp_path):
+    with pytest.raises(DataError, match=r"^data=arrays reads your arrays from data.path: set data.path="):
+        pcdist.train({"data": "arrays", "logger": "none", "run_dir": str(tmp_path)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamed data: DataLoader workers, the same global batches as in memory
+
+
+class Samples(torch.utils.data.Dataset):
+    """A plain map-style torch Dataset: one (x, label) per index, as user code would write it."""
+
+    def __init__(self, x, labels, nan_at=None):
+        self.x, self.labels, self.nan_at = x, labels, nan_at
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        if i == self.nan_at:
+            x[0] = float("nan")
+        return x, int(self.labels[i])
+
+
+def small_cfg(run_dir, **extra):
+    cfg = {"model": {"dims": [64, 16, 16, 16, 10]}, "logger": {"name": "none"}, "run_dir": str(run_dir),
+           "trainer": {"max_steps": 8, "eval_every": 8, "log_every": 4, "ckpt_every": 8, "dtype": "float64",
+                       "progress": "off", "batch_size": 32}, "pc": {"T": 4}, "data": {"num_workers": 2}}
+    for k, v in extra.items():
+        cfg.setdefault(k, {}).update(v)
+    return cfg
+
+
+SMALL_CLI = ["model.dims=[64,16,16,16,10]", "trainer.max_steps=8", "trainer.eval_every=8", "trainer.log_every=4",
+             "trainer.ckpt_every=8", "trainer.dtype=float64", "trainer.batch_size=32", "pc.T=4", "logger=none",
+             "trainer.progress=off"]
+
+
+def digits_dataset():
+    return Dataset(*load_digits(), num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def in_memory(tmp_path_factory):
+    """The reference: small_cfg on the digits in memory, one process. Returns (run directory, result)."""
+    run_dir = tmp_path_factory.mktemp("memory")
+    return run_dir, pcdist.train(small_cfg(run_dir), data=digits_dataset())
+
+
+@pytest.fixture(scope="module")
+def npy_folder(tmp_path_factory):
+    """The digits as a folder of x_train.npy, y_train.npy, x_val.npy, y_val.npy."""
+    folder = tmp_path_factory.mktemp("npy")
+    for k, v in zip(("x_train", "y_train", "x_val", "y_val"), load_digits()):
+        np.save(folder / f"{k}.npy", v.numpy())
+    return folder
+
+
+def assert_same_weights(a: Path, b: Path, atol=0.0):
+    wa, wb = layer_state(a / "checkpoints/step-00000008"), layer_state(b / "checkpoints/step-00000008")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+def test_streamed_torch_datasets_train_exactly_as_in_memory(in_memory, tmp_path):
+    """pcdist.train(cfg, data=StreamedData(...)) with 2 real DataLoader workers takes the same global batches
+    as the in-memory Dataset: the same weights (float64) and the same validation accuracy."""
+    ds = digits_dataset()
+    data = StreamedData(Samples(ds.x_train, ds.labels_train), Samples(ds.x_val, ds.labels_val), 10)
+    streamed = pcdist.train(small_cfg(tmp_path), data=data)
+    assert streamed["step"] == in_memory[1]["step"] == 8
+    assert streamed["val/accuracy"] == in_memory[1]["val/accuracy"]
+    assert_same_weights(in_memory[0], tmp_path)
+    assert "name: python" in (tmp_path / "config.yaml").read_text(), "the data came from Python"
+
+
+def test_an_npy_folder_is_memory_mapped_and_streamed_like_memory(in_memory, npy_folder, tmp_path):
+    """data=arrays on a folder of .npy files (memory-mapped, 2 workers) trains exactly as the same data in memory."""
+    assert isinstance(load_arrays(str(npy_folder)), StreamedData)
+    pcdist.train(small_cfg(tmp_path, data={"name": "arrays", "path": str(npy_folder)}))
+    assert_same_weights(in_memory[0], tmp_path)
+
+
+def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
+    """A NaN met by a worker process is reported as one line naming the sample, not a worker traceback."""
+    x, labels = torch.rand(64, 64), torch.arange(64) % 10
+    data = StreamedData(Samples(x, labels, nan_at=5), Samples(x[:16], labels[:16]), 10)
+    with pytest.raises(DataError) as info:
+        pcdist.train(small_cfg(tmp_path / "run", trainer={"batch_size": 64}), data=data)
+    assert str(info.value) == "StreamedData train sample 5 holds NaN or Inf"
+
+
+def test_a_dataloader_is_refused_with_the_reason():
+    loader = torch.utils.data.DataLoader(Samples(torch.rand(8, 4), torch.zeros(8)))
+    with pytest.raises(DataError, match=r"got a DataLoader: pass its .dataset; pcdist builds the loader so that "
+                                        r"every rank takes its shard of the same global batch"):
+        StreamedData(loader, loader, 2)
+
+
+def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(in_memory, npy_folder, tmp_path):
+    """The real torchrun, three layer slices (first, middle, last) each streaming an .npy folder through a
+    DataLoader worker: every slice agrees on every batch, so the weights equal one in-memory process to 1e-9
+    (float64) and so does the validation accuracy."""
+    torchrun(3, "data=arrays", f"data.path={npy_folder}", "data.num_workers=1", "parallel.layer=3", *SMALL_CLI,
+             f"hydra.run.dir={tmp_path}")
+    assert len(list((tmp_path / "checkpoints/step-00000008").glob("layers-*.pt"))) == 3
+    assert_same_weights(in_memory[0], tmp_path, atol=1e-9)
+    val = [r["val/accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/accuracy" in r]
+    assert val[-1] == in_memory[1]["val/accuracy"]

@@ -1,0 +1,180 @@
+"""Run directories: a new one per launch (agreed by every torchrun rank and restart), resuming as a visible
+choice, changed settings on resume decided per key, and the config of every attempt kept."""
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import pcdist
+from pcdist.metrics import read_metrics
+from pcdist.rundir import ON_RESUME, new_run_dir
+from pcdist.trainer import warmup_cosine
+from spawn import free_port
+from test_service import ROOT
+
+TINY = ["model.dims=[64,16,10]", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1", "pc.T=2",
+        "logger=none", "trainer.progress=off"]
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """Run directories under root/runs/<date>/ (those with a config.yaml)."""
+    return sorted(p.parent for p in root.glob("runs/*/*/config.yaml"))
+
+
+def test_two_launches_at_once_write_two_directories_and_torchrun_ranks_agree(tmp_path):
+    """A plain `python train.py` and a torchrun launch of two layer ranks (without --standalone: the rendezvous
+    id 'none'), started together in one folder without hydra.run.dir: two directories, each holding one run's
+    files only; both torchrun ranks wrote their layer slice into the same one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launches = [[sys.executable, str(ROOT / "train.py"), *TINY, "trainer.seed=1"],
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                 str(ROOT / "train.py"), "parallel.layer=2", *TINY, "trainer.seed=2"]]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in launches]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    dirs = {yaml.safe_load((d / "config.yaml").read_text())["trainer"]["seed"]: d for d in run_dirs(tmp_path)}
+    assert sorted(dirs) == [1, 2] and len(run_dirs(tmp_path)) == 2, run_dirs(tmp_path)
+    for seed, d in dirs.items():
+        assert [r["step"] for r in read_metrics(d / "metrics.jsonl") if "train/energy" in r] == [1, 2]
+        assert sorted(p.name for p in (d / "configs").iterdir()) == ["attempt-1.yaml"]
+        assert len(list((d / "checkpoints/step-00000002").glob("layers-*.pt"))) == seed, "one file per layer rank"
+        assert f"run directory: {d}" in outs[seed - 1][0]
+
+
+def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path, monkeypatch):
+    """One process: every call is new (the clock and random digits). Under torchrun the name depends on the
+    launch only (its rendezvous id, or the agent with the default id 'none'): every rank, every restart and
+    every later call for the same launch agrees; another launch differs."""
+    assert new_run_dir(tmp_path) != new_run_dir(tmp_path)
+    for run_id in (str(uuid.uuid4()), "none", "job-4711"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        first = new_run_dir(tmp_path)
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # a restarted worker, even a day later
+        assert new_run_dir(tmp_path) == first
+        assert new_run_dir(tmp_path, call=2) not in (first, new_run_dir(tmp_path, call=3))
+        assert first.parent.parent == tmp_path and first.name.endswith(run_id[:8] if run_id != "none" else
+                                                                        f"p{os.getppid()}")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", str(uuid.uuid4()))
+    assert new_run_dir(tmp_path) != first
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(pcdist.ConfigError, match="torchrun on several nodes with the rendezvous id 'none': the ranks "
+                                                 "cannot agree on a new run directory; pass --standalone or --rdzv-id"):
+        new_run_dir(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+
+
+def cfg(run_dir, **over):
+    c = {"logger": {"name": "none"}, "run_dir": str(run_dir), "pc": {"T": 4}, "model": {"dims": [64, 32, 10]},
+         "trainer": {"max_steps": 24, "eval_every": 24, "log_every": 4, "ckpt_every": 12, "dtype": "float64",
+                     "progress": "off", "batch_size": 32}, "optim": {"warmup_steps": 4}}
+    for k, v in over.items():
+        c.setdefault(k, {}).update(v) if isinstance(v, dict) else c.__setitem__(k, v)
+    return c
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def stopped_at_12(tmp_path_factory) -> Path:
+    """A run of cfg() stopped (trainer.stop_at) after its checkpoint at step 12 of 24."""
+    run_dir = tmp_path_factory.mktemp("stopped")
+    pcdist.train(cfg(run_dir, trainer={"stop_at": 12}))
+    return run_dir
+
+
+def copy_of(run: Path, dst: Path) -> Path:
+    shutil.copytree(run, dst)
+    return dst
+
+
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    pcdist.train(cfg(tmp_path, trainer={"max_steps": 12}))
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    result = pcdist.train(cfg(tmp_path, trainer={"max_steps": 12}))
+    out = capsys.readouterr().out
+    assert result["finished"] and result["step"] == 12
+    assert out == (f"{tmp_path} is already finished: its newest checkpoint is step 12 and trainer.max_steps=12; "
+                   f"nothing to train (raise trainer.max_steps to train on, or leave out the run directory for a "
+                   f"new run)\n")
+    assert snapshot(tmp_path) == before, "a rerun into a finished run must not write anything"
+
+
+def test_resume_never_and_require_refuse_with_one_line(stopped_at_12, tmp_path):
+    with pytest.raises(pcdist.ConfigError, match=f"^resume=require but {tmp_path / 'new'} holds no checkpoint"):
+        pcdist.train(cfg(tmp_path / "new", resume="require"))
+    assert not (tmp_path / "new/checkpoints").exists()
+    copy_of(stopped_at_12, tmp_path / "done")
+    before = snapshot(tmp_path / "done")
+    with pytest.raises(pcdist.ConfigError, match=r"^resume=never but .*done holds a run \(checkpoint step-00000012\)"):
+        pcdist.train(cfg(tmp_path / "done", resume="never"))
+    assert snapshot(tmp_path / "done") == before
+    assert pcdist.train(cfg(tmp_path / "done", resume="require"))["step"] == 24
+
+
+def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp_path, capsys):
+    """Stop at 12, resume with a new LR, T and length: each change is one line with its decision; from step 12
+    on the LR follows the new schedule (what a straight run with the new settings logs); every attempt's
+    config is kept and config.yaml is the latest."""
+    new = {"optim": {"lr": 0.01}, "pc": {"T": 3}, "trainer": {"max_steps": 36}}
+    copy_of(stopped_at_12, tmp_path / "run")
+    capsys.readouterr()
+    pcdist.train(cfg(tmp_path / "run", **new))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"resumed from {tmp_path / 'run/checkpoints/step-00000012'} at step 12 of 36 "
+                        f"(config: configs/attempt-2.yaml)")
+    assert "resume: pc.T changed 4 -> 3: applied (from the resumed step on)" in lines
+    assert "resume: optim.lr changed 0.002 -> 0.01: applied (the LR schedule is recomputed at the resumed step)" in lines
+    assert "resume: trainer.max_steps changed 24 -> 36: applied (the LR schedule is recomputed at the resumed step)" \
+        in lines
+    # The LR used after the resume is the new schedule's: an independent LambdaLR at each logged step.
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+    sched = warmup_cosine(opt, 4, 36)
+    expected = {}
+    for step in range(1, 37):
+        opt.step()
+        sched.step()
+        expected[step] = opt.param_groups[0]["lr"]
+    logged = {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "train/lr" in r}
+    for step in (16, 24, 36):
+        assert logged[step] == pytest.approx(expected[step], rel=1e-12), step
+    attempts = [yaml.safe_load((tmp_path / f"run/configs/attempt-{n}.yaml").read_text()) for n in (1, 2)]
+    assert attempts[0]["optim"]["lr"] == 0.002 and attempts[0]["pc"]["T"] == 4
+    assert attempts[1]["optim"]["lr"] == 0.01 and attempts[1]["pc"]["T"] == 3
+    assert yaml.safe_load((tmp_path / "run/config.yaml").read_text()) == attempts[1]
+    assert "# resume: optim.lr changed 0.002 -> 0.01" in (tmp_path / "run/configs/attempt-2.yaml").read_text()
+
+
+def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12, tmp_path):
+    tmp_path = copy_of(stopped_at_12, tmp_path / "run")
+    before = snapshot(tmp_path)
+    with pytest.raises(pcdist.ConfigError) as info:
+        pcdist.train(cfg(tmp_path, model={"dims": [64, 16, 10]}, trainer={"seed": 1, "batch_size": 16}))
+    assert str(info.value) == (
+        f"cannot resume {tmp_path} with changed model.dims ([64, 32, 10] -> [64, 16, 10]: it changes the "
+        f"model's shape), trainer.batch_size (32 -> 16: it changes the global batches (the data order) and what a "
+        f"step is), trainer.seed (0 -> 1: it changes the initial weights and the data order); set them back, or "
+        f"start a new run directory")
+    assert snapshot(tmp_path) == before, "a refused resume writes nothing"
+
+
+def test_the_policy_table_covers_what_a_resume_cannot_change():
+    """The refusals the README documents: the model group, the data set and split, the seed, the batch size,
+    the optimizer."""
+    refused = {k for k, (decision, _) in ON_RESUME.items() if decision == "refused"}
+    assert {"model", "data.name", "data.val_fraction", "trainer.seed", "trainer.batch_size", "optim.name"} <= refused
