@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,23 +29,6 @@ from .parallel import Parallel, ParallelDims, init_distributed
 from .trainer import PCTrainer, warmup_cosine
 
 __all__ = ["train", "Preempted"]
-
-
-def _warn_restart_hazard() -> None:
-    """Rank 0 warns when torchrun restarts cannot work.
-
-    With ``--max-restarts`` > 0 and torch's default of sharing the agent's rendezvous
-    store with the workers, restarted workers are handed the previous attempt's
-    addresses and fail to connect (pytorch/pytorch#135712); keeping a store per attempt
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/ and `make train` set) avoids it.
-    """
-    env = os.environ
-    if (env.get("RANK", "0") == "0" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
-            and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
-        warnings.warn("torchrun --max-restarts is set but TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1: restarted "
-                      "workers would fail to reconnect (pytorch/pytorch#135712); export "
-                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (launch/local.sh and launch/slurm.sbatch do)",
-                      RuntimeWarning, stacklevel=3)
 
 
 def _device(c: Config) -> torch.device:
@@ -96,7 +78,6 @@ def train(cfg) -> dict:
     """Train as configured; returns the final metrics (complete on the logging rank)."""
     c = load_config(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    _warn_restart_hazard()
     ParallelDims(c.parallel.data, c.parallel.layer).validate(world, len(c.model.dims) - 1)
     device = _device(c)
     if c.parallel.backend == "nccl" and device.type != "cuda":
