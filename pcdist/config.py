@@ -130,9 +130,10 @@ class TrainerConfig:
     dtype: str = "float32"
     """float32 or float64."""
     threads: int = 0
-    """torch threads per rank on CPU; 0 = cores / local ranks."""
+    """torch threads per rank on CPU; 0: OMP_NUM_THREADS if set, else cores / ranks on this machine."""
     progress: str = "auto"
-    """Progress bar: auto (on an interactive terminal), on, off."""
+    """auto (a bar on an interactive terminal, else a line per logged step on stdout), on (bar),
+    off (train.log only)."""
 
 
 @dataclass
