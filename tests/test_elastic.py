@@ -63,7 +63,28 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
     (tmp_path / "torchrun.log").write_text(out)
     assert proc.returncode == 0, out[-4000:]
     assert "resumed from" in out and "step-0000" in out, "the restarted group must resume from a checkpoint"
+    assert "pytorch/pytorch#135712" not in out, "no warning where restarts work"
     killed = layer_state(run_dir / "checkpoints/step-00000400")
     assert straight.keys() == killed.keys()
     for k in straight:
         torch.testing.assert_close(killed[k], straight[k], atol=1e-12, rtol=0, msg=k)
+
+
+OWN_GROUP = """
+import torch.distributed as dist, pcdist
+dist.init_process_group("gloo")  # the script's own group, on the keys every attempt shares
+pcdist.init_distributed()
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_created_outside_pcdist_is_warned_about_under_restarts(tmp_path):
+    """Only a process group pcdist did not create can still read a dead attempt's keys; rank 0 says so."""
+    script = tmp_path / "own_group.py"
+    script.write_text(OWN_GROUP)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          "--max-restarts=1", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == 1
