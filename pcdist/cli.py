@@ -46,7 +46,8 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     check = "--check" in argv
     args = get_args_parser().parse_args([a for a in argv if a != "--check"])
-    if args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_dir or args.config_name:
+    if (args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path or args.config_dir
+            or args.config_name):  # Hydra's own business, or another config tree
         return
     problem = check_overrides(conf_dir, args.overrides)
     if problem:
