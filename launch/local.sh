@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Train on this machine with torchrun: all GPUs if there are any, else NPROC CPU processes (gloo).
-#   launch/local.sh parallel.layer=2                 # extra arguments are Hydra overrides
-#   NPROC=4 launch/local.sh parallel.layer=2 parallel.data=2
+#   launch/local.sh                                  # every process a layer slice (parallel.layer = NPROC / parallel.data)
+#   NPROC=4 launch/local.sh parallel.data=2          # 2 replicas x 2 layer slices; extra arguments are Hydra overrides
+# OMP_NUM_THREADS (torch threads per process) defaults to the cores / NPROC.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
-# Workers keep their own store: a shared one hands restarted workers stale addresses.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+CORES=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+# One process checks the overrides for NPROC ranks first: a mistake is one line and exit status 2.
+WORLD_SIZE="$NPROC" "$PYTHON" train.py --check "$@" >/dev/null
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@"

@@ -12,6 +12,11 @@ keeps them equal), so ``Config()`` is the default run too.
 from __future__ import annotations
 
 import math
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -25,7 +30,8 @@ from .layers.dense import INITS as DENSE_INITS
 from .trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
-           "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "make_config", "load_config", "validate", "DATASETS"]
+           "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "make_config", "load_config", "validate", "DATASETS",
+           "config_keys", "did_you_mean"]
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "arrays")
 PYTHON_DATA = "python"
@@ -126,8 +132,8 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    layer: int = 1
-    """Ranks on the layer axis (each owns a contiguous slice of layers)."""
+    layer: Optional[int] = None
+    """Ranks on the layer axis (each owns a contiguous slice of layers); null: world size / data."""
     data: int = 1
     """Ranks on the data axis (each gets a shard of every batch). layer x data = world size."""
     backend: str = "auto"
@@ -167,9 +173,10 @@ class TrainerConfig:
     dtype: str = "float32"
     """float32 or float64."""
     threads: int = 0
-    """torch threads per rank on CPU; 0 = cores / local ranks."""
+    """torch threads per rank on CPU; 0: OMP_NUM_THREADS if set, else cores / ranks on this machine."""
     progress: str = "auto"
-    """Progress bar: auto (on an interactive terminal), on, off."""
+    """auto (a bar on an interactive terminal, else a line per logged step on stdout), on (bar),
+    off (train.log only)."""
 
 
 @dataclass
@@ -259,14 +266,15 @@ def load_config(cfg: Any) -> Config:
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).split("\n")[0].strip()
-        raise ConfigError(f"invalid config key {key}: {msg}") from e
+        hint = did_you_mean(key, config_keys()) if key not in config_keys() else ""
+        raise ConfigError(f"invalid config key {key}: {msg}{hint}") from e
     conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
 
 
 def num_layers(c: Config) -> int:
-    """The model's number of PC layers (weight layers)."""
+    """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
     return c.model.depth if c.model.name == "mupc" else len(c.model.dims) - 1
 
 
@@ -309,8 +317,8 @@ def validate(c: Config) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
     _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
     _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
-    _check(p.layer >= 1, "parallel.layer", p.layer, "an integer >= 1")
-    _check(p.layer <= num_layers(c), "parallel.layer", p.layer,
+    _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
+    _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
            f"at most the number of layers ({num_layers(c)}, from "
            f"{'model.dims' if m.name == 'mlp' else 'model.depth'})")
     _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
@@ -331,3 +339,35 @@ def validate(c: Config) -> None:
     _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")
     _check(lg.mode in ("offline", "online", "disabled"), "logger.mode", lg.mode, "offline, online, disabled")
     _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
+
+
+def config_keys() -> dict[str, str]:
+    """Every config key (``trainer.max_steps``) and its documentation: the docstring written
+    under its field in this file."""
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    docs = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for a, b in zip(cls.body, cls.body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+                docs[cls.name, a.target.id] = " ".join(b.value.value.split())
+    keys = {}
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            sub = globals().get(f.type) if isinstance(f.type, str) else f.type
+            if dataclasses.is_dataclass(sub):
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                keys[prefix + f.name] = docs.get((cls.__name__, f.name), "")
+
+    walk(Config, "")
+    return keys
+
+
+def did_you_mean(word: str, known) -> str:
+    """``; did you mean trainer.max_steps?`` for a near miss among ``known``, else ``""``."""
+    known = list(known)
+    same_name = [k for k in known if k.split(".")[-1] == word.split(".")[-1]]
+    close = same_name or difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+    return f"; did you mean {' or '.join(close)}?" if close else ""

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx"]
+__all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx",
+           "check_files", "FILES"]
 
 ARRAYS = ("x_train", "y_train", "x_val", "y_val")
 
@@ -334,6 +335,31 @@ def load_arrays(path: str, num_classes: int | None = None) -> Dataset | Streamed
                    torch.from_numpy(a["y_val"].astype(np.int64)), classes)
 
 
+_IDX = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+FILES = {"mnist": _IDX, "fashion_mnist": _IDX, "cifar10": [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]}
+
+
+def check_files(name: str, root: str | None) -> None:
+    """DataError (one line: the files expected, that nothing is downloaded, where to put them)
+    unless ``root`` holds every standard file of dataset ``name``."""
+    if name not in FILES:
+        return
+    r = Path(root).expanduser() if root is not None else None
+    if r is not None and name == "cifar10" and (r / "cifar-10-batches-py").is_dir():
+        r = r / "cifar-10-batches-py"
+    if r is None or not r.is_dir():
+        missing = FILES[name]
+        where = "data.root is not set" if r is None else f"data.root={root} is not a directory"
+    else:
+        missing = [f for f in FILES[name] if not (r / f).is_file() and not (r / f"{f}.gz").is_file()]
+        where = f"{r} lacks {len(missing)} of the {len(FILES[name])} files"
+    if missing:
+        kind = "the CIFAR-10 python batches" if name == "cifar10" else "the standard IDX files, plain or .gz,"
+        raise DataError(f"data={name}: {where}; expected {kind} {', '.join(missing)}. pcdist downloads nothing: "
+                        f"put them there, or set data.root=/path/to/{name} (or PCDIST_DATA=/path, the folder "
+                        f"holding {name}/)")
+
+
 def load_dataset(name: str, root: str | None = None, dims: list[int] | None = None, seed: int = 0,
                  val_fraction: float = 0.2, synthetic_train: int = 2048, synthetic_val: int = 512,
                  path: str | None = None, num_classes: int | None = None) -> Dataset | StreamedData:
@@ -346,12 +372,9 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
         if dims is None:
             raise ValueError("data=synthetic needs the model dims (its teacher has the model's shape)")
         ds = synthetic(list(dims), synthetic_train, synthetic_val, seed)
-    elif name in ("mnist", "fashion_mnist", "cifar10"):
-        if root is None:
-            raise DataError(f"data={name} reads its standard files from a folder: set data.root=/path/to/{name}")
+    elif name in FILES:
+        check_files(name, root)
         r = Path(root).expanduser()
-        if not r.is_dir():
-            raise DataError(f"data.root={root} is not a directory")
         ds = _cifar10(r) if name == "cifar10" else _mnist(r)
     else:
         raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10, arrays")

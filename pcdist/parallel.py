@@ -29,6 +29,7 @@ from .errors import ConfigError, PeerError
 from .exchange import LayerExchange
 from .layers import LayerKind
 from .partition import layer_costs, partition_layers
+from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
 __all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
 
@@ -77,11 +78,14 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
-            kw.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **kw)
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    if dist.is_initialized():
+        warn_if_restarts_unsafe()
+    elif "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
+                                rank=0, world_size=1, **kw)
+    else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/rendezvous.py)
+        join_process_group(backend_for(device), timedelta(seconds=timeout_s), **kw)
     return device
 
 

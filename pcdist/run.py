@@ -10,12 +10,12 @@ and logs.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import threading
 import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,34 +24,17 @@ import torch.distributed as dist
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PYTHON_DATA, Config, make_config, num_layers
-from .data import DataError, Dataset, StreamedData, load_dataset, one_hot
+from .data import DataError, Dataset, StreamedData, check_files, load_dataset, one_hot
 from .errors import ConfigError
-from .loader import Streamed
-from .metrics import make_logger
 from .layers import mupc_specs
+from .loader import Streamed
+from .metrics import check_logger, make_logger
 from .network import PCNetwork, mlp_specs
-from .parallel import Parallel, ParallelDims, init_distributed
+from .parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
 from .trainer import PCTrainer, warmup_cosine
 
-__all__ = ["train", "Preempted"]
-
-
-def _warn_restart_hazard() -> None:
-    """Rank 0 warns when torchrun restarts cannot work.
-
-    With ``--max-restarts`` > 0 and torch's default of sharing the agent's rendezvous
-    store with the workers, restarted workers are handed the previous attempt's
-    addresses and fail to connect (pytorch/pytorch#135712); keeping a store per attempt
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/ and `make train` set) avoids it.
-    """
-    env = os.environ
-    if (env.get("RANK", "0") == "0" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
-            and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
-        warnings.warn("torchrun --max-restarts is set but TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1: restarted "
-                      "workers would fail to reconnect (pytorch/pytorch#135712); export "
-                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (launch/local.sh and launch/slurm.sbatch do)",
-                      RuntimeWarning, stacklevel=3)
+__all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads"]
 
 
 def _device(c: Config) -> torch.device:
@@ -130,8 +113,13 @@ def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
     """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
     per_epoch = n // B
     epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-    return perm[i * B : (i + 1) * B]
+    return _permutation(n, seed * 7919 + epoch)[i * B : (i + 1) * B]
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int) -> torch.Tensor:
+    """One epoch's order, drawn once per epoch (randperm of 60000 takes ~1-2 ms: a step of a small model)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
 def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
@@ -152,17 +140,18 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
                           f"and none was passed")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
-    _warn_restart_hazard()
-    ParallelDims(c.parallel.data, c.parallel.layer).validate(world, num_layers(c))
+    mesh = check(c, world)
     device = _device(c)
-    if c.parallel.backend == "nccl" and device.type != "cuda":
-        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    threads = ""
+    if device.type == "cpu":
+        n, why = cpu_threads(c.trainer.threads, os.environ)
+        torch.set_num_threads(n)
+        threads = f"; {n} torch thread{'s' * (n > 1)} per rank ({why})"
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if device.type == "cpu":
-        torch.set_num_threads(c.trainer.threads or max(1, (os.cpu_count() or 1) // local))
+        if dist.get_rank() == 0:
+            print(mesh + threads, flush=True)
     try:
         return _run(c, device, distributed, data)
     finally:
@@ -170,7 +159,62 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
             dist.destroy_process_group()
 
 
-def _run(c: Config, device: torch.device, distributed: bool, data) -> dict:
+def check(c: Config, world: int) -> str:
+    """Everything about the user's input that can fail before any process group exists: the mesh
+    for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
+    mesh = choose_mesh(c, world)
+    if c.parallel.backend == "nccl" and _device(c).type != "cuda":
+        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    check_logger(c.logger)
+    check_files(c.data.name, c.data.root)
+    return mesh
+
+
+def choose_mesh(c: Config, world: int) -> str:
+    """Fill in ``parallel.layer`` when it is null (what the world size leaves after
+    ``parallel.data``) and check the mesh against the world size; one line says how it was chosen."""
+    p, layers = c.parallel, num_layers(c)
+    if world == 1 and p.data * (p.layer or 1) > 1:
+        n = p.data * (p.layer or 1)
+        raise ConfigError(f"parallel.data={p.data} x parallel.layer={p.layer or 1} needs {n} processes, but this is one "
+                          f"process; launch it with torchrun --nproc_per_node={n} train.py ... (or "
+                          f"NPROC={n} launch/local.sh ...)")
+    how = "as configured"
+    if p.layer is None:
+        if world % p.data:
+            raise ConfigError(f"parallel.data={p.data} does not divide the {world} processes; use a divisor of "
+                              f"{world} (parallel.layer takes the rest)")
+        p.layer, how = world // p.data, f"parallel.layer = {world} processes / parallel.data"
+        if p.layer > layers:
+            fits = [d for d in range(p.data, world + 1) if world % d == 0 and world // d <= layers]
+            raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
+                              f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
+    ParallelDims(p.data, p.layer).validate(world, layers)
+    return (f"mesh: {world} ranks = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
+            f"split into {p.layer} slices")
+
+
+def cpu_threads(configured: int, env) -> tuple[int, str]:
+    """torch threads per rank on CPU and why: ``trainer.threads`` if > 0, else OMP_NUM_THREADS if
+    set (torchrun sets it to 1 itself when it starts several processes and finds it unset), else
+    the cores this process may use / the ranks on this machine."""
+    if configured:
+        return configured, "trainer.threads"
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        first = omp.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={omp!r} is not a number of threads >= 1; unset it or set "
+                              "trainer.threads")
+        return int(first), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
+
+
+def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None) -> dict:
+    """Everything after the process group: data, mesh, model, resume, the training ``loop``
+    (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
     dtype = getattr(torch, c.trainer.dtype)
     ds = _load_data(c, data)
     specs = model_specs(c, ds.num_features, ds.num_classes)
@@ -212,7 +256,8 @@ def _run(c: Config, device: torch.device, distributed: bool, data) -> dict:
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
                           c.data.prefetch_factor, device, dtype)
         batches = _batches(c, ds, par, start, end, device, dtype)
-        result = _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0)
+        result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
+                                 is_rank0)
         x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
                                                                    dtype)
         trace = trainer.trace(x, y)  # collective: every rank takes part
@@ -309,28 +354,71 @@ def _catch_stop_signals() -> dict:
     return got
 
 
-def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0) -> dict:
+class _StopVote:
+    """Whether any rank got a stop signal, agreed by all: each step posts this rank's flag in a
+    MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by
+    then, so the vote never holds a rank up (a blocking all-reduce per step would line the ranks
+    up at every step). Every rank reads the same votes in the same steps, so all stop after the
+    same step, at most two steps after the signal."""
+
+    def __init__(self, distributed: bool, device: torch.device):
+        self.distributed, self.device = distributed, device
+        self._posted: tuple | None = None
+
+    def __call__(self, flag: bool) -> bool:
+        """The vote posted at the previous call (False at the first); posts ``flag`` for the next."""
+        stop = self.finish()
+        if not self.distributed:
+            self._posted = (None, flag)
+            return stop
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
+        return stop
+
+    def finish(self) -> bool:
+        """Wait for the vote in flight (if any) and return it."""
+        if self._posted is None:
+            return False
+        work, t = self._posted
+        self._posted = None
+        if work is None:
+            return bool(t)
+        with collective("the stop-signal all-reduce"):
+            work.wait()
+        return bool(t.item())
+
+
+def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
+          until: int | None = None) -> dict:
+    """Train from step ``start`` to the end of the run, taking each step's batch from ``batches``;
+    ``until``: stop after that step instead, without the end-of-run evaluation and checkpoint (for
+    benchmarks)."""
     t_cfg = c.trainer
     result: dict = {"step": start}
     clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
     got = _catch_stop_signals()
-    for step in range(start, end):
+    vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
+    for step in range(start, end if until is None else until):
         done = step + 1
-        stop = par.any_rank(bool(got["signal"]), device)  # every rank stops after the same step
+        stop = vote(bool(got["signal"]))
         x, y = next(batches)
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
         stats = trainer.step(x, y, log=log)
+        metrics = acc = None
         if log and stats:
             stats["skipped_updates"] = trainer.skipped_updates
-            result.update(_check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock))
+            metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
+            result.update(metrics)
         if done % t_cfg.eval_every == 0 or done == end:
             acc = _evaluate(c, ds, net, par, device, dtype)
             if acc is not None:
                 logger.log({"val/accuracy": acc}, done)
                 result["val/accuracy"] = acc
+        if metrics is not None or acc is not None:
+            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"])
         if ckpt:
             meta = {"step": done, "model": net.signature(),
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
@@ -339,10 +427,12 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
                                    leader=is_rank0)
         result["step"] = done
         if stop:
+            vote.finish()
             if is_rank0:
                 (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
             raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
                             f"hydra.run.dir={run_dir} to resume")
+    vote.finish()
     return result
 
 
@@ -364,6 +454,5 @@ def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict
                **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
                **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
     logger.log(metrics, done)
-    logger.progress(done, f"F={energy:.4g}")
     clock.update(t=now, step=done, comm=par.comm_seconds)
     return metrics

@@ -90,3 +90,18 @@ def test_depth_benchmark_reports_accuracy_time_and_the_gap(tmp_path):
             assert 0.0 <= row[method]["accuracy"] <= 1.0 and row[method]["step_s"] > 0
             assert f"depth {int(depth):4d}  {method}" in stdout
         assert row["bp_minus_pc_points"] == 100 * (row["mupc_bp"]["accuracy"] - row["mupc_pc"]["accuracy"])
+
+
+def test_service_benchmark_interleaves_the_service_loop_and_the_engine_step(tmp_path):
+    """The real torchrun, 2 ranks; the reported ratio is the median of per-round service / engine ratios."""
+    stdout = run("service.py", "--layers-per-rank", "1", "--width", "32", "--rounds", "2", "--steps", "3", "--warmup", "2",
+                 "--log-every", "2", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "service_K1_W32.json").read_text())
+    assert (tmp_path / "service_K1_W32.png").read_bytes()[:8] == PNG_MAGIC
+    rounds = res["rounds"]
+    assert set(rounds) == {"service", "engine"} and len(rounds["service"]) == len(rounds["engine"]) == 2
+    per_round = [s / e for s, e in zip(rounds["service"], rounds["engine"])]
+    assert res["ratio_per_round"] == per_round
+    assert res["service/engine"] == statistics.median(per_round)
+    assert res["step_s"] == {k: statistics.median(v) for k, v in rounds.items()}
+    assert f"service / engine: {res['service/engine']:.3f}" in stdout

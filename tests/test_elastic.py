@@ -1,5 +1,6 @@
 """A worker SIGKILLed mid-run under torchrun --max-restarts=1: the restarted group resumes from
-the newest valid checkpoint and ends with exactly the weights of an uninterrupted run."""
+the newest valid checkpoint and ends with exactly the weights of an uninterrupted run, whether
+the workers share the agent's rendezvous store (torch's default) or keep their own."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from test_service import ROOT, layer_state, torchrun
@@ -21,14 +23,24 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
-    torchrun(2, *COMMON, f"hydra.run.dir={tmp_path / 'straight'}")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The weights of the uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    torchrun(2, *COMMON, f"hydra.run.dir={run_dir}")
+    return layer_state(run_dir / "checkpoints/step-00000400")
+
+
+@pytest.mark.parametrize("store", ["shared", "own"])
+def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, straight, store):
+    """``shared``: torch's default, the workers use the agent's store, which outlives them and still holds
+    the dead group's keys (pytorch/pytorch#135712; each attempt must use its own keys). ``own``:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0 hosts a new store per attempt."""
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "--monitor-interval=0.5", str(ROOT / "train.py"), *COMMON, f"hydra.run.dir={run_dir}"]
-    # torchrun's workers must not share the rendezvous store: on a restart they would read the
-    # dead group's addresses (pytorch/pytorch#135712). launch/ scripts set the same.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update(OMP_NUM_THREADS="1", **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store == "own" else {}))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -51,18 +63,28 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
     (tmp_path / "torchrun.log").write_text(out)
     assert proc.returncode == 0, out[-4000:]
     assert "resumed from" in out and "step-0000" in out, "the restarted group must resume from a checkpoint"
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1" not in out
-    straight = layer_state(tmp_path / "straight/checkpoints/step-00000400")
+    assert "pytorch/pytorch#135712" not in out, "no warning where restarts work"
     killed = layer_state(run_dir / "checkpoints/step-00000400")
     assert straight.keys() == killed.keys()
     for k in straight:
         torch.testing.assert_close(killed[k], straight[k], atol=1e-12, rtol=0, msg=k)
 
 
-def test_restarts_with_a_shared_store_are_warned_about(tmp_path):
-    """--max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would fail at the first restart;
-    rank 0 says so (once) when the run starts, naming the variable."""
-    out = torchrun(2, "parallel.layer=2", "trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
-                   "trainer.progress=off", f"hydra.run.dir={tmp_path}", launcher=("--max-restarts=1",),
-                   unset=("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",))
-    assert out.stderr.count("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun") == 1
+OWN_GROUP = """
+import torch.distributed as dist, pcdist
+dist.init_process_group("gloo")  # the script's own group, on the keys every attempt shares
+pcdist.init_distributed()
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_created_outside_pcdist_is_warned_about_under_restarts(tmp_path):
+    """Only a process group pcdist did not create can still read a dead attempt's keys; rank 0 says so."""
+    script = tmp_path / "own_group.py"
+    script.write_text(OWN_GROUP)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          "--max-restarts=1", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == 1

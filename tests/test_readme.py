@@ -24,16 +24,16 @@ def energies_printed(out: subprocess.CompletedProcess) -> list[float]:
 
 
 def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
-    """The same file on a 2 x 2 data x layer mesh (torchrun, 4 gloo ranks) and as a plain process.
+    """The same file as two layer slices (torchrun, 2 gloo ranks) and as a plain process.
 
     Both train the same network on the same batches, so they print the same energies up to
-    float32 round-off from the different reduction orders (measured ~1e-4 relative).
+    float32 round-off (the layers are stacked into differently sized groups on one rank and two).
     """
     script = tmp_path / "my_train.py"
     script.write_text(snippet("# my_train.py"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     mesh = energies_printed(subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
     assert len(mesh) == 5, "exactly one rank (the logging rank) prints, every 20 steps"
     assert mesh[-1] < 0.5 * mesh[0], f"training must lower the energy: {mesh}"

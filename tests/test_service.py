@@ -62,7 +62,7 @@ def test_torchrun_two_layer_ranks_writes_a_complete_run_directory(tmp_path):
     assert train_rows[-1]["train/energy"] < train_rows[0]["train/energy"]
     cfg = (run_dir / "config.yaml").read_text()
     assert "layer: 2" in cfg and "max_steps: 44" in cfg
-    for png in ("accuracy_energy.png", "inference_energy.png"):
+    for png in ("accuracy_energy.png", "inference_energy.png", "inference_heatmap.png"):
         assert (run_dir / png).read_bytes()[:8] == PNG
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-00000022", "step-00000044"]

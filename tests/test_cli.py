@@ -1,0 +1,153 @@
+"""The service as a stranger meets it: train.py's command line, launch/local.sh as shipped,
+--help, one-line user errors (also under the real torchrun), the mesh and thread choices."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pcdist
+from pcdist.cli import check_overrides
+from pcdist.config import config_keys, load_config
+from pcdist.run import cpu_threads
+from test_config_data import SMALL, composed
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def run(cmd, timeout=300, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    full.update(WANDB_SILENT="true", **env)
+    return subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("+trainer.max_steps=5", "config key trainer.max_steps already exists: set it with trainer.max_steps=..."),
+    ("data=mnst", "data=mnst: no such option in conf/data/ (options: cifar10, digits, fashion_mnist, mnist, "
+                  "synthetic); did you mean mnist?"),
+    ("trainer.batchsize=8", "unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
+    ("lr=0.1", "unknown config key lr; did you mean optim.lr?"),
+])
+def test_overrides_are_checked_against_the_known_keys_and_groups(override, problem):
+    """A key or option that does not exist is named with the nearest existing one; Hydra's own
+    advice for a mistyped key would be to append it with +, which the config then refuses."""
+    assert check_overrides(CONF, [override]).startswith(problem)
+
+
+def test_valid_overrides_pass_the_check():
+    assert check_overrides(CONF, ["trainer.max_steps=5", "data=mnist", "experiment=deep_narrow", "model.dims=[1,2]",
+                                  "hydra.run.dir=x", "~logger.entity", "trainer.seed=1,2"]) is None
+
+
+def test_torchrun_prints_a_user_error_once(tmp_path):
+    """Every rank finds the mistake; the line appears once (local rank 0), not once per rank."""
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "trainer.mx_steps=5", f"hydra.run.dir={tmp_path}"], OMP_NUM_THREADS="1")
+    assert out.returncode != 0
+    line = "error: unknown config key trainer.mx_steps; did you mean trainer.max_steps?"
+    assert (out.stdout + out.stderr).count(line) == 1, out.stderr[-3000:]
+
+
+def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
+    """launch/local.sh checks the overrides for NPROC ranks in one process before torchrun starts."""
+    out = run(["launch/local.sh", "parallel.layer=3", f"hydra.run.dir={tmp_path}"], NPROC="2", PYTHON=sys.executable)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: mesh parallel.data=1 x parallel.layer=3 = 3 ranks, "
+                                                                  "but the world size is 2")
+    assert not tmp_path.joinpath("checkpoints").exists()
+
+
+def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
+    """NPROC=2 CPU processes with no parallel settings: the layer axis takes both (parallel.layer = 2 / 1),
+    said in one line; with no terminal, progress is a line per logged step, as in train.log."""
+    run_dir = tmp_path / "run"
+    out = run(["launch/local.sh", "logger=none", "trainer.max_steps=22", "trainer.log_every=11",
+               "trainer.eval_every=22", f"hydra.run.dir={run_dir}"], NPROC="2", PYTHON=sys.executable,
+              OMP_NUM_THREADS="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    mesh = [l for l in out.stdout.splitlines() if l.startswith("mesh:")]
+    assert mesh == ["mesh: 2 ranks = parallel.data 1 x parallel.layer 2 (parallel.layer = 2 processes / "
+                    "parallel.data), 3 layers split into 2 slices; 1 torch thread per rank (OMP_NUM_THREADS)"]
+    progress = [l for l in out.stdout.splitlines() if l.startswith("step ") and "/22" in l]
+    assert [l.split()[1] for l in progress] == ["11/22", "22/22"]
+    assert "accuracy" not in progress[0] and "accuracy" in progress[1], "accuracy where it was evaluated"
+    logged = [l.split("  ", 1)[1] for l in (run_dir / "train.log").read_text().splitlines()]
+    assert logged == progress
+    assert yaml_layer(run_dir) == 2
+
+
+def yaml_layer(run_dir):
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["layer"]
+
+
+def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
+    """`python train.py --help <overrides>`: each key's value under those overrides, and the text written under
+    its field in pcdist/config.py (read here straight from the source)."""
+    out = run([sys.executable, "train.py", "--help", "experiment=deep_narrow", "pc.T=7"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    source = (ROOT / "pcdist" / "config.py").read_text()
+    docs = {}  # "trainer.max_steps" -> the docstring under that field of TrainerConfig
+    for cls, body in re.findall(r'^class (\w*)Config:\n(.*?)(?=^\S)', source, re.S | re.M):
+        for name, doc in re.findall(r'^    (\w+): [^\n]*\n    """(.*?)"""', body, re.S | re.M):
+            docs[f"{cls.lower()}.{name}" if cls else name] = " ".join(doc.split())
+    c = load_config(composed("experiment=deep_narrow", "pc.T=7"))
+    lines = out.stdout.splitlines()
+    for key in config_keys():
+        group, name = key.rsplit(".", 1) if "." in key else (None, key)
+        value = getattr(getattr(c, group) if group else c, name)
+        i = lines.index(f"  {key} = {'null' if value is None else value}")
+        assert lines[i + 1].strip() == docs[key], key
+    assert re.search(r"^  experiment +deep_narrow\*", out.stdout, re.M), "the chosen preset is marked"
+
+
+def test_online_wandb_without_a_login_is_one_line(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home))
+    out = subprocess.run([sys.executable, "train.py", "logger.mode=online", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and "logger.mode=online needs a wandb login" in out.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before any work"
+
+
+def test_resuming_a_run_of_another_model_is_one_line(tmp_path):
+    """A run directory whose checkpoint has other layer shapes: one line naming it, status 2, nothing overwritten."""
+    pcdist.train(composed(*SMALL, "trainer.max_steps=2", f"run_dir={tmp_path}"))
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    out = run([sys.executable, "train.py", *SMALL, "trainer.max_steps=2", "model.dims=[64,32,10]",
+               f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and str(ckpt) in out.stderr
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+def test_threads_trainer_setting_then_omp_num_threads_then_cores_per_local_rank():
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(3, {"OMP_NUM_THREADS": "2"}) == (3, "trainer.threads")
+    assert cpu_threads(0, {"OMP_NUM_THREADS": "2"}) == (2, "OMP_NUM_THREADS")
+    assert cpu_threads(0, {"LOCAL_WORLD_SIZE": "2"})[0] == max(1, cores // 2)
+    assert cpu_threads(0, {})[0] == cores
+    with pytest.raises(pcdist.ConfigError, match="OMP_NUM_THREADS='zero' is not a number of threads"):
+        cpu_threads(0, {"OMP_NUM_THREADS": "zero"})
+
+
+def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):
+    """A user's OMP_NUM_THREADS is what the run uses (it used to be replaced by cores / local ranks)."""
+    n = torch.get_num_threads()
+    want = 1 if n > 1 else 2
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", str(want))
+        pcdist.train(composed(*SMALL, "trainer.max_steps=1", f"run_dir={tmp_path}"))
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(n)
