@@ -63,9 +63,16 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     problem = check_overrides(conf_dir, args.overrides)
     if problem:
         fail(problem)
+    from hydra.errors import HydraException
+
+    from .config import composition_error
+
+    try:  # a value of the wrong type for its key: one line, not Hydra's report
+        _compose(conf_dir, args.overrides)
+    except HydraException as e:
+        fail(str(composition_error(e)))
     if not (args.help or check):
         return
-    from hydra.errors import HydraException
 
     from .data import DataError
     from .errors import ConfigError

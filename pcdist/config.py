@@ -30,10 +30,11 @@ from .layers.dense import INITS as DENSE_INITS
 from .trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
-           "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "make_config", "load_config", "validate", "DATASETS",
+           "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
+           "validate", "DATASETS",
            "config_keys", "did_you_mean"]
 
-DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "arrays")
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
 PYTHON_DATA = "python"
 """data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
 RESUME = ("auto", "never", "require")
@@ -48,14 +49,16 @@ def _conf_dir() -> Path:
 CONF_DIR = _conf_dir()
 
 
-MODELS = ("mlp", "mupc")
+MODELS = ("mlp", "mupc", "cnn", "vgg")
 
 
 @dataclass
 class ModelConfig:
     name: str = "mlp"
-    """mlp (Linear + activation layers of widths model.dims) or mupc (a μPC residual network of
-    model.depth layers of width model.width; its input and output widths come from the data)."""
+    """mlp (Linear + activation layers of widths model.dims), mupc (a μPC residual network of
+    model.depth layers of width model.width), cnn (conv layers of model.channels, then dense
+    model.head) or vgg (PCX's VGG-5 / VGG-7, model.variant); mupc, cnn and vgg take their input
+    shape and number of classes from the data."""
     dims: list[int] = field(default_factory=lambda: [64, 128, 128, 10])
     """mlp: widths input, hidden..., output. Must match the data (input features, classes)."""
     width: int = 128
@@ -69,14 +72,25 @@ class ModelConfig:
     """Output energy: se (squared error) or ce (cross-entropy)."""
     init: str = "default"
     """mlp: weight init, default (nn.Linear's) or orthogonal (orthogonal W, zero bias; for deep plain MLPs)."""
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    """cnn: output channels of each conv layer (one PC layer each: conv, activation, pooling)."""
+    kernel_size: int = 3
+    """cnn: kernel size of every conv layer (stride 1, "same" padding for odd sizes)."""
+    pool: list[str] = field(default_factory=lambda: ["max", "max"])
+    """cnn: pooling after each conv layer, 2 x 2 stride 2: max, avg or none (one entry per layer)."""
+    head: list[int] = field(default_factory=list)
+    """cnn: widths of the dense hidden layers between the flattened conv output and the output layer."""
+    variant: str = "vgg5"
+    """vgg: vgg5 or vgg7, PCX's (pcdist/models.py), for 3 x 32 x 32 images."""
 
 
 @dataclass
 class DataConfig:
     name: str = "digits"
-    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10, arrays (your own, data.path)."""
+    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10, cifar100, arrays (your own,
+    data.path)."""
     root: Optional[str] = None
-    """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10)."""
+    """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10, cifar100)."""
     path: Optional[str] = None
     """arrays: an .npz holding x_train, y_train, x_val, y_val (loaded into memory), or a folder of
     x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped, streamed by DataLoader workers).
@@ -94,6 +108,11 @@ class DataConfig:
     """synthetic: number of training samples from the random teacher network."""
     synthetic_val: int = 512
     """synthetic: number of validation samples."""
+    normalize: bool = False
+    """Standardise every input channel by the training set's mean and standard deviation (in-memory data)."""
+    augment: bool = False
+    """Images: random crops after 4 pixels of zero padding and random horizontal flips of every training
+    batch (PCX's CIFAR augmentation), drawn from (trainer.seed, step)."""
 
 
 @dataclass
@@ -213,6 +232,20 @@ class Config:
 GROUPS = ("model", "data", "pc", "optim", "parallel", "trainer", "logger", "experiment")
 """The config groups of conf/config.yaml's defaults list."""
 
+SCHEMA = "pcdist_schema"
+"""conf/config.yaml's first default: the dataclasses above as Hydra's schema, so every key exists
+(and is typed) while Hydra composes, and ``key=value`` overrides any documented key, also one that
+no file of the chosen group spells out."""
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA, node=Config)
+
+
+_register_schema()
+
 
 def compose(overrides: Iterable[str] = ()) -> DictConfig:
     """conf/ composed by Hydra with command-line overrides (``["data=mnist", "optim.lr=0.01"]``), as
@@ -220,15 +253,30 @@ def compose(overrides: Iterable[str] = ()) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from hydra.errors import HydraException
+
     outer = GlobalHydra.instance().hydra  # a running Hydra app: set aside, then restored
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return hydra_compose("config", overrides=list(overrides))
+    except HydraException as e:
+        raise composition_error(e) from e
     finally:
         GlobalHydra.instance().clear()
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
+
+
+def composition_error(e: Exception) -> ConfigError:
+    """Hydra's refusal of an override (a value of the wrong type for its key, checked against the
+    schema while composing) as one line naming the key, as ``load_config`` names it."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    key = getattr(cause, "full_key", None)
+    if key:
+        msg = str(cause).split("\n")[0].strip()
+        return ConfigError(f"invalid config key {key}: {msg}")
+    return ConfigError(" ".join(str(e).split()))
 
 
 def make_config(cfg: Any = None) -> Config:
@@ -247,8 +295,8 @@ def make_config(cfg: Any = None) -> Config:
     cfg = dict(cfg or {})
     choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
     dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}
-    base = compose(choices)
-    OmegaConf.set_struct(base, False)  # unknown keys are named by load_config, against the dataclasses
+    base = OmegaConf.create(OmegaConf.to_container(compose(choices)))  # untyped: unknown keys are named by
+    # load_config, against the dataclasses, as the command line's are
     merged = OmegaConf.merge(base, cfg)
     for key, value in dotted.items():
         OmegaConf.update(merged, key, value, merge=True)
@@ -275,7 +323,14 @@ def load_config(cfg: Any) -> Config:
 
 def num_layers(c: Config) -> int:
     """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
-    return c.model.depth if c.model.name == "mupc" else len(c.model.dims) - 1
+    m = c.model
+    if m.name == "mupc":
+        return m.depth
+    if m.name == "cnn":
+        return len(m.channels) + len(m.head) + 1
+    if m.name == "vgg":
+        return {"vgg5": 5, "vgg7": 7}[m.variant]
+    return len(m.dims) - 1
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -295,6 +350,14 @@ def validate(c: Config) -> None:
     _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
     _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
     _check(m.init in DENSE_INITS, "model.init", m.init, ", ".join(DENSE_INITS))
+    _check(len(m.channels) >= 1 and all(x >= 1 for x in m.channels), "model.channels", m.channels,
+           "a list of at least one channel count >= 1")
+    _check(m.kernel_size >= 1, "model.kernel_size", m.kernel_size, "an integer >= 1")
+    _check(all(p in ("max", "avg", "none") for p in m.pool), "model.pool", m.pool, "a list of max, avg, none")
+    _check(m.name != "cnn" or len(m.pool) == len(m.channels), "model.pool", m.pool,
+           f"one entry per conv layer ({len(m.channels)}, from model.channels)")
+    _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
+    _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
     _check(d.name in DATASETS or d.name == PYTHON_DATA, "data.name", d.name, ", ".join(DATASETS))
@@ -320,7 +383,7 @@ def validate(c: Config) -> None:
     _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
     _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
            f"at most the number of layers ({num_layers(c)}, from "
-           f"{'model.dims' if m.name == 'mlp' else 'model.depth'})")
+           f"{ {'mlp': 'model.dims', 'mupc': 'model.depth', 'cnn': 'model.channels and model.head'}.get(m.name, 'model.variant') })")
     _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
     _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
     _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")

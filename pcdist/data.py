@@ -1,10 +1,14 @@
 """Datasets as in-memory tensors, from bundled data, a teacher network or the standard files.
 
-* ``digits``: scikit-learn's bundled 8x8 digits (no download), a fixed stratified split.
+* ``digits``: scikit-learn's bundled 8x8 digits (no download), a fixed stratified split;
+  images [1, 8, 8].
 * ``synthetic``: inputs N(0, 1) labelled by a random tanh teacher network of the model's shape.
-* ``mnist`` / ``fashion_mnist``: the four standard IDX files (gzipped or not) in ``root``.
+* ``mnist`` / ``fashion_mnist``: the four standard IDX files (gzipped or not) in ``root``;
+  images [1, 28, 28].
 * ``cifar10``: the standard python batches (``data_batch_1..5``, ``test_batch``) in ``root``
-  or ``root/cifar-10-batches-py``, read by an unpickler that only builds numpy arrays.
+  or ``root/cifar-10-batches-py``, read by an unpickler that only builds numpy arrays;
+  images [3, 32, 32]. ``cifar100``: its python files (``train``, ``test``) in ``root`` or
+  ``root/cifar-100-python``, the 100 fine labels.
 * ``arrays``: your own data (``load_arrays``): an ``.npz`` with ``x_train``, ``y_train``,
   ``x_val``, ``y_val`` (into memory), or a folder of those four ``.npy`` files
   (memory-mapped, streamed by DataLoader workers: ``StreamedData``).
@@ -31,7 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx",
-           "check_files", "FILES"]
+           "check_files", "FILES", "augment", "normalized"]
 
 ARRAYS = ("x_train", "y_train", "x_val", "y_val")
 
@@ -180,7 +184,7 @@ def _mnist(root: Path) -> Dataset:
         labels = read_idx(root / f"{split}-labels-idx1-ubyte", 2049)
         if len(images) != len(labels):
             raise DataError(f"{root}: {split} has {len(images)} images but {len(labels)} labels")
-        parts += [torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0),
+        parts += [torch.from_numpy(images[:, None].astype(np.float32) / 255.0),  # [N, 1, 28, 28]
                   torch.from_numpy(labels.astype(np.int64))]
     return Dataset(*parts, num_classes=10)
 
@@ -197,29 +201,37 @@ class _NumpyOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
 
 
-def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _cifar_file(path: Path, what: str, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(images [N, 3, 32, 32] uint8, labels [N]) of one CIFAR python file (a pickled dict)."""
     if not path.is_file():
-        raise DataError(f"missing file {path}; expected the CIFAR-10 python batches (cifar-10-batches-py)")
+        raise DataError(f"missing file {path}; expected the {what} python files")
     try:
         d = _NumpyOnly(io.BytesIO(path.read_bytes()), encoding="bytes").load()
-        data, labels = np.asarray(d[b"data"], dtype=np.uint8), np.asarray(d[b"labels"], dtype=np.int64)
+        data, labels = np.asarray(d[b"data"], dtype=np.uint8), np.asarray(d[label_key], dtype=np.int64)
     except Exception as e:
-        raise DataError(f"{path}: not a CIFAR-10 python batch (a pickled dict with b'data' [N, 3072] uint8 "
-                        f"and b'labels'): {e}") from e
+        raise DataError(f"{path}: not a {what} python file (a pickled dict with b'data' [N, 3072] uint8 "
+                        f"and {label_key!r}): {e}") from e
     if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
         raise DataError(f"{path}: b'data' has shape {data.shape} and {len(labels)} labels; expected [N, 3072] and N")
-    return data, labels
+    return data.reshape(-1, 3, 32, 32), labels
 
 
-def _cifar10(root: Path) -> Dataset:
-    if (root / "cifar-10-batches-py").is_dir():
-        root = root / "cifar-10-batches-py"
-    train = [_cifar_batch(root / f"data_batch_{i}") for i in range(1, 6)]
-    xv, yv = _cifar_batch(root / "test_batch")
+def _cifar(root: Path, name: str) -> Dataset:
+    """CIFAR-10 (data_batch_1..5, test_batch) or CIFAR-100 (train, test; fine labels) as [N, 3, 32, 32]."""
+    if name == "cifar10":
+        folder, what, key, classes = "cifar-10-batches-py", "CIFAR-10", b"labels", 10
+        train_files, val_file = [f"data_batch_{i}" for i in range(1, 6)], "test_batch"
+    else:
+        folder, what, key, classes = "cifar-100-python", "CIFAR-100", b"fine_labels", 100
+        train_files, val_file = ["train"], "test"
+    if (root / folder).is_dir():
+        root = root / folder
+    train = [_cifar_file(root / f, what, key) for f in train_files]
+    xv, yv = _cifar_file(root / val_file, what, key)
     xt = np.concatenate([b[0] for b in train])
     yt = np.concatenate([b[1] for b in train])
     f = lambda a: torch.from_numpy(a.astype(np.float32) / 255.0)  # noqa: E731
-    return Dataset(f(xt), torch.from_numpy(yt), f(xv), torch.from_numpy(yv), num_classes=10)
+    return Dataset(f(xt), torch.from_numpy(yt), f(xv), torch.from_numpy(yv), num_classes=classes)
 
 
 def as_float(x: np.ndarray | Tensor) -> Tensor:
@@ -335,8 +347,41 @@ def load_arrays(path: str, num_classes: int | None = None) -> Dataset | Streamed
                    torch.from_numpy(a["y_val"].astype(np.int64)), classes)
 
 
+def normalized(ds: Dataset) -> Dataset:
+    """``ds`` with every input channel standardised by the training set's mean and standard deviation
+    (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs)."""
+    dims = [0, *range(2, ds.x_train.dim())]
+    mean = ds.x_train.mean(dims, keepdim=True)[0]
+    std = ds.x_train.std(dims, keepdim=True)[0].clamp_min(1e-8)
+    return Dataset((ds.x_train - mean) / std, ds.labels_train, (ds.x_val - mean) / std, ds.labels_val, ds.num_classes)
+
+
+def augment(x: Tensor, generator: torch.Generator, rows: Tensor | None = None, global_batch: int | None = None,
+            pad: int = 4) -> Tensor:
+    """Random crops after ``pad`` pixels of zero padding and random horizontal flips of images
+    [b, C, H, W] (PCX's CIFAR training augmentation). The draws are those of the whole global
+    batch (``global_batch`` samples) from ``generator``; ``rows`` picks this shard's, so any
+    split of the batch over data ranks draws alike."""
+    if x.dim() != 4:
+        raise DataError(f"data.augment needs images [B, C, H, W], got inputs of shape {list(x.shape)}")
+    b, _, H, W = x.shape
+    n = global_batch or b
+    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=generator)
+    flips = torch.rand(n, generator=generator) < 0.5
+    if rows is not None:
+        offsets, flips = offsets[rows], flips[rows]
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    r = (offsets[:, 0, None] + torch.arange(H)).to(x.device)  # [b, H]
+    c = (offsets[:, 1, None] + torch.arange(W)).to(x.device)  # [b, W]
+    out = padded[torch.arange(b, device=x.device)[:, None, None], :, r[:, :, None], c[:, None, :]]  # [b, H, W, C]
+    out = out.permute(0, 3, 1, 2)
+    return torch.where(flips.to(x.device)[:, None, None, None], out.flip(-1), out).contiguous()
+
+
 _IDX = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-FILES = {"mnist": _IDX, "fashion_mnist": _IDX, "cifar10": [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]}
+FILES = {"mnist": _IDX, "fashion_mnist": _IDX, "cifar10": [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
+         "cifar100": ["train", "test"]}
+_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 
 
 def check_files(name: str, root: str | None) -> None:
@@ -345,8 +390,8 @@ def check_files(name: str, root: str | None) -> None:
     if name not in FILES:
         return
     r = Path(root).expanduser() if root is not None else None
-    if r is not None and name == "cifar10" and (r / "cifar-10-batches-py").is_dir():
-        r = r / "cifar-10-batches-py"
+    if r is not None and name in _FOLDERS and (r / _FOLDERS[name]).is_dir():
+        r = r / _FOLDERS[name]
     if r is None or not r.is_dir():
         missing = FILES[name]
         where = "data.root is not set" if r is None else f"data.root={root} is not a directory"
@@ -354,7 +399,8 @@ def check_files(name: str, root: str | None) -> None:
         missing = [f for f in FILES[name] if not (r / f).is_file() and not (r / f"{f}.gz").is_file()]
         where = f"{r} lacks {len(missing)} of the {len(FILES[name])} files"
     if missing:
-        kind = "the CIFAR-10 python batches" if name == "cifar10" else "the standard IDX files, plain or .gz,"
+        kind = {"cifar10": "the CIFAR-10 python batches", "cifar100": "the CIFAR-100 python files"}.get(
+            name, "the standard IDX files, plain or .gz,")
         raise DataError(f"data={name}: {where}; expected {kind} {', '.join(missing)}. pcdist downloads nothing: "
                         f"put them there, or set data.root=/path/to/{name} (or PCDIST_DATA=/path, the folder "
                         f"holding {name}/)")
@@ -367,7 +413,8 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
     if name == "arrays":
         return load_arrays(path, num_classes)
     if name == "digits":
-        ds = Dataset(*load_digits(val_fraction, seed=0), num_classes=10)
+        x_tr, l_tr, x_va, l_va = load_digits(val_fraction, seed=0)
+        ds = Dataset(x_tr.view(-1, 1, 8, 8), l_tr, x_va.view(-1, 1, 8, 8), l_va, num_classes=10)
     elif name == "synthetic":
         if dims is None:
             raise ValueError("data=synthetic needs the model dims (its teacher has the model's shape)")
@@ -375,9 +422,10 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
     elif name in FILES:
         check_files(name, root)
         r = Path(root).expanduser()
-        ds = _cifar10(r) if name == "cifar10" else _mnist(r)
+        ds = _cifar(r, name) if name in _FOLDERS else _mnist(r)
     else:
-        raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10, arrays")
+        raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10, "
+                         "cifar100, arrays")
     for split, labels in (("train", ds.labels_train), ("val", ds.labels_val)):
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= ds.num_classes):
             raise DataError(f"{name} {split} labels span [{int(labels.min())}, {int(labels.max())}], "

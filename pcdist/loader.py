@@ -84,12 +84,14 @@ def _one_line(e: DataError) -> DataError:
 
 class Streamed:
     """This rank's reader of StreamedData: the batches of steps start..end-1 and the validation chunks,
-    as (x [b, features] on the device, one-hot y) and (x, labels); flat features, as MLP models take them."""
+    as (x on the device, one-hot y) and (x, labels); x flat [b, features], as vector models take it,
+    or with ``flatten=False`` shaped [b, *sample_shape] (conv models)."""
 
     def __init__(self, data: StreamedData, batch_of: Callable[[int], Tensor], par, batch_size: int,
-                 num_workers: int, prefetch_factor: int, device: torch.device, dtype: torch.dtype):
+                 num_workers: int, prefetch_factor: int, device: torch.device, dtype: torch.dtype,
+                 flatten: bool = True):
         self.data, self.batch_of, self.par, self.batch_size = data, batch_of, par, batch_size
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.flatten = device, dtype, flatten
         self.reads = par.is_first or par.is_last
         self.options = dict(num_workers=num_workers, collate_fn=_batch, pin_memory=device.type == "cuda")
         if num_workers > 0:
@@ -103,11 +105,14 @@ class Streamed:
         return self.data.num_features
 
     def _on_device(self, x: Tensor | None, labels: Tensor | None, n: int) -> tuple[Tensor, Tensor | None]:
-        """x flattened on the device (a placeholder of the right shape where this slice takes no inputs)."""
+        """x on the device, flattened unless the model takes it shaped (a placeholder of the right
+        shape where this slice takes no inputs)."""
+        shape = (self.num_features,) if self.flatten else tuple(self.data.sample_shape)
         if x is None or not self.par.is_first:
-            x = torch.zeros((), dtype=self.dtype, device=self.device).expand(n, self.num_features)
+            x = torch.zeros((), dtype=self.dtype, device=self.device).expand(n, *shape)
         else:
-            x = x.to(device=self.device, dtype=self.dtype, non_blocking=True).flatten(1)
+            x = x.to(device=self.device, dtype=self.dtype, non_blocking=True)
+            x = x.flatten(1) if self.flatten else x
         return x, labels
 
     def _y(self, labels: Tensor | None, n: int) -> Tensor:

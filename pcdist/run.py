@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PYTHON_DATA, Config, make_config, num_layers
-from .data import DataError, Dataset, StreamedData, check_files, load_dataset, one_hot
+from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
 from .errors import ConfigError
 from .layers import mupc_specs
+from .models import cnn_specs, vgg_specs
 from .loader import Streamed
 from .metrics import check_logger, make_logger
 from .network import PCNetwork, mlp_specs
@@ -58,20 +59,28 @@ def _optimizer(c: Config, params, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
 
 
-def model_specs(c: Config, d_in: int, d_out: int) -> list:
-    """The layer kinds of the configured model; a μPC network takes its input and output widths
-    from the data (``d_in`` features, ``d_out`` classes)."""
+CONV_MODELS = ("cnn", "vgg")
+
+
+def model_specs(c: Config, in_shape: tuple[int, ...], d_out: int) -> list:
+    """The layer kinds of the configured model. mupc, cnn and vgg take their input shape (a sample's,
+    ``in_shape``) and number of classes (``d_out``) from the data."""
     m = c.model
     if m.name == "mupc":
-        return mupc_specs(d_in, m.width, m.depth, d_out, m.activation)
+        return mupc_specs(math.prod(in_shape), m.width, m.depth, d_out, m.activation)
+    if m.name == "cnn":
+        return cnn_specs(in_shape, m.channels, m.kernel_size, m.pool, m.head, d_out, m.activation)
+    if m.name == "vgg":
+        return vgg_specs(m.variant, in_shape, d_out, m.activation)
     return mlp_specs(m.dims, m.activation, m.init)
 
 
 def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
-    In-memory inputs are flattened to [N, features] (a view) for the vector models (mlp, mupc).
-    Streamed batches are flattened as they arrive (pcdist.loader).
+    Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
+    take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
+    they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
     """
     if data is None:
         d = c.data
@@ -82,6 +91,16 @@ def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | Stre
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
     _check_data(c, data)
+    if c.data.normalize:
+        if not isinstance(data, Dataset):
+            raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
+                              "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
+        data = normalized(data)
+    if c.data.augment and len(data.sample_shape) != 3:
+        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
+                          f"samples have shape {list(data.sample_shape)}")
+    if c.model.name in CONV_MODELS:
+        return data
     return data.flat() if isinstance(data, Dataset) else data
 
 
@@ -92,6 +111,9 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
 
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
+    if c.model.name in CONV_MODELS and len(ds.sample_shape) not in (2, 3):
+        raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
+                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}")
     if c.model.name == "mlp" and ds.num_features != c.model.dims[0]:
         raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
                         f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
@@ -217,7 +239,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
     dtype = getattr(torch, c.trainer.dtype)
     ds = _load_data(c, data)
-    specs = model_specs(c, ds.num_features, ds.num_classes)
+    specs = model_specs(c, tuple(ds.sample_shape), ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
                                  micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
@@ -254,7 +276,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
-                          c.data.prefetch_factor, device, dtype)
+                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in CONV_MODELS)
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
                                  is_rank0)
@@ -298,13 +320,19 @@ def _announce(c: Config, resume, run_dir: Path, start: int, opt) -> None:
 
 
 def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
-    """This rank's (x, y) of every step start..end-1."""
+    """This rank's (x, y) of every step start..end-1 (``data.augment``: crops and flips drawn from
+    (seed, step) for the whole global batch, so every split of it draws alike)."""
+    B, seed = c.trainer.batch_size, c.trainer.seed
     if isinstance(ds, Streamed):
-        yield from ds.train(start, end)
-        return
-    for step in range(start, end):
-        yield _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, step, c.trainer.seed), device,
-                     dtype)
+        steps = ds.train(start, end)
+    else:
+        steps = (_shard(c, ds, par, _batch_indices(len(ds.x_train), B, step, seed), device, dtype)
+                 for step in range(start, end))
+    rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
+    for step, (x, y) in enumerate(steps, start):
+        if c.data.augment and par.is_first:
+            x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
+        yield x, y
 
 
 def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):

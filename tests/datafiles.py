@@ -1,4 +1,4 @@
-"""Tiny dataset files in the exact standard formats (MNIST IDX, CIFAR-10 python batches)."""
+"""Tiny dataset files in the exact standard formats (MNIST IDX, CIFAR-10 python batches, CIFAR-100 files)."""
 
 import gzip
 import pickle
@@ -35,5 +35,18 @@ def make_cifar10(root: Path, per_batch: int = 16, seed: int = 0) -> Path:
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
                  b"labels": rng.integers(0, 10, per_batch).tolist(), b"batch_label": name.encode()}
+        (d / name).write_bytes(pickle.dumps(batch, protocol=2))
+    return root
+
+
+def make_cifar100(root: Path, n_train: int = 48, n_val: int = 16, seed: int = 0) -> Path:
+    """cifar-100-python/ with train and test: pickled dicts of uint8 [N, 3072], fine and coarse labels."""
+    rng = np.random.default_rng(seed)
+    d = root / "cifar-100-python"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("test", n_val)):
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"fine_labels": rng.integers(0, 100, n).tolist(), b"coarse_labels": rng.integers(0, 20, n).tolist(),
+                 b"filenames": [b"x.png"] * n}
         (d / name).write_bytes(pickle.dumps(batch, protocol=2))
     return root

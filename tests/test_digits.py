@@ -37,3 +37,34 @@ def test_digits_reaches_95_percent(seed):
     assert acc >= 0.95, f"held-out accuracy {acc:.4f} < 0.95"
     first, last = sum(energies[:20]) / 20, sum(energies[-20:]) / 20
     assert last < 0.25 * first, f"the energy did not fall: {first:.4f} -> {last:.4f}"
+
+
+def train_digits_cnn(seed: int, steps: int = 660, B: int = 64):
+    """A small conv PCN on the 8x8 digits as images [1, 8, 8]: two conv + gelu + max-pool layers, a dense output."""
+    torch.manual_seed(seed)
+    x_tr, l_tr, x_va, l_va = load_digits()
+    x_tr, x_va = x_tr.view(-1, 1, 8, 8), x_va.view(-1, 1, 8, 8)
+    seq = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.GELU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.GELU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(64 * 2 * 2, 10))
+    net = pcdist.PCNetwork.from_sequential(seq, energy="ce", input_shape=(1, 8, 8))
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
+    trainer = pcdist.PCTrainer(net, opt, T=10, x_lr=0.1, scheduler=pcdist.warmup_cosine(opt, 22, steps))
+    gen, n = torch.Generator().manual_seed(seed), len(x_tr)
+    perm, i = torch.randperm(n, generator=gen), 0
+    for _ in range(steps):
+        if i + B > n:
+            perm, i = torch.randperm(n, generator=gen), 0
+        idx = perm[i : i + B]
+        i += B
+        trainer.step(x_tr[idx], one_hot(l_tr[idx], 10), log=False)
+    with torch.no_grad():
+        return (net(x_va).argmax(1) == l_va).float().mean().item(), [g.kind.kind for g in net.groups]
+
+
+def test_a_conv_pcn_learns_digits_as_images():
+    """Conv layers (the conv kind, [C, H, W] value nodes) learn digits to >= 97% held-out (30 epochs;
+    seeds 0-3 gave 0.981-0.989 when the recipe was chosen)."""
+    acc, kinds = train_digits_cnn(seed=0)
+    assert kinds == ["conv", "conv", "dense"]
+    assert acc >= 0.97, f"held-out accuracy {acc:.4f} < 0.97"
