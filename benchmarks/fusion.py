@@ -7,6 +7,8 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   torch_ops  pcdist with its fused error kernel off (PCDIST_NATIVE=0): the error pass as
              separate torch ops, as on a machine without a C compiler
   baseline   (with --baseline REF) pcdist as it was at git commit REF, same network
+  module     (shape A) the same layers as pcdist's generic ``module`` kind (pcdist.AnyModule: VJPs by
+             torch.func, K equal layers vmapped), the path any nn.Module takes
 
 Shapes A, B, C are MLPs (dense layers); M is a μPC network (residual layers) of A's shape:
 64 -> 32 x 128 -> 10. The variants run interleaved (round-robin, several rounds) in one
@@ -17,7 +19,7 @@ benchmarks/results/fusion.json and benchmarks/results/fusion_depth.png.
     python benchmarks/fusion.py            # full run (a few minutes on 2 cores)
     python benchmarks/fusion.py --quick    # fewer rounds
     python benchmarks/fusion.py --tiny     # tiny shapes, a smoke test of the script (not a measurement)
-    python benchmarks/fusion.py --activation gelu   # writes fusion_gelu.json / fusion_gelu_depth.png
+    python benchmarks/fusion.py --activation gelu   # writes fusion_gelu.json / fusion_gelu_depth.png (relu too)
     python benchmarks/fusion.py --baseline 860de00  # also times that commit's engine on A, B, C
 """
 
@@ -50,7 +52,7 @@ TINY_SHAPES = {"A": (16, [16] * 4, 4, "mlp"), "B": (32, [24] * 3, 4, "mlp"), "C"
 TINY_DEPTHS = [2, 4]
 
 
-ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU}
+ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU}
 
 
 def make_seq(d_in: int, hidden: list[int], d_out: int, activation: str = "tanh") -> nn.Sequential:
@@ -136,16 +138,19 @@ class MatmulLimit:
             torch.bmm(gr["h"].transpose(1, 2), gr["d"], out=gr["gw"])
 
 
-def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh", baseline=None):
+def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh", baseline=None,
+                  module: bool = False):
     d_in, hidden, d_out, model = shape
     torch.manual_seed(0)
     layers = make_layers(shape, activation)
     x = torch.randn(B, d_in)
     y = nn.functional.one_hot(torch.randint(0, d_out, (B,)), d_out).float()
 
-    def trainer(lib):
+    def trainer(lib, generic: bool = False):
         if lib is baseline:  # an engine from before from_layers: the same MLP as one Sequential
             net = lib.PCNetwork.from_sequential(nn.Sequential(*pcdist.PCNetwork.from_layers(layers).to_sequential()))
+        elif generic:
+            net = lib.PCNetwork.from_layers([pcdist.AnyModule(m) for m in layers], input_shape=(d_in,))
         else:
             net = lib.PCNetwork.from_layers(layers)
         return lib.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
@@ -165,6 +170,9 @@ def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh", 
     if baseline is not None and model == "mlp":
         old = trainer(baseline)
         variants["baseline"] = lambda: old.step(x, y)
+    if module:
+        generic = trainer(pcdist, generic=True)
+        variants["module"] = lambda: generic.step(x, y)
     # pcdist and limit run next to each other in every round: their ratio is taken per round.
     variants["pcdist"] = lambda: main.step(x, y)
     variants["limit"] = MatmulLimit(main.net, B, T).step
@@ -214,11 +222,12 @@ def main() -> None:
         baseline = import_ref(args.baseline)
     kw = dict(B=args.batch, T=args.T, x_lr=0.1, activation=args.activation, baseline=baseline)
     stem = "fusion" if args.activation == "tanh" else f"fusion_{args.activation}"
-    ratios = [("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist"), ("baseline", "pcdist")]
+    ratios = [("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist"), ("baseline", "pcdist"),
+              ("module", "pcdist")]
 
     shapes = {}
     for name, shape in (TINY_SHAPES if args.tiny else SHAPES).items():
-        samples = time_interleaved(make_variants(shape, **kw), rounds, min_time)
+        samples = time_interleaved(make_variants(shape, **kw, module=name == "A"), rounds, min_time)
         med = {k: statistics.median(v) for k, v in samples.items()}
         shapes[name] = {
             "dims": f"{shape[0]} -> {len(shape[1])} hidden x {shape[1][0]} -> {shape[2]} ({shape[3]})",

@@ -11,7 +11,7 @@ from .config import compose
 from .energies import ENERGIES
 from .errors import ConfigError
 from .fuse import FusedModules, fuse
-from .layers import Dense, LayerKind, LayerSpec, Residual, ResidualLinear, mupc_layers, mupc_specs
+from .layers import AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear, mupc_layers, mupc_specs
 from .network import PCNetwork, mlp_specs
 from .parallel import Parallel, ParallelDims, init_distributed
 from .run import Preempted, train
@@ -24,12 +24,15 @@ __all__ = [
     "ALGORITHMS",
     "ENERGIES",
     "Activation",
+    "AnyModule",
+    "Conv",
     "ConfigError",
     "Dense",
     "compose",
     "FusedModules",
     "LayerKind",
     "LayerSpec",
+    "ModuleKind",
     "Parallel",
     "ParallelDims",
     "PCNetwork",

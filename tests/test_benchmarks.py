@@ -37,13 +37,33 @@ def test_fusion_benchmark_writes_medians_ratios_and_plot(tmp_path, activation, s
         assert len({len(v) for v in rounds.values()}) == 1, "every variant is timed in every round"
         for variant, samples in rounds.items():
             assert shape["seconds"][variant] == statistics.median(samples)
-        for num, den in (("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist")):
+        for num, den in (("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist"), ("module", "pcdist")):
             if num in rounds:
                 per_round = statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
                 assert shape[f"{num}/{den}"] == per_round
         assert f"shape {name} (" in stdout
     assert "(mupc)" in res["shapes"]["M"]["dims"]
+    assert "module" in res["shapes"]["A"]["rounds"], "the generic module kind is timed on shape A"
     assert sorted(map(int, res["depth"])) == [2, 4]
+
+
+def test_conv_benchmark_writes_medians_ratios_and_plot(tmp_path):
+    stdout = run("conv.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "conv.json").read_text())
+    assert (tmp_path / "conv.png").read_bytes()[:8] == PNG_MAGIC
+    assert res["config"]["tiny"] and set(res["networks"]) == {"vgg5", "stack"}
+    for name, net in res["networks"].items():
+        rounds = net["rounds"]
+        assert set(rounds) == {"loop", "pcdist", "limit"}
+        assert len({len(v) for v in rounds.values()}) == 1, "every variant is timed in every round"
+        for variant, samples in rounds.items():
+            assert net["seconds"][variant] == statistics.median(samples)
+        for num, den in (("loop", "pcdist"), ("pcdist", "limit")):
+            assert net[f"{num}/{den}"] == statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
+        assert net["layers"][0].startswith("conv2d") and f"{name} (" in stdout
+    st = res["stacked"]
+    assert st["grouped/per_layer"] == statistics.median(
+        a / b for a, b in zip(st["rounds"]["grouped"], st["rounds"]["per_layer"]))
 
 
 def test_scaling_benchmark_launches_torchrun_and_reports_efficiency(tmp_path):
