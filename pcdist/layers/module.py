@@ -20,6 +20,7 @@ running statistics as constants, Dropout is the identity).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -194,6 +195,8 @@ class ModuleBound(BoundGroup):
         self.u = torch.empty(self.K, B, *g.kind.out_shape, **kw)
         self.d = torch.empty_like(self.u) if self.is_output else e_out  # -dE/du
         self._vjp = None  # the linearisation at the last prediction's input
+        self._vmapped = vmap(lambda p, b, h: functional_call(g.base, (p, b), (h,)))
+        self._copy_input = None  # whether the linearisation needs its own copy of h_in (found on first use)
         self.batched = self._vmap_works()
 
     def _vmap_works(self) -> bool:
@@ -211,9 +214,36 @@ class ModuleBound(BoundGroup):
     def _map(self, params: dict[str, Tensor], x: Tensor, batched: bool | None = None) -> Tensor:
         """u [K, B, ...] of the K layers on inputs x [K, B, ...]."""
         g = self.g
+        if self.K == 1:  # nothing to batch: the module itself
+            return g.call(0, x[0], params).unsqueeze(0)
         if batched if batched is not None else self.batched:
-            return vmap(lambda p, b, h: functional_call(g.base, (p, b), (h,)))(params, g.buffers_(), x)
+            return self._vmapped(params, g.buffers_(), x)
         return torch.stack([g.call(k, x[k], params) for k in range(self.K)])
+
+    def _linearise(self) -> Tensor:
+        """u at the present h_in, recording the graph the back-projection differentiates.
+
+        The fused value step moves h_in before the back-projection runs. The first call finds out
+        whether the graph saves anything in h_in's memory (Linear does not: its input gradient
+        needs only the weight; LayerNorm does); if so, every linearisation reads a copy of h_in.
+        Either way autograd's version counters would refuse (never silently use) a moved input.
+        """
+        params = {n: p.detach() for n, p in self.g.params().items()}
+        if self._copy_input is None:
+            mem, seen = self.h_in.untyped_storage().data_ptr(), []
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: seen.append(t.untyped_storage().data_ptr() == mem) or t, lambda t: t)
+        else:
+            hooks = contextlib.nullcontext()
+        x = (self.h_in.clone() if self._copy_input else self.h_in.detach()).requires_grad_()
+        with torch.enable_grad(), hooks:
+            u = self._map(params, x)
+        if self._copy_input is None:
+            self._copy_input = any(seen)
+            if self._copy_input:
+                return self._linearise()
+        self._vjp = (u, x)
+        return u.detach()
 
     def feedforward(self, rows: slice | None, init: str) -> None:
         sel = slice(None) if rows is None else rows
@@ -232,17 +262,14 @@ class ModuleBound(BoundGroup):
             with torch.no_grad():
                 self.u.copy_(self._map(params, self.h_in))
         else:
-            # A copy: the fused value step moves h_in before the back-projection reads the linearisation.
-            u, self._vjp = vjp(lambda x: self._map(params, x), self.h_in.clone())
-            self.u.copy_(u)
+            self.u = self._linearise()  # the graph's own output, not a copy (nothing else views self.u)
         self.cached = True
 
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         if not self.cached:
             self.predict()
         elif self._vjp is None and self.first > 1:  # u from the feed-forward init: linearise here,
-            params = {n: p.detach() for n, p in self.g.params().items()}  # before the step moves h
-            _, self._vjp = vjp(lambda x: self._map(params, x), self.h_in.clone())
+            self._linearise()  # before the step moves h
         if self.is_output:
             flat = lambda t: t[0].flatten(1)  # noqa: E731
             output_signal(self.energy, flat(self.u), flat(self.h_out), flat(self.d))
@@ -253,7 +280,8 @@ class ModuleBound(BoundGroup):
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
-        (p,) = self._vjp(self.d)
+        u, x = self._vjp
+        (p,) = torch.autograd.grad(u, x, self.d, retain_graph=True)
         if beta == 0.0:
             torch.mul(p, alpha, out=target)
         else:
