@@ -2,7 +2,7 @@
 
 Layer l (1-based, global) maps value node l-1 to the prediction of node l; layer L is
 the output layer. Each layer is described by a kind (pcdist.layers: ``Dense``,
-``Residual``); consecutive equal layers form one group whose parameters are stacked
+``Residual``, ``Conv``, ``ModuleKind``); consecutive equal layers form one group whose parameters are stacked
 [K, ...] tensors, so every phase of the K layers is one batched kernel.
 """
 

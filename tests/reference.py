@@ -205,3 +205,14 @@ class MuPCReference:
             for l in range(1, self.L + 1):
                 x = self.predict(l, x)
         return x
+
+
+class Gate(nn.Module):
+    """A residual block on an image node (the module kind in tests): h + 0.5 tanh(conv1x1(h))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, h):
+        return h + 0.5 * torch.tanh(self.conv(h))

@@ -18,23 +18,12 @@ from torch.testing import assert_close
 import pcdist
 from pcdist.layers import AnyModule
 from pcdist.network import split_sequential
-from reference import pc_step
+from reference import Gate, pc_step
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 DT = torch.float64
 ATOL = 1e-10
-
-
-class Gate(nn.Module):
-    """A residual block on an image node: h + 0.5 tanh(conv1x1(h))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 1)
-
-    def forward(self, h):
-        return h + 0.5 * torch.tanh(self.conv(h))
 
 
 class Residual(nn.Module):
@@ -46,6 +35,18 @@ class Residual(nn.Module):
 
     def forward(self, h):
         return h + 0.5 * torch.tanh(self.lin(self.norm(h)))
+
+
+class Branchy(nn.Module):
+    """tanh(W h + b), chosen by a data-dependent Python branch that vmap cannot trace."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        s = self.lin(h)
+        return torch.tanh(s) if float(s.detach().abs().max()) < 1e6 else s
 
 
 def conv_net(name):
@@ -169,6 +170,15 @@ def test_module_kind_on_linear_tanh_equals_the_dense_kind(algorithm, x_momentum)
             assert_close(p, q, atol=1e-12, rtol=0)
     for p, q in zip(*(n.to_sequential().parameters() for n in nets)):
         assert_close(p.detach(), q.detach(), atol=1e-12, rtol=0)
+
+
+def test_a_module_vmap_cannot_run_runs_layer_by_layer_with_the_same_numbers():
+    torch.manual_seed(5)
+    layers = [m.to(DT) for m in (nn.Sequential(nn.Linear(5, 7), nn.Tanh()), Branchy(7), Branchy(7), nn.Linear(7, 4))]
+    net = compare(layers, (5,), "se", "pc", 0.5, "sgd")
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2, x_lr=0.1)
+    bound = [b for b in trainer.stage(4).groups if b.g.kind.kind == "module"]
+    assert [b.K for b in bound] == [2] and not bound[0].batched, "the two blocks stack, and run looped"
 
 
 def test_round_trip_of_a_conv_network():

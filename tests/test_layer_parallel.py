@@ -18,6 +18,7 @@ from torch import nn
 import pcdist
 from pcdist.network import split_sequential
 from pcdist.parallel import Parallel, ParallelDims, init_distributed
+from reference import Gate
 from spawn import WorkerError, run
 
 DT = torch.float64
@@ -64,17 +65,6 @@ CASES = {
     "mixed-P2-pc-se-momentum": Case((), layer=2, net="mixed", x_momentum=0.5),
     "mixed-P3-ipc-ce": Case((), layer=3, net="mixed", algorithm="ipc", energy="ce", micro_batches=3),
 }
-
-
-class Gate(nn.Module):
-    """A residual block on an image node (the module kind): h + 0.5 tanh(conv1x1(h))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 1)
-
-    def forward(self, h):
-        return h + 0.5 * torch.tanh(self.conv(h))
 
 
 def layers_of(name):

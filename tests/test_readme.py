@@ -49,3 +49,14 @@ def test_python_quick_start_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"tensor\(([\d.]+)\)", out.stdout).group(1))
     assert accuracy >= 0.95
+
+
+def test_layer_kinds_example_runs_and_the_conv_pcn_learns(tmp_path):
+    code = snippet("# Layer kinds")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "['conv', 'conv', 'dense']" and lines[-1] == "['dense', 'module', 'dense']"
+    assert "126 x (residual 128 -> 128" in out.stdout, "the 126 hidden μPC layers are one stacked group"
+    accuracy = float(re.search(r"^accuracy ([\d.]+)$", out.stdout, re.M).group(1))
+    assert accuracy >= 0.95

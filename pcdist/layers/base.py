@@ -38,6 +38,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from ..energies import output_energy
+
 __all__ = ["LayerKind", "LayerGroup", "BoundGroup", "TransposedWeight", "seeded_generator"]
 
 
@@ -166,7 +168,12 @@ class BoundGroup:
         raise NotImplementedError
 
     def energies(self) -> Tensor:
-        """Batch-sum energy of each of the K layers [K], from the last ``errors``."""
+        """Batch-sum energy of each of the K layers [K], from the last ``errors``; the output
+        group's from its prediction ``u``, target ``h_out`` and signal ``d`` (a kind that can be the
+        output layer keeps those three)."""
+        if self.is_output:
+            flat = lambda t: t[0].flatten(1)  # noqa: E731
+            return output_energy(self.energy, flat(self.u), flat(self.h_out), flat(self.d)).reshape(1)
         return 0.5 * torch.linalg.vector_norm(self.e_out.flatten(1), dim=1).square()
 
     def weights_changed(self) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .. import native
 from ..activations import Activation
-from ..energies import output_energy, output_signal
+from ..energies import output_signal
 from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
@@ -280,11 +280,6 @@ class DenseBound(BoundGroup):
         w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
         if b is not None:
             torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
-
-    def energies(self) -> Tensor:
-        if self.is_output:
-            return output_energy(self.energy, self.u[0], self.h_out[0], self.d[0]).reshape(1)
-        return super().energies()
 
     def weights_changed(self) -> None:
         self.cached = False

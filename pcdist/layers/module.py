@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vjp, vmap
 
-from ..energies import output_energy, output_signal
+from ..energies import output_signal
 from .base import BoundGroup, LayerGroup, LayerKind
 
 __all__ = ["ModuleKind", "ModuleGroup", "AnyModule", "check_module"]
@@ -297,12 +297,6 @@ class ModuleBound(BoundGroup):
         (grads,) = fn(self.d)
         for n, p in g.params().items():
             torch.mul(grads[n], scale, out=p.grad)
-
-    def energies(self) -> Tensor:
-        if self.is_output:
-            flat = lambda t: t[0].flatten(1)  # noqa: E731
-            return output_energy(self.energy, flat(self.u), flat(self.h_out), flat(self.d)).reshape(1)
-        return super().energies()
 
     def weights_changed(self) -> None:
         self.cached = False

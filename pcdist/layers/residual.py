@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .. import native
 from ..activations import Activation, get_activation
-from ..energies import output_energy, output_signal
+from ..energies import output_signal
 from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
@@ -303,11 +303,6 @@ class ResidualBound(BoundGroup):
         g.weight.grad.baddbmm_(self.s.transpose(1, 2), self.d, beta=0.0, alpha=scale * self.a)
         if g.bias is not None:
             torch.sum(self.d, dim=1, out=g.bias.grad).mul_(scale * self.a)
-
-    def energies(self) -> Tensor:
-        if self.is_output:
-            return output_energy(self.energy, self.u[0], self.h_out[0], self.d[0]).reshape(1)
-        return super().energies()
 
     def weights_changed(self) -> None:
         self.cached = False
