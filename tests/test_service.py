@@ -109,17 +109,29 @@ def _train_worker(rank, world, cfg):
     pcdist.train(cfg)
 
 
-def test_resume_on_a_different_number_of_layer_ranks(tmp_path):
-    """N steps on 2 layer ranks, then resume on 1 rank to 2N: equals 2N steps on 1 rank to 1e-6."""
-    straight = pcdist.train(base_cfg(tmp_path / "a"))
-    cfg = base_cfg(tmp_path / "b", stop_at=12)
+RESUME_MODELS = {"mlp": {}, "cnn": {"model": "cnn", "model.channels": [4, 8]},
+                 "mupc": {"model": "mupc", "model.depth": 6, "model.width": 16}}
+
+
+@pytest.mark.parametrize("model", list(RESUME_MODELS))
+def test_resume_on_a_different_number_of_layer_ranks(tmp_path, model):
+    """N steps on 2 layer ranks, then resume on 1 rank to 2N: equals 2N steps on 1 rank to 1e-6, for an
+    MLP, a conv network (conv kind + dense head) and a μPC network (residual kind)."""
+    cfg_of = lambda run_dir, **kw: {**base_cfg(run_dir, **kw), **RESUME_MODELS[model]}  # noqa: E731
+    straight = pcdist.train(cfg_of(tmp_path / "a"))
+    cfg = cfg_of(tmp_path / "b", stop_at=12)
     cfg["parallel"] = {"layer": 2}
     run(_train_worker, 2, cfg, timeout=240)
-    assert sorted(p.name for p in (tmp_path / "b/checkpoints/step-00000012").glob("layers-*")) == slice_files(
-        [64, 128, 128, 10], 2)
-    resumed = pcdist.train(base_cfg(tmp_path / "b"))
+    files = sorted(p.name for p in (tmp_path / "b/checkpoints/step-00000012").glob("layers-*"))
+    assert files == slice_files([64, 128, 128, 10], 2) if model == "mlp" else len(files) == 2, files
+    resumed = pcdist.train(cfg_of(tmp_path / "b"))
     assert resumed["step"] == straight["step"]
     a, b = layer_state(tmp_path / "a/checkpoints/step-00000024"), layer_state(tmp_path / "b/checkpoints/step-00000024")
+    assert a.keys() == b.keys()
+    if model == "cnn":
+        assert sum(t.dim() == 4 for t in a.values()) == 2, "two conv layers' weights [C_out, C_in, 3, 3]"
+    if model == "mupc":
+        assert len({k.split(".")[1] for k in a}) == 6 and not any("bias" in k for k in a), sorted(a)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
