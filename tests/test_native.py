@@ -100,10 +100,11 @@ def group_acts(acts):
     return runs
 
 
-def run_training(acts, algorithm, x_momentum, energy, native_on, monkeypatch, steps=3):
+def run_training(make_net, algorithm, x_momentum, native_on, monkeypatch, steps=3):
+    """3 steps of the net ``make_net()`` builds, with the kernel on or off: energies, value nodes,
+    weights, and for each bound group whether it runs the kernel."""
     monkeypatch.setenv("PCDIST_NATIVE", "1" if native_on else "0")
-    seq = make_seq([6, 9, 9, 9, 9, 4], acts, seed=3)
-    net = pcdist.PCNetwork.from_sequential(seq, energy=energy)
+    net = make_net()
     trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=6, x_lr=0.2,
                                x_momentum=x_momentum, algorithm=algorithm)
     gen = torch.Generator().manual_seed(5)
@@ -112,8 +113,14 @@ def run_training(acts, algorithm, x_momentum, energy, native_on, monkeypatch, st
         x, y = make_batch(8, 6, 4, gen)
         energies.append(trainer.step(x, y)["energy"])
     st = trainer.stage(8)
-    used = [gr.kernel is not None for gr in st.groups if gr is not st.output]
-    return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used
+    used = {gr: gr.kernel is not None for gr in st.groups}
+    return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used, st
+
+
+def assert_same_training(on, off):
+    assert on[0] == pytest.approx(off[0], abs=1e-12, rel=1e-12)
+    for a, b in zip(on[1] + on[2], off[1] + off[2]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -123,13 +130,13 @@ def run_training(acts, algorithm, x_momentum, energy, native_on, monkeypatch, st
 def test_training_with_kernel_equals_torch_ops(acts, algorithm, x_momentum, energy, monkeypatch):
     """float64: the fused kernel (and pc's fused value step) changes nothing beyond round-off,
     also for gelu, whose f' the kernel computes from the pre-activation, beside other groups."""
-    on = run_training(acts, algorithm, x_momentum, energy, True, monkeypatch)
-    off = run_training(acts, algorithm, x_momentum, energy, False, monkeypatch)
-    assert not any(off[3]), "PCDIST_NATIVE=0 must select the torch ops"
-    assert len(on[3]) == len(group_acts(acts)) and all(on[3]), "the kernel runs every hidden group"
-    assert on[0] == pytest.approx(off[0], abs=1e-12, rel=1e-12)
-    for a, b in zip(on[1] + on[2], off[1] + off[2]):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    make_net = lambda: pcdist.PCNetwork.from_sequential(make_seq([6, 9, 9, 9, 9, 4], acts, seed=3),  # noqa: E731
+                                                        energy=energy)
+    on, off = (run_training(make_net, algorithm, x_momentum, native, monkeypatch) for native in (True, False))
+    hidden = lambda run: [used for gr, used in run[3].items() if gr is not run[4].output]  # noqa: E731
+    assert not any(hidden(off)), "PCDIST_NATIVE=0 must select the torch ops"
+    assert len(hidden(on)) == len(group_acts(acts)) and all(hidden(on)), "the kernel runs every hidden group"
+    assert_same_training(on, off)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -174,31 +181,17 @@ def test_residual_kernel_equals_torch_ops(act, dtype):
         k.backproject(torch.zeros(K, B, N + 1, dtype=dtype), None, 0.0, 1.0, 1.0)
 
 
-def run_mupc_training(act, algorithm, x_momentum, energy, native_on, monkeypatch, steps=3):
-    monkeypatch.setenv("PCDIST_NATIVE", "1" if native_on else "0")
-    net = pcdist.PCNetwork(pcdist.mupc_specs(6, 9, 6, 4, act), energy=energy, dtype=torch.float64, seed=2)
-    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=6, x_lr=0.2,
-                               x_momentum=x_momentum, algorithm=algorithm)
-    gen = torch.Generator().manual_seed(5)
-    energies = []
-    for _ in range(steps):
-        x, y = make_batch(8, 6, 4, gen)
-        energies.append(trainer.step(x, y)["energy"])
-    used = [gr.kernel is not None for gr in trainer.stage(8).groups]
-    return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used
-
-
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("algorithm,x_momentum,energy", [("pc", 0.0, "se"), ("pc", 0.5, "ce"), ("ipc", 0.0, "ce")])
 @pytest.mark.parametrize("act", ["relu", "tanh", "gelu"])
 def test_mupc_training_with_kernel_equals_torch_ops(act, algorithm, x_momentum, energy, monkeypatch):
     """float64: the residual kind's kernels change nothing beyond round-off."""
-    on = run_mupc_training(act, algorithm, x_momentum, energy, True, monkeypatch)
-    off = run_mupc_training(act, algorithm, x_momentum, energy, False, monkeypatch)
-    assert all(on[3]) and not any(off[3]), "the kernel runs every group; PCDIST_NATIVE=0 selects torch ops"
-    assert on[0] == pytest.approx(off[0], abs=1e-12, rel=1e-12)
-    for a, b in zip(on[1] + on[2], off[1] + off[2]):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    make_net = lambda: pcdist.PCNetwork(pcdist.mupc_specs(6, 9, 6, 4, act), energy=energy,  # noqa: E731
+                                        dtype=torch.float64, seed=2)
+    on, off = (run_training(make_net, algorithm, x_momentum, native, monkeypatch) for native in (True, False))
+    assert all(on[3].values()) and not any(off[3].values()), \
+        "the kernel runs every group; PCDIST_NATIVE=0 selects torch ops"
+    assert_same_training(on, off)
 
 
 def test_no_compiler_falls_back_with_a_warning(tmp_path):
