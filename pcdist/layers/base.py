@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ..energies import output_energy
 
-__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "TransposedWeight", "seeded_generator"]
+__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "TransposedWeight", "accumulate", "seeded_generator"]
 
 
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
@@ -179,6 +179,17 @@ class BoundGroup:
     def weights_changed(self) -> None:
         """The weights moved (optimizer step) or a new batch began."""
         self.cached = False
+
+
+def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:
+    """target <- beta * target + alpha * p, in place (beta 0 ignores target's old contents, as a
+    GEMM with beta 0 does): how a kind without a fused GEMM epilogue writes its back-projection."""
+    if beta == 0.0:
+        torch.mul(p, alpha, out=target)
+    else:
+        if beta != 1.0:
+            target.mul_(beta)
+        target.add_(p, alpha=alpha)
 
 
 class TransposedWeight:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..activations import Activation
-from .base import BoundGroup, LayerGroup, LayerKind
+from .base import BoundGroup, LayerGroup, LayerKind, accumulate
 
 __all__ = ["Conv", "ConvGroup", "POOLS"]
 
@@ -277,12 +277,7 @@ class ConvBound(BoundGroup):
         for k in range(self.K):
             p = _aten.convolution_backward(self.d[k], self.x2[k], self.w2[k], None, *self.conv_args,
                                            [True, False, False])[0]
-            if beta == 0.0:
-                torch.mul(p, alpha, out=t2[k])
-            else:
-                if beta != 1.0:
-                    t2[k].mul_(beta)
-                t2[k].add_(p, alpha=alpha)
+            accumulate(t2[k], p, beta, alpha)
 
     def weight_grads(self, scale: float) -> None:
         g = self.g

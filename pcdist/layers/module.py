@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vjp, vmap
 
 from ..energies import output_signal
-from .base import BoundGroup, LayerGroup, LayerKind
+from .base import BoundGroup, LayerGroup, LayerKind, accumulate
 
 __all__ = ["ModuleKind", "ModuleGroup", "AnyModule", "check_module"]
 
@@ -142,6 +142,10 @@ class ModuleGroup(LayerGroup):
     def params(self) -> dict[str, Tensor]:
         return {n: self.stacked[_mangle(n)] for n in self.names}
 
+    def detached_params(self) -> dict[str, Tensor]:
+        """The stacked parameters outside autograd (inference differentiates by the inputs only)."""
+        return {n: p.detach() for n, p in self.params().items()}
+
     def buffers_(self) -> dict[str, Tensor]:
         return {n: getattr(self, "buf__" + _mangle(n)) for n in self.buffer_names}
 
@@ -228,7 +232,7 @@ class ModuleBound(BoundGroup):
         needs only the weight; LayerNorm does); if so, every linearisation reads a copy of h_in.
         Either way autograd's version counters would refuse (never silently use) a moved input.
         """
-        params = {n: p.detach() for n, p in self.g.params().items()}
+        params = self.g.detached_params()
         if self._copy_input is None:
             mem, seen = self.h_in.untyped_storage().data_ptr(), []
             hooks = torch.autograd.graph.saved_tensors_hooks(
@@ -257,10 +261,9 @@ class ModuleBound(BoundGroup):
         self._vjp = None
 
     def predict(self) -> None:
-        params = {n: p.detach() for n, p in self.g.params().items()}
         if self.first == 1:  # a clamped input: no back-projection, so no linearisation
             with torch.no_grad():
-                self.u.copy_(self._map(params, self.h_in))
+                self.u.copy_(self._map(self.g.detached_params(), self.h_in))
         else:
             self.u = self._linearise()  # the graph's own output, not a copy (nothing else views self.u)
         self.cached = True
@@ -282,18 +285,12 @@ class ModuleBound(BoundGroup):
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         u, x = self._vjp
         (p,) = torch.autograd.grad(u, x, self.d, retain_graph=True)
-        if beta == 0.0:
-            torch.mul(p, alpha, out=target)
-        else:
-            if beta != 1.0:
-                target.mul_(beta)
-            target.add_(p, alpha=alpha)
+        accumulate(target, p, beta, alpha)
 
     def weight_grads(self, scale: float) -> None:
         g = self.g
-        params = {n: p.detach() for n, p in g.params().items()}
         x = self.h_in.detach()
-        _, fn = vjp(lambda p: self._map(p, x), params)
+        _, fn = vjp(lambda p: self._map(p, x), g.detached_params())
         (grads,) = fn(self.d)
         for n, p in g.params().items():
             torch.mul(grads[n], scale, out=p.grad)

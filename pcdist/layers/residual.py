@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .. import native
 from ..activations import Activation, get_activation
 from ..energies import output_signal
-from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight
+from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
 
@@ -289,12 +289,7 @@ class ResidualBound(BoundGroup):
             return
         if not self.identity:
             self.act.grad(t, self.x, self.s, out=t)  # * phi'(h_in)
-        if beta == 0.0:
-            torch.mul(t, alpha * self.a, out=target)
-        else:
-            if beta != 1.0:
-                target.mul_(beta)
-            target.add_(t, alpha=alpha * self.a)
+        accumulate(target, t, beta, alpha * self.a)
         if self.skip:
             target.add_(self.d, alpha=alpha)
 
