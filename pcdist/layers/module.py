@@ -20,17 +20,17 @@ running statistics as constants, Dropout is the identity).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, stack_module_state, vjp, vmap
+from torch.func import functional_call, stack_module_state, vmap
 
 from ..energies import output_signal
 from .base import BoundGroup, LayerGroup, LayerKind, accumulate
+from .graph import Call, trace
 
 __all__ = ["ModuleKind", "ModuleGroup", "AnyModule", "check_module"]
 
@@ -119,6 +119,10 @@ class ModuleKind(LayerKind):
         return ModuleGroup(self, first, K, dtype=dtype, device=device)
 
 
+def _layer(stacked: dict[str, Tensor], k: int) -> dict[str, Tensor]:
+    return {n: t[k] for n, t in stacked.items()}
+
+
 def _mangle(name: str) -> str:
     return name.replace(".", "__")
 
@@ -175,10 +179,11 @@ class ModuleGroup(LayerGroup):
                     b.copy_(getattr(self, "buf__" + _mangle(n))[k])
         return m
 
-    def call(self, k: int, h: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
+    def call(self, k: int, h: Tensor, params: dict[str, Tensor] | None = None,
+             buffers: dict[str, Tensor] | None = None) -> Tensor:
         """Layer k on a batch h [B, ...] (differentiable)."""
         p = {n: t[k] for n, t in (params or self.params()).items()}
-        b = {n: t[k] for n, t in self.buffers_().items()}
+        b = {n: t[k] for n, t in (self.buffers_() if buffers is None else buffers).items()}
         return functional_call(self.base, (p, b), (h,))
 
     def forward(self, h: Tensor) -> Tensor:
@@ -191,87 +196,99 @@ class ModuleGroup(LayerGroup):
 
 
 class ModuleBound(BoundGroup):
-    """A ModuleGroup's phases: vmap over the K stacked modules (or a loop where vmap cannot run them)."""
+    """A ModuleGroup's phases: the K stacked modules as one vmapped call (or a loop where vmap cannot
+    run them), traced once into aten graphs where that works (pcdist/layers/graph.py)."""
 
     def __init__(self, g: ModuleGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, B: int, energy: str | None):
         super().__init__(g, h_in, h_out, e_out, energy)
         kw = dict(dtype=h_in.dtype, device=h_in.device)
-        self.u = torch.empty(self.K, B, *g.kind.out_shape, **kw)
+        self._u = self.u = torch.empty(self.K, B, *g.kind.out_shape, **kw)  # u: this buffer or a call's output
         self.d = torch.empty_like(self.u) if self.is_output else e_out  # -dE/du
-        self._vjp = None  # the linearisation at the last prediction's input
         self._vmapped = vmap(lambda p, b, h: functional_call(g.base, (p, b), (h,)))
-        self._copy_input = None  # whether the linearisation needs its own copy of h_in (found on first use)
         self.batched = self._vmap_works()
+        # u and its VJP by the input, at every inference step; by the weights (traced on first use)
+        self._by_input = trace(self._map, (g.detached_params(), g.buffers_(), h_in), 2)
+        self._by_weight: Call | None = None
+        self._one: Call | None = None  # one layer on the whole batch: the feed-forward chain (on first use)
+        self._saved = None  # what the last linearisation keeps for the back-projection
+        self._copy_input = None  # whether that shares h_in's memory (found on first use)
 
     def _vmap_works(self) -> bool:
         """vmap of the module over K, checked once on two samples against a call per layer."""
         g = self.g
         try:
-            x = self.h_in[:, :2].detach().clone().normal_()
+            gen = torch.Generator(device=self.h_in.device).manual_seed(0)  # the global RNG stays untouched
+            x = self.h_in[:, :2].detach().clone().normal_(generator=gen)
             with torch.no_grad():
-                got = self._map(g.params(), x, batched=True)
+                got = self._map(g.params(), g.buffers_(), x, batched=True)
                 want = torch.stack([g.call(k, x[k]) for k in range(self.K)])
-            return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+            return bool(torch.allclose(got, want))
         except Exception:
             return False
 
-    def _map(self, params: dict[str, Tensor], x: Tensor, batched: bool | None = None) -> Tensor:
-        """u [K, B, ...] of the K layers on inputs x [K, B, ...]."""
+    def _map(self, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
+             batched: bool | None = None) -> Tensor:
+        """u [K, B, ...] of the K layers on inputs x [K, B, ...], eagerly (what ``trace`` records)."""
         g = self.g
         if self.K == 1:  # nothing to batch: the module itself
-            return g.call(0, x[0], params).unsqueeze(0)
+            return g.call(0, x[0], params, buffers).unsqueeze(0)
         if batched if batched is not None else self.batched:
-            return self._vmapped(params, g.buffers_(), x)
-        return torch.stack([g.call(k, x[k], params) for k in range(self.K)])
+            return self._vmapped(params, buffers, x)
+        return torch.stack([g.call(k, x[k], params, buffers) for k in range(self.K)])
 
     def _linearise(self) -> Tensor:
-        """u at the present h_in, recording the graph the back-projection differentiates.
+        """u at the present h_in, keeping what the back-projection differentiates.
 
         The fused value step moves h_in before the back-projection runs. The first call finds out
-        whether the graph saves anything in h_in's memory (Linear does not: its input gradient
-        needs only the weight; LayerNorm does); if so, every linearisation reads a copy of h_in.
-        Either way autograd's version counters would refuse (never silently use) a moved input.
+        whether what the linearisation keeps shares h_in's memory (Linear keeps only its weight
+        and output; LayerNorm keeps its input); if so, every linearisation reads a copy of h_in.
         """
-        params = self.g.detached_params()
+        g = self.g
+        x = self.h_in.clone() if self._copy_input else self.h_in
+        u, saved = self._by_input.forward(g.detached_params(), g.buffers_(), x)
         if self._copy_input is None:
-            mem, seen = self.h_in.untyped_storage().data_ptr(), []
-            hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: seen.append(t.untyped_storage().data_ptr() == mem) or t, lambda t: t)
-        else:
-            hooks = contextlib.nullcontext()
-        x = (self.h_in.clone() if self._copy_input else self.h_in.detach()).requires_grad_()
-        with torch.enable_grad(), hooks:
-            u = self._map(params, x)
-        if self._copy_input is None:
-            self._copy_input = any(seen)
+            self._copy_input = _shares_memory(saved, self.h_in)
             if self._copy_input:
                 return self._linearise()
-        self._vjp = (u, x)
-        return u.detach()
+        self._saved = saved
+        return u
 
     def feedforward(self, rows: slice | None, init: str) -> None:
-        sel = slice(None) if rows is None else rows
-        h = self.h_in[0][sel]
-        with torch.no_grad():
+        g = self.g
+        params, buffers = g.detached_params(), g.buffers_()
+        if self.u is not self._u:  # the feed-forward writes into the group's own buffer (rows: keep the rest)
+            if rows is not None:
+                self._u.copy_(self.u)
+            self.u = self._u
+        if rows is None:
+            h = self.h_in[0]
+            if self._one is None:
+                one = lambda p, b, h: functional_call(g.base, (p, b), (h,))  # noqa: E731
+                self._one = trace(one, (_layer(params, 0), _layer(buffers, 0), h), None)
             for k in range(self.K):
-                self.u[k][sel] = h = self.g.call(k, h)
+                self.u[k] = h = self._one.forward(_layer(params, k), _layer(buffers, k), h)[0]
+        else:
+            h = self.h_in[0][rows]
+            with torch.no_grad():
+                for k in range(self.K):
+                    self.u[k][rows] = h = g.call(k, h, params, buffers)
         if not self.is_output:
+            sel = slice(None) if rows is None else rows
             self.h_out[:, sel].copy_(self.u[:, sel])
         self.cached = True
-        self._vjp = None
+        self._saved = None
 
     def predict(self) -> None:
         if self.first == 1:  # a clamped input: no back-projection, so no linearisation
-            with torch.no_grad():
-                self.u.copy_(self._map(self.g.detached_params(), self.h_in))
+            self.u = self._by_input.forward(self.g.detached_params(), self.g.buffers_(), self.h_in)[0]
         else:
-            self.u = self._linearise()  # the graph's own output, not a copy (nothing else views self.u)
+            self.u = self._linearise()  # the call's own output, not a copy (nothing else views self.u)
         self.cached = True
 
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         if not self.cached:
             self.predict()
-        elif self._vjp is None and self.first > 1:  # u from the feed-forward init: linearise here,
+        elif self._saved is None and self.first > 1:  # u from the feed-forward init: linearise here,
             self._linearise()  # before the step moves h
         if self.is_output:
             flat = lambda t: t[0].flatten(1)  # noqa: E731
@@ -283,18 +300,25 @@ class ModuleBound(BoundGroup):
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
-        u, x = self._vjp
-        (p,) = torch.autograd.grad(u, x, self.d, retain_graph=True)
+        (p,) = self._by_input.vjp(self._saved, self.d)
         accumulate(target, p, beta, alpha)
 
     def weight_grads(self, scale: float) -> None:
         g = self.g
-        x = self.h_in.detach()
-        _, fn = vjp(lambda p: self._map(p, x), g.detached_params())
-        (grads,) = fn(self.d)
-        for n, p in g.params().items():
-            torch.mul(grads[n], scale, out=p.grad)
+        args = (g.detached_params(), g.buffers_(), self.h_in)
+        if self._by_weight is None:
+            self._by_weight = trace(self._map, args, 0)
+        _, saved = self._by_weight.forward(*args)  # nothing moves h_in before the VJP below
+        for p, grad in zip(g.params().values(), self._by_weight.vjp(saved, self.d)):
+            torch.mul(grad, scale, out=p.grad)
 
     def weights_changed(self) -> None:
         self.cached = False
-        self._vjp = None
+        self._saved = None
+
+
+def _shares_memory(saved, t: Tensor) -> bool:
+    """Whether any tensor in ``saved`` (nested tuples / lists) lives in t's memory."""
+    if isinstance(saved, Tensor):
+        return saved.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    return isinstance(saved, (tuple, list)) and any(_shares_memory(s, t) for s in saved)
