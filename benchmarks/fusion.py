@@ -7,8 +7,8 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   torch_ops  pcdist with its fused error kernel off (PCDIST_NATIVE=0): the error pass as
              separate torch ops, as on a machine without a C compiler
   baseline   (with --baseline REF) pcdist as it was at git commit REF, same network
-  module     (shape A) the same layers as pcdist's generic ``module`` kind (pcdist.AnyModule: VJPs by
-             torch.func, K equal layers vmapped), the path any nn.Module takes
+  module     (shape A) the same layers as pcdist's generic ``module`` kind (pcdist.AnyModule: K equal
+             layers vmapped, VJPs by autograd, traced into aten graphs), the path any nn.Module takes
 
 Shapes A, B, C are MLPs (dense layers); M is a μPC network (residual layers) of A's shape:
 64 -> 32 x 128 -> 10. The variants run interleaved (round-robin, several rounds) in one

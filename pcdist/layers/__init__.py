@@ -6,8 +6,8 @@
   100+ layer networks (pcdist/layers/residual.py);
 * ``conv`` (``Conv``): Conv1d / Conv2d + activation + optional max / average pooling on
   [C, (H,) W] nodes (pcdist/layers/conv.py);
-* ``module`` (``ModuleKind``): any other nn.Module, VJPs by torch.func, K identical modules
-  vmapped (pcdist/layers/module.py).
+* ``module`` (``ModuleKind``): any other nn.Module, K identical modules vmapped, VJPs by
+  autograd, traced once into aten graphs (pcdist/layers/module.py, graph.py).
 
 ``base.py`` defines the interface a kind implements; ``group_layers`` stacks runs of
 equal layers into groups; ``kind_from_module`` picks the fastest kind for a torch module.

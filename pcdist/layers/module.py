@@ -3,15 +3,18 @@
 Shape letters: K layers in a group, B batch.
 
 Predictions by calling the module (``torch.func.functional_call`` with this layer's
-parameters); the back-projection P = (du/dh_in)^T d and the weight gradients by autograd
-(``torch.func.vjp``), where d = -dE/du is the layer's error signal (its error e for a
-hidden layer). K identical modules (same structure and parameter shapes) stack their
-parameters with ``torch.func.stack_module_state`` and run as one ``vmap``-ed call; a
-module that vmap cannot run (data-dependent control flow, in-place tricks) runs layer by
-layer instead, with the same numbers.
+parameters); the back-projection P = (du/dh_in)^T d and the weight gradients by autograd,
+where d = -dE/du is the layer's error signal (its error e for a hidden layer). K identical
+modules (same structure and parameter shapes) stack their parameters with
+``torch.func.stack_module_state`` and run as one ``vmap``-ed call; a module that vmap cannot
+run (data-dependent control flow, in-place tricks) runs layer by layer instead, with the same
+numbers.
 
-Each prediction records the linearisation the back-projection needs (one forward with
-autograd bookkeeping); the weight gradients are taken only where they are used (the
+These calls are traced once per bound group into aten graphs (pcdist/layers/graph.py: the
+forward, its VJP by the input, its VJP by the weights, and one layer for the feed-forward
+chain) and then run without the module's Python, vmap or the autograd engine; a module that
+cannot be traced keeps the eager calls. Each prediction keeps what the back-projection
+needs (a linearisation); the weight gradients are taken only where they are used (the
 evaluation before a weight update). Modules with running statistics or randomness would
 change at every inference step: a BatchNorm in training mode or a Dropout with p > 0 in
 training mode is refused with a message (``.eval()`` fixes both: BatchNorm then uses its
