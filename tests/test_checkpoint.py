@@ -1,9 +1,6 @@
 """Checkpoints: a damaged newest checkpoint falls back to the previous one; a failed write
 never damages what is on disk; a checkpoint of another model shape is refused."""
 
-import json
-import resource
-import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +10,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from pcdist.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 
 # The model these tests load checkpoints into (pcdist.PCNetwork.from_dims(..., activation="tanh")).

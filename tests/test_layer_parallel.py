@@ -19,7 +19,7 @@ import pcdist
 from pcdist.network import split_sequential
 from pcdist.parallel import Parallel, ParallelDims, init_distributed
 from reference import Gate
-from spawn import WorkerError, run
+from spawn import run
 
 DT = torch.float64
 

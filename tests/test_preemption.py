@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pcdist.checkpoint import latest_checkpoint
 from test_elastic import children
