@@ -260,8 +260,12 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
     flat, rebuild = _flatten(args)
     span = None if grad_of is None else _span(args, grad_of)
     gen = torch.Generator(device=args[-1].device).manual_seed(0)  # the global RNG stays untouched
-    probe = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=gen)
-             if span is not None and span.start <= i < span.stop else t for i, t in enumerate(flat)]
+    # The probe: random values for the differentiated argument and the input batch (never, say,
+    # an uninitialised buffer), the rest as given.
+    drawn = set(range(span.start, span.stop)) if span is not None else set()
+    drawn.add(len(flat) - 1)
+    probe = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=gen) if i in drawn else t
+             for i, t in enumerate(flat)]
     try:
         with warnings.catch_warnings(), torch.enable_grad():
             warnings.simplefilter("ignore")
