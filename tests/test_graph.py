@@ -151,3 +151,112 @@ def test_eager_calls_equal_the_reference_too(monkeypatch, algorithm, x_momentum,
     monkeypatch.setenv("PCDIST_TRACE", "0")
     net = compare(*module_net("mixed"), energy, algorithm, x_momentum, optimizer)
     assert "module" in [g.kind.kind for g in net.groups]
+
+
+# Modules that once broke the traced path (found in review); each must train with the eager numbers.
+
+class SwapMix(nn.Module):
+    """[B, 2, 3] -> [B, 2, 3], returned in a transposed (non-contiguous) layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h.reshape(len(h), 6))).reshape(len(h), 3, 2).transpose(1, 2)
+
+
+class PosGate(nn.Module):
+    """A zero-initialised gate on tanh of an integer tensor (tanh's input is not its output's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.alpha = nn.Linear(6, 6), nn.Parameter(torch.zeros(()))
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) + self.alpha * torch.tanh(torch.arange(6) - 3).to(h.dtype)
+
+
+class Unused(nn.Module):
+    """A parameter the output does not depend on: its gradient is zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.spare = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+class Memo(nn.Module):
+    """Writes a buffer in its forward (AOTAutograd then returns the buffer as an extra output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gamma = nn.Linear(6, 6), nn.Parameter(torch.ones(6))
+        self.register_buffer("last", torch.zeros(6))
+
+    def forward(self, h):
+        z = torch.tanh(self.lin(h))
+        self.last.copy_(z.detach().mean(0))
+        return self.gamma * z
+
+
+def traced_and_eager(monkeypatch, layers, shape, B=5, steps=3):
+    """The same training traced and with PCDIST_TRACE=0 (float64): value nodes, energies and weights
+    agree to 1e-10; returns the traced run's module groups."""
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PCDIST_TRACE", flag)
+        net = pcdist.PCNetwork.from_layers(copy.deepcopy(layers), input_shape=shape)
+        assert not [n for n, _ in net.named_parameters() if ".base." in n], "the template's tensors are not trained"
+        trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=4, x_lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        energies = [trainer.step(torch.randn(B, *shape, generator=gen, dtype=DT),
+                                 torch.randn(B, 4, generator=gen, dtype=DT))["energy"] for _ in range(steps)]
+        runs.append((energies, trainer.value_nodes(), [p.detach() for p in net.parameters()],
+                     [b for b in trainer.stage(B).groups if b.g.kind.kind == "module"]))
+    (e1, h1, p1, bound), (e0, h0, p0, _) = runs
+    assert e1 == pytest.approx(e0, abs=1e-10, rel=0)
+    for a, b in zip(h1 + p1, h0 + p0):
+        assert_close(a, b, atol=1e-10, rtol=0)
+    return bound
+
+
+def test_parameter_free_layers_train(monkeypatch):
+    for inner in (nn.Identity(), nn.Tanh()):
+        layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()).to(DT), pcdist.AnyModule(inner),
+                  pcdist.AnyModule(copy.deepcopy(inner)), nn.Linear(6, 4).to(DT)]
+        traced_and_eager(monkeypatch, layers, (5,))
+
+
+def test_a_parameter_the_output_ignores_gets_a_zero_gradient(monkeypatch):
+    torch.manual_seed(1)
+    layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()).to(DT), Unused().to(DT), Unused().to(DT), nn.Linear(6, 4).to(DT)]
+    (b,) = traced_and_eager(monkeypatch, layers, (5,))
+    assert isinstance(b._by_weight, GraphCall)
+    assert torch.count_nonzero(b.g.stacked["spare__weight"].grad) == 0
+
+
+def test_a_non_contiguous_output_feeds_the_next_layer(monkeypatch):
+    torch.manual_seed(2)
+    layers = [nn.Sequential(nn.Flatten(), nn.Linear(6, 6), nn.Tanh(), nn.Unflatten(1, (2, 3))), SwapMix(), SwapMix(),
+              nn.Sequential(nn.Flatten(), nn.Linear(6, 4))]
+    bound = traced_and_eager(monkeypatch, [m.to(DT) for m in layers], (2, 3))
+    assert any(b.K == 2 and isinstance(b._one, GraphCall) for b in bound)
+
+
+def test_tanh_of_another_dtype_keeps_torchs_tanh(monkeypatch):
+    torch.manual_seed(3)
+    layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()), PosGate(), nn.Linear(6, 4)]
+    (b,) = traced_and_eager(monkeypatch, [m.to(DT) for m in layers], (5,))
+    assert isinstance(b._by_input, GraphCall)
+    fw = b._by_input.graphs[0]
+    assert aten.tanh.default in [n.target for n in fw.graph.nodes], "tanh of the int64 positions stays torch's"
+
+
+def test_a_module_that_writes_a_buffer_keeps_the_eager_calls(monkeypatch):
+    torch.manual_seed(4)
+    layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()), Memo(), nn.Linear(6, 4)]
+    (b,) = traced_and_eager(monkeypatch, [m.to(DT) for m in layers], (5,), steps=6)
+    assert isinstance(b._by_input, EagerCall) and isinstance(b._one, EagerCall)

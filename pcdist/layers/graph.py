@@ -70,7 +70,7 @@ def _fold_bias(g: fx.Graph, add: fx.Node) -> bool:
     out = _val(add)
     for mm, bias in (add.args, add.args[::-1]):
         mm, view = _peel_bmm(mm)
-        if mm is None or not isinstance(bias, fx.Node):
+        if mm is None or not isinstance(bias, fx.Node) or bias in (mm, view):
             continue
         v_mm, v_b = _val(mm), _val(bias)
         if out is None or v_mm is None or v_b is None or tuple(v_mm.shape) != tuple(out.shape) \
@@ -139,7 +139,8 @@ def rewrite(gm: fx.GraphModule, native_tanh_ok: bool) -> fx.GraphModule:
         for n in g.nodes:
             v = _val(n)
             if n.op == "call_function" and n.target is aten.tanh.default and v is not None \
-                    and v.device.type == "cpu" and v.dtype in (torch.float32, torch.float64):
+                    and v.device.type == "cpu" and v.dtype in (torch.float32, torch.float64) \
+                    and _val(n.args[0]) is not None and _val(n.args[0]).dtype == v.dtype:
                 n.target = native_tanh
     g.lint()
     gm.recompile()
@@ -212,39 +213,91 @@ class EagerCall(Call):
 
     def vjp(self, saved: tuple, d: Tensor) -> list[Tensor]:
         u, wrt = saved
-        return list(torch.autograd.grad(u, wrt, d, retain_graph=True))
+        if not wrt:
+            return []
+        return list(torch.autograd.grad(u, wrt, d, retain_graph=True, allow_unused=True, materialize_grads=True))
 
 
 class GraphCall(Call):
-    """The forward and backward graphs AOTAutograd recorded, called directly."""
+    """The forward and backward graphs AOTAutograd recorded, called directly.
+
+    A graph is specialised to the layouts it was traced with: an argument laid out otherwise
+    (the previous layer's output in the feed-forward chain, a contiguous d against a strided u)
+    is copied into the traced layout first. An input the output does not depend on gets a zero
+    gradient."""
 
     def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule | None, span: slice | None):
         self.graphs = (fw, bw)
         self.fw, self.bw, self.span = fw.forward, bw.forward if bw is not None else None, span
+        self._inputs = [_val(n) for n in _placeholders(fw)]
+        self._strides = [None if v is None else v.stride() for v in self._inputs]
+        tangent = _val(_placeholders(bw)[-1]) if bw is not None else None
+        self._d_stride = None if tangent is None else tangent.stride()
 
     def forward(self, *args) -> tuple[Tensor, tuple]:
+        flat = [_laid_out(t, st) for t, st in zip(_flatten(args)[0], self._strides)]
         with torch.no_grad():
-            out = self.fw(*_flatten(args)[0])
+            out = self.fw(*flat)
         return out[0], tuple(out[1:])
 
     def vjp(self, saved: tuple, d: Tensor) -> list[Tensor]:
         with torch.no_grad():
-            return list(self.bw(*saved, d)[self.span])
+            grads = self.bw(*saved, _laid_out(d, self._d_stride))[self.span]
+        return [torch.zeros(v.shape, dtype=v.dtype, device=d.device) if g is None else g
+                for g, v in zip(grads, self._inputs[self.span])]
 
 
-def _agree(a, b: Tensor) -> bool:
-    """a equals b but for round-off: max |a - b| within 1e-4 of max |b| (float64 1e-9; 16-bit 1e-2)."""
-    if not isinstance(a, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: fx.GraphModule) -> tuple:
+    (out,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _laid_out(t: Tensor, stride: tuple[int, ...] | None) -> Tensor:
+    """t in the layout a graph was traced with (a copy where it differs)."""
+    if stride is None or t.stride() == stride:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _agree(pairs: list[tuple]) -> bool:
+    """Each a equals its b but for round-off: max |a - b| within 1e-4 (float64: 1e-9; 16-bit: 1e-2)
+    of max |b|, or of 1e-3 x the largest |b| of all pairs for a b near zero (a gradient that is
+    zero in exact arithmetic comes out as round-off on both sides)."""
+    if any(not isinstance(a, Tensor) or a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
         return False
-    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(b.dtype, 1e-2)
-    return bool((a - b).abs().max() <= tol * b.abs().max()) if b.numel() else True
+    scale = [float(b.abs().max()) if b.numel() else 0.0 for _, b in pairs]
+    floor = 1e-3 * max(scale, default=0.0)
+    for (a, b), sc in zip(pairs, scale):
+        tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(b.dtype, 1e-2)
+        if b.numel() and not float((a - b).abs().max()) <= tol * max(sc, floor):
+            return False
+    return True
+
+
+def _plain(graphs: list[fx.GraphModule], n_inputs: int) -> bool:
+    """The graphs have the layout GraphCall assumes: the forward returns u (then, with a backward,
+    what the backward keeps: its inputs but the last, the tangent), the backward a gradient per
+    input. Not so where AOTAutograd adds outputs: a module that writes a buffer or returns an alias
+    it must regenerate."""
+    fw, bw = graphs[0], graphs[1] if len(graphs) > 1 else None
+    if len(_placeholders(fw)) != n_inputs:
+        return False
+    if bw is None:
+        return len(_outputs(fw)) == 1
+    ins = _placeholders(bw)
+    return (len(_outputs(fw)) == len(ins) and ins[-1].name.startswith("tangents")
+            and sum(n.name.startswith("tangents") for n in ins) == 1 and len(_outputs(bw)) == n_inputs)
 
 
 def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
-    """``fn(*args)`` (``args``: tensors and dicts of tensors, the last one the input batch) as a
-    GraphCall, differentiable in ``args[grad_of]`` (None: forward only), where tracing works and
-    agrees with the eager call on a probe; else an EagerCall. Shape-specialised: call it with
-    arguments shaped like ``args``."""
+    """``fn(*args)`` as a GraphCall, differentiable in ``args[grad_of]`` (None: forward only), where
+    tracing works and agrees with the eager call on a probe; else an EagerCall. ``args``: the
+    parameters (a dict of tensors), then tensors or dicts of tensors, the input batch last.
+    Shape-specialised: call it with arguments shaped like ``args``."""
     eager = EagerCall(fn, grad_of)
     if os.environ.get("PCDIST_TRACE", "1") == "0":
         return eager
@@ -260,10 +313,10 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
     flat, rebuild = _flatten(args)
     span = None if grad_of is None else _span(args, grad_of)
     gen = torch.Generator(device=args[-1].device).manual_seed(0)  # the global RNG stays untouched
-    # The probe: random values for the differentiated argument and the input batch (never, say,
-    # an uninitialised buffer), the rest as given.
-    drawn = set(range(span.start, span.stop)) if span is not None else set()
-    drawn.add(len(flat) - 1)
+    # The probe: random parameters (args[0]) and input batch (args[-1]), so no zero-initialised
+    # gate or uninitialised buffer hides a wrong graph; buffers as given (a running variance
+    # must stay positive).
+    drawn = set(range(*_span(args, 0).indices(len(flat)))) | {len(flat) - 1}
     probe = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=gen) if i in drawn else t
              for i, t in enumerate(flat)]
     try:
@@ -275,8 +328,8 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
             u = recorded(*inputs)
             d = torch.randn(u.shape, dtype=u.dtype, device=u.device, generator=gen)
             if span is not None:
-                torch.autograd.grad(u, inputs[span], d)
-            if len(graphs) != (1 if span is None else 2):
+                torch.autograd.grad(u, inputs[span], d, allow_unused=True)
+            if len(graphs) != (1 if span is None else 2) or not _plain(graphs, len(flat)):
                 return eager
             call = GraphCall(graphs[0], graphs[1] if span is not None else None, span)
             got, saved = call.forward(*rebuild(probe))
@@ -284,7 +337,7 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
             pairs = [(got, want)]
             if span is not None:
                 pairs += zip(call.vjp(saved, d), eager.vjp(want_saved, d))
-            ok = all(_agree(a, b) for a, b in pairs)
+            ok = _agree(pairs)
     except Exception:  # noqa: BLE001 - anything tracing cannot take: the eager call stays
         return eager
     return call if ok else eager

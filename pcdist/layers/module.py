@@ -144,7 +144,9 @@ class ModuleGroup(LayerGroup):
         self.stacked = nn.ParameterDict({_mangle(n): nn.Parameter(p.detach().clone()) for n, p in params.items()})
         for n, b in buffers.items():
             self.register_buffer("buf__" + _mangle(n), b.clone())
-        self.base = copies[0]
+        # The structure functional_call runs (every parameter and buffer it reads comes from the stacks);
+        # kept out of the submodules so its own tensors are never trained, saved or all-reduced.
+        self.__dict__["base"] = copies[0]
 
     def params(self) -> dict[str, Tensor]:
         return {n: self.stacked[_mangle(n)] for n in self.names}
@@ -308,6 +310,8 @@ class ModuleBound(BoundGroup):
 
     def weight_grads(self, scale: float) -> None:
         g = self.g
+        if not g.names:  # a module without parameters (an activation, a fixed map): nothing to learn
+            return
         args = (g.detached_params(), g.buffers_(), self.h_in)
         if self._by_weight is None:
             self._by_weight = trace(self._map, args, 0)
