@@ -9,6 +9,7 @@ Per training step (float32, batch 64, T = 20, AdamW, torch threads = cores):
   baseline   (with --baseline REF) pcdist as it was at git commit REF, same network
   module     (shape A) the same layers as pcdist's generic ``module`` kind (pcdist.AnyModule: K equal
              layers vmapped, VJPs by autograd, traced into aten graphs), the path any nn.Module takes
+  module_eager  (shape A) the module kind on its eager calls (PCDIST_TRACE=0: no traced graphs)
 
 Shapes A, B, C are MLPs (dense layers); M is a μPC network (residual layers) of A's shape:
 64 -> 32 x 128 -> 10. The variants run interleaved (round-robin, several rounds) in one
@@ -173,6 +174,14 @@ def make_variants(shape, B: int, T: int, x_lr: float, activation: str = "tanh", 
     if module:
         generic = trainer(pcdist, generic=True)
         variants["module"] = lambda: generic.step(x, y)
+        # The module kind on its eager calls (PCDIST_TRACE=0: vmap + autograd at every call, no traced graphs).
+        eager = trainer(pcdist, generic=True)
+        os.environ["PCDIST_TRACE"] = "0"
+        try:
+            eager.stage(B)  # the calls are traced (or not) when the buffers are built
+        finally:
+            del os.environ["PCDIST_TRACE"]
+        variants["module_eager"] = lambda: eager.step(x, y)
     # pcdist and limit run next to each other in every round: their ratio is taken per round.
     variants["pcdist"] = lambda: main.step(x, y)
     variants["limit"] = MatmulLimit(main.net, B, T).step
@@ -223,7 +232,7 @@ def main() -> None:
     kw = dict(B=args.batch, T=args.T, x_lr=0.1, activation=args.activation, baseline=baseline)
     stem = "fusion" if args.activation == "tanh" else f"fusion_{args.activation}"
     ratios = [("loop", "pcdist"), ("pcdist", "limit"), ("torch_ops", "pcdist"), ("baseline", "pcdist"),
-              ("module", "pcdist")]
+              ("module", "pcdist"), ("module_eager", "module")]
 
     shapes = {}
     for name, shape in (TINY_SHAPES if args.tiny else SHAPES).items():
