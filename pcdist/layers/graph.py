@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, fx
 
 from .. import native
+from ..activations import Activation
 
 __all__ = ["Call", "EagerCall", "GraphCall", "trace", "rewrite"]
 
@@ -78,13 +79,18 @@ def _fold_bias(g: fx.Graph, add: fx.Node) -> bool:
             continue
         with g.inserting_before(add):
             fused = g.call_function(aten.baddbmm.default, (bias, *mm.args))
-        fused.meta = dict(add.meta)
-        add.replace_all_uses_with(fused)
-        for n in (add, view, mm):
-            if n is not None:
-                g.erase_node(n)
+        _substitute(g, add, fused, view, mm)
         return True
     return False
+
+
+def _substitute(g: fx.Graph, old: fx.Node, new: fx.Node, *dead: fx.Node | None) -> None:
+    """new takes old's place (and its metadata); old and the nodes only it used go."""
+    new.meta = dict(old.meta)
+    old.replace_all_uses_with(new)
+    for n in (old, *dead):
+        if n is not None:
+            g.erase_node(n)
 
 
 def _peel_bmm(n) -> tuple[fx.Node | None, fx.Node | None]:
@@ -112,16 +118,12 @@ def _transposed_product(g: fx.Graph, t: fx.Node) -> bool:
         bt = g.call_function(aten.transpose.int, (b, 1, 2))
         at = g.call_function(aten.transpose.int, (a, 1, 2))
         fused = g.call_function(aten.bmm.default, (bt, at))
-    fused.meta = dict(t.meta)
-    t.replace_all_uses_with(fused)
-    for n in (t, view, mm):
-        if n is not None:
-            g.erase_node(n)
+    _substitute(g, t, fused, view, mm)
     return True
 
 
 def rewrite(gm: fx.GraphModule, native_tanh_ok: bool) -> fx.GraphModule:
-    """The two rewrites (see the module docstring), plus x * 1 -> x (vmap's lowering of the bias)."""
+    """The three rewrites (see the module docstring), plus x * 1 -> x (vmap's lowering of the bias)."""
     g = gm.graph
     for n in list(g.nodes):
         if n.op != "call_function":
@@ -147,22 +149,19 @@ def rewrite(gm: fx.GraphModule, native_tanh_ok: bool) -> fx.GraphModule:
     return gm
 
 
-def _tanh_ok(like: Tensor) -> bool:
-    return (os.environ.get("PCDIST_NATIVE", "1") != "0" and like.device.type == "cpu"
-            and like.dtype in (torch.float32, torch.float64) and native.library() is not None)
-
-
 def _leaves(a) -> list[Tensor]:
     return list(a.values()) if isinstance(a, dict) else [a]
 
 
+def _tensors(args: tuple) -> list[Tensor]:
+    """The tensors of ``args`` (tensors and dicts of tensors) in order."""
+    return [t for a in args for t in _leaves(a)]
+
+
 def _flatten(args: tuple) -> tuple[list[Tensor], Callable[[list[Tensor]], tuple]]:
-    """The tensors of ``args`` (tensors and dicts of tensors) in order, and how to rebuild args from them."""
-    flat, spec = [], []
-    for a in args:
-        leaves = _leaves(a)
-        spec.append(list(a) if isinstance(a, dict) else None)
-        flat += leaves
+    """The tensors of ``args`` in order, and how to rebuild args from them."""
+    flat = _tensors(args)
+    spec = [list(a) if isinstance(a, dict) else None for a in args]
 
     def rebuild(tensors: list[Tensor]) -> tuple:
         out, i = [], 0
@@ -235,7 +234,7 @@ class GraphCall(Call):
         self._d_stride = None if tangent is None else tangent.stride()
 
     def forward(self, *args) -> tuple[Tensor, tuple]:
-        flat = [_laid_out(t, st) for t, st in zip(_flatten(args)[0], self._strides)]
+        flat = [_laid_out(t, st) for t, st in zip(_tensors(args), self._strides)]
         with torch.no_grad():
             out = self.fw(*flat)
         return out[0], tuple(out[1:])
@@ -303,7 +302,7 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
         return eager
     from functorch.compile import aot_function, make_boxed_func
 
-    tanh_ok = _tanh_ok(args[-1])
+    tanh_ok = native.usable(Activation("tanh"), args[-1])
     graphs: list[fx.GraphModule] = []
 
     def capture(gm: fx.GraphModule, _inputs) -> Callable:
