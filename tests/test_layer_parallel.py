@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import pcdist
-from pcdist.network import split_sequential
-from pcdist.parallel import Parallel, ParallelDims, init_distributed
+from pcdist.engine.network import split_sequential
+from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
 from reference import Gate
 from spawn import run
 

@@ -1,4 +1,4 @@
-"""The fused CPU error kernel (pcdist/_native.c) against the torch ops it replaces, and
+"""The fused CPU error kernel (pcdist/engine/_native.c) against the torch ops it replaces, and
 training with it against training without it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import pcdist
-from pcdist import native
-from pcdist.activations import Activation
+from pcdist.engine import native
+from pcdist.engine.activations import Activation
 
 from test_reference import make_batch, make_seq
 
@@ -198,7 +198,7 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
     """Without a compiler the engine warns once and trains with torch ops."""
     code = (
         "import warnings, torch, pcdist\n"
-        "from pcdist import native\n"
+        "from pcdist.engine import native\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
         "    assert native.library() is None\n"
@@ -224,7 +224,7 @@ def test_unusable_cache_folder_builds_in_the_temp_folder(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     (tmp_path / "tmp").mkdir()
-    code = "from pcdist import native; lib = native.library(); assert lib is not None; print(lib._name)"
+    code = "from pcdist.engine import native; lib = native.library(); assert lib is not None; print(lib._name)"
     env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -2,7 +2,7 @@
 
 A ``Call`` splits ``fn(*args) -> u`` into ``forward(*args) -> (u, saved)`` and
 ``vjp(saved, d)``, the gradients of <d, u> by the tensors of ``args[grad_of]``: the module
-kind's linearisation (pcdist/layers/module.py) is a forward whose ``saved`` waits for the
+kind's linearisation (pcdist/engine/layers/module.py) is a forward whose ``saved`` waits for the
 back-projection.
 
 ``trace`` records, once per bound group, with AOTAutograd (``functorch.compile.aot_function``),

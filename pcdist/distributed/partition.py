@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .layers import LayerKind
+from ..engine.layers import LayerKind
 
 __all__ = ["layer_flops", "layer_costs", "partition_layers"]
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "check_logger", "progress_line",
            "plot_training", "plot_inference", "plot_heatmap"]

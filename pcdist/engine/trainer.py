@@ -8,9 +8,9 @@ import time
 import torch
 from torch import Tensor
 
-from .engine import INITS, Stage
+from .stage import INITS, Stage
 from .network import PCNetwork
-from .parallel import Parallel
+from ..distributed.parallel import Parallel
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
 

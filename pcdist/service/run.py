@@ -4,7 +4,7 @@ The same function runs in a single process (tests call it directly) and on every
 rank of ``torchrun``: it composes and validates the config (conf/'s defaults, as the
 command line), joins the process group, places the rank in the (data, layer) mesh,
 loads the data, resumes from the newest valid checkpoint of the run directory
-(pcdist/rundir.py decides what changed settings mean), trains, evaluates, checkpoints
+(pcdist/service/rundir.py decides what changed settings mean), trains, evaluates, checkpoints
 and logs.
 """
 
@@ -25,15 +25,15 @@ import torch.distributed as dist
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PYTHON_DATA, Config, make_config, num_layers
 from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
-from .errors import ConfigError
-from .layers import mupc_specs
-from .models import cnn_specs, vgg_specs
+from ..errors import ConfigError
+from ..engine.layers import mupc_specs
+from ..engine.models import cnn_specs, vgg_specs
 from .loader import Streamed
 from .metrics import check_logger, make_logger
-from .network import PCNetwork, mlp_specs
-from .parallel import Parallel, ParallelDims, collective, init_distributed
+from ..engine.network import PCNetwork, mlp_specs
+from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
-from .trainer import PCTrainer, warmup_cosine
+from ..engine.trainer import PCTrainer, warmup_cosine
 
 __all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads"]
 
@@ -152,7 +152,7 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
     DictConfig composed already (train.py's, ``pcdist.compose([...])``), or None (the
     defaults). ``data``: your own data instead of ``data.name``: a ``pcdist.data.Dataset``
     (tensors in memory) or ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader
-    worker processes). ``run_dir`` unset: a new directory (pcdist/rundir.py).
+    worker processes). ``run_dir`` unset: a new directory (pcdist/service/rundir.py).
     """
     c = make_config(cfg)
     if data is not None:
@@ -450,7 +450,7 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         if ckpt:
             meta = {"step": done, "model": net.signature(),
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
-                    "config": asdict(c)}  # what pcdist/rundir.py compares a resumed run's settings with
+                    "config": asdict(c)}  # what pcdist/service/rundir.py compares a resumed run's settings with
             path = save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0,
                                    leader=is_rank0)
         result["step"] = done

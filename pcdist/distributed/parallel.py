@@ -2,9 +2,9 @@
 
 Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by each layer
 kind's FLOPs) and trades boundary tensors with its two neighbours once per inference step
-(pcdist/exchange.py). The data axis splits the batch; weight gradients are all-reduced
+(pcdist/distributed/exchange.py). The data axis splits the batch; weight gradients are all-reduced
 over it only, one bucket per fused group, overlapped with the next group's gradient GEMMs
-(pcdist/buckets.py). Energies and metrics are reduced to one logging rank when logged. A
+(pcdist/distributed/buckets.py). Energies and metrics are reduced to one logging rank when logged. A
 single process is the case with no neighbours and no data peers: every exchange is empty.
 
 The PC maths lives in ``engine.Stage``; this module only places the rank and moves tensors.
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .buckets import GradBuckets
-from .engine import Stage
-from .errors import ConfigError, PeerError
+from ..engine.stage import Stage
+from ..errors import ConfigError, PeerError
 from .exchange import LayerExchange
-from .layers import LayerKind
+from ..engine.layers import LayerKind
 from .partition import layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
@@ -84,7 +84,7 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     elif "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
         dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
                                 rank=0, world_size=1, **kw)
-    else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/rendezvous.py)
+    else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/distributed/rendezvous.py)
         join_process_group(backend_for(device), timedelta(seconds=timeout_s), **kw)
     return device
 

@@ -10,7 +10,7 @@ modules (same structure and parameter shapes) stack their parameters with
 run (data-dependent control flow, in-place tricks) runs layer by layer instead, with the same
 numbers.
 
-These calls are traced once per bound group into aten graphs (pcdist/layers/graph.py: the
+These calls are traced once per bound group into aten graphs (pcdist/engine/layers/graph.py: the
 forward, its VJP by the input, its VJP by the weights, and one layer for the feed-forward
 chain) and then run without the module's Python, vmap or the autograd engine; a module that
 cannot be traced keeps the eager calls. Each prediction keeps what the back-projection
@@ -202,7 +202,7 @@ class ModuleGroup(LayerGroup):
 
 class ModuleBound(BoundGroup):
     """A ModuleGroup's phases: the K stacked modules as one vmapped call (or a loop where vmap cannot
-    run them), traced once into aten graphs where that works (pcdist/layers/graph.py)."""
+    run them), traced once into aten graphs where that works (pcdist/engine/layers/graph.py)."""
 
     def __init__(self, g: ModuleGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, B: int, energy: str | None):
         super().__init__(g, h_in, h_out, e_out, energy)

@@ -1,13 +1,13 @@
 """Layer kinds: every kind of PC layer the engine fuses, one file each.
 
 * ``dense`` (``Dense``, alias ``LayerSpec``): Linear + elementwise activation, the fused
-  MLP path with its native CPU kernel (pcdist/layers/dense.py);
+  MLP path with its native CPU kernel (pcdist/engine/layers/dense.py);
 * ``residual`` (``Residual``): μPC's scaled residual layers, the path that trains
-  100+ layer networks (pcdist/layers/residual.py);
+  100+ layer networks (pcdist/engine/layers/residual.py);
 * ``conv`` (``Conv``): Conv1d / Conv2d + activation + optional max / average pooling on
-  [C, (H,) W] nodes (pcdist/layers/conv.py);
+  [C, (H,) W] nodes (pcdist/engine/layers/conv.py);
 * ``module`` (``ModuleKind``): any other nn.Module, K identical modules vmapped, VJPs by
-  autograd, traced once into aten graphs (pcdist/layers/module.py, graph.py).
+  autograd, traced once into aten graphs (pcdist/engine/layers/module.py, graph.py).
 
 ``base.py`` defines the interface a kind implements; ``group_layers`` stacks runs of
 equal layers into groups; ``kind_from_module`` picks the fastest kind for a torch module.

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .network import PCNetwork, legacy_signature
-from .parallel import collective
+from ..engine.network import PCNetwork, legacy_signature
+from ..distributed.parallel import collective
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
 

@@ -75,7 +75,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
         return
 
     from .data import DataError
-    from .errors import ConfigError
+    from ..errors import ConfigError
     from .run import check as check_run
 
     try:
@@ -141,7 +141,7 @@ def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
 
 def help_text(conf_dir: Path, overrides: list[str]) -> str:
     """Usage, the config groups and their options (the chosen one starred), then every key with its
-    value under ``overrides`` and the documentation written under its field in pcdist/config.py."""
+    value under ``overrides`` and the documentation written under its field in pcdist/service/config.py."""
     from omegaconf import OmegaConf
 
     composed = _compose(conf_dir, overrides, hydra=True)
@@ -187,13 +187,13 @@ def main() -> None:
     """Check the command line, then parse it as Hydra overrides and train."""
     import hydra
 
-    from .errors import ConfigError
+    from ..errors import ConfigError
     from .rundir import launch_run_dir
 
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank
-        # writes the resolved config.yaml itself), and all agree on the run directory (pcdist/rundir.py).
+        # writes the resolved config.yaml itself), and all agree on the run directory (pcdist/service/rundir.py).
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     if not any(a.startswith(("hydra.run.dir=", "--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
                for a in sys.argv[1:]):

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import latest_checkpoint
 from .config import Config
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
            "write_attempt", "position_schedule"]

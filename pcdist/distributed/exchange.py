@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .engine import Stage
-from .errors import PeerError
+from ..engine.stage import Stage
+from ..errors import PeerError
 
 __all__ = ["LayerExchange"]
 

@@ -23,11 +23,11 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .activations import ACTIVATIONS
-from .errors import ConfigError
-from .energies import ENERGIES
-from .layers.dense import INITS as DENSE_INITS
-from .trainer import ALGORITHMS
+from ..engine.activations import ACTIVATIONS
+from ..errors import ConfigError
+from ..engine.energies import ENERGIES
+from ..engine.layers.dense import INITS as DENSE_INITS
+from ..engine.trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
@@ -42,8 +42,8 @@ RESUME = ("auto", "never", "require")
 
 def _conf_dir() -> Path:
     """The shipped config groups: ``pcdist/conf`` in an installed wheel, ``conf/`` beside the package in a checkout."""
-    here = Path(__file__).resolve().parent
-    return here / "conf" if (here / "conf" / "config.yaml").is_file() else here.parent / "conf"
+    package = Path(__file__).resolve().parent.parent  # pcdist/
+    return package / "conf" if (package / "conf" / "config.yaml").is_file() else package.parent / "conf"
 
 
 CONF_DIR = _conf_dir()
@@ -81,7 +81,7 @@ class ModelConfig:
     head: list[int] = field(default_factory=list)
     """cnn: widths of the dense hidden layers between the flattened conv output and the output layer."""
     variant: str = "vgg5"
-    """vgg: vgg5 or vgg7, PCX's (pcdist/models.py), for 3 x 32 x 32 images."""
+    """vgg: vgg5 or vgg7, PCX's (pcdist/engine/models.py), for 3 x 32 x 32 images."""
 
 
 @dataclass
@@ -223,7 +223,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: Optional[str] = None
     """Where the run writes; train.py sets it to Hydra's run directory. None: a new directory
-    runs/<date>/<time>-<id>, unique per launch (pcdist/rundir.py)."""
+    runs/<date>/<time>-<id>, unique per launch (pcdist/service/rundir.py)."""
     resume: str = "auto"
     """A run directory that holds a checkpoint: auto (resume it), never (refuse: start a new directory),
     require (refuse to start fresh: the directory must hold a checkpoint)."""

@@ -93,7 +93,7 @@ def _build(cc: str) -> Path:
             return out
         os.unlink(tmp)
         errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-800:]}")
-    raise RuntimeError("could not compile pcdist/_native.c:\n" + "\n".join(errors))
+    raise RuntimeError("could not compile pcdist/engine/_native.c:\n" + "\n".join(errors))
 
 
 def library() -> ctypes.CDLL | None:
@@ -195,7 +195,7 @@ class Kernel:
 
 
 class ResidualKernel:
-    """The residual kind's elementwise passes over one group's buffers (pcdist/layers/residual.py).
+    """The residual kind's elementwise passes over one group's buffers (pcdist/engine/layers/residual.py).
 
     ``activate``: s = phi(h_in) (and x = h_in where phi' needs its input); ``errors``: e = h_out - u
     and the value step's own-error term h_out -= lr * e; ``backproject``: target = beta * target
