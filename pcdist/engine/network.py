@@ -1,13 +1,16 @@
 """Predictive-coding networks stored as groups of stacked, equal layers of any kind.
 
 Layer l (1-based, global) maps value node l-1 to the prediction of node l; layer L is
-the output layer. Each layer is described by a kind (pcdist.layers: ``Dense``,
-``Residual``, ``Conv``, ``ModuleKind``); consecutive equal layers form one group whose parameters are stacked
-[K, ...] tensors, so every phase of the K layers is one batched kernel.
+the output layer. Each layer is described by a kind (pcdist.layers: ``Dense``, ``Residual``,
+``Conv``, ``ModuleKind``); consecutive equal layers form one group whose parameters are
+stacked [K, ...] tensors, so every phase of the K layers is one batched kernel. The network
+also fixes its energy: the output energy, each layer's precision pi_l and the prior of a
+free bottom node h_0 (pcdist/engine/layers/prior.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -16,8 +19,27 @@ from torch import Tensor, nn
 from .activations import Activation, activation_from_module, get_activation
 from .energies import check_energy
 from .layers import Dense, LayerGroup, LayerKind, group_layers, kind_from_module, seeded_generator
+from .layers.prior import Prior, PriorGroup
 
-__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential"]
+__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions"]
+
+
+def precisions(precision, num_layers: int) -> tuple[float, ...] | None:
+    """The precisions pi_1 .. pi_L of a network: None (all 1), one number for every hidden layer
+    (the output layer's stays 1) or one per layer; None again when every one is 1."""
+    if precision is None:
+        return None
+    if isinstance(precision, (int, float)) and not isinstance(precision, bool):
+        values = [float(precision)] * (num_layers - 1) + [1.0]
+    else:
+        values = [float(v) for v in precision]
+        if len(values) != num_layers:
+            raise ValueError(f"precision needs one value per layer ({num_layers}) or one number for the hidden "
+                             f"layers, got {len(values)} values")
+    bad = [v for v in values if not (math.isfinite(v) and v >= 0)]
+    if bad:
+        raise ValueError(f"precisions must be finite numbers >= 0, got {bad[0]!r}")
+    return None if all(v == 1.0 for v in values) else tuple(values)
 
 
 def mlp_specs(dims: Sequence[int], activation: str | Activation = "tanh", init: str = "default") -> list[Dense]:
@@ -45,6 +67,11 @@ class PCNetwork(nn.Module):
 
     A single process owns all layers. Each rank of a layer-parallel run owns one
     contiguous slice, and allocates only that slice's parameters.
+
+    ``energy``: the output energy ("se", "ce", "bce", "zero" or a callable ``energy(u, target) -> [B]``,
+    pcdist/engine/energies.py). ``precision``: the layers' precisions pi_l (``precisions``).
+    ``prior``: the ``Prior`` of h_0 when it is free (default: precision 1, mean zero); a learned
+    mean is a parameter of the slice that owns layer 1 (group 0).
     """
 
     def __init__(
@@ -56,6 +83,8 @@ class PCNetwork(nn.Module):
         device: torch.device | str | None = None,
         init: bool = True,
         seed: int | None = None,
+        precision=None,
+        prior: Prior | None = None,
     ):
         super().__init__()
         if not specs:
@@ -73,12 +102,18 @@ class PCNetwork(nn.Module):
                     (list(s.out_shape), list(nxt.in_shape))
                 raise ValueError(f"layer {l} outputs {a} {what} but layer {l + 1} expects {b}")
         self.energy = check_energy(energy)
+        self.precision = precisions(precision, L)
+        self.prior = prior if prior is not None else Prior()
+        if not isinstance(self.prior, Prior):
+            raise TypeError(f"prior must be a pcdist Prior, got {self.prior!r}")
         first, stop = layers if layers is not None else (1, L + 1)
         if not 1 <= first < stop <= L + 1:
             raise ValueError(f"layer slice [{first}, {stop}) is not within layers 1..{L}")
         self.first, self.stop = first, stop
         self.groups = nn.ModuleList(self.specs[s - 1].make_group(s, t - s, dtype=dtype, device=device)
                                     for s, t in group_layers(self.specs, first, stop))
+        if self.prior.mean == "learned" and first == 1:
+            self.groups.insert(0, PriorGroup(self.prior, self.node_shapes[0], dtype=dtype, device=device))
         if init:
             self.reset_parameters(seed)
 
@@ -95,7 +130,7 @@ class PCNetwork(nn.Module):
 
     @classmethod
     def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shape: Sequence[int] | None = None,
-                    layers_owned: tuple[int, int] | None = None) -> "PCNetwork":
+                    layers_owned: tuple[int, int] | None = None, **kw) -> "PCNetwork":
         """A PCNetwork with a copy of the weights of ``layers``, one torch module per PC layer.
 
         Module l maps value node l-1 to the prediction of node l; the last one is the output
@@ -103,7 +138,7 @@ class PCNetwork(nn.Module):
         [nn.Flatten,] nn.Linear [+ activation] -> dense, nn.Conv1d/2d [+ activation] [+ pooling] -> conv,
         pcdist.ResidualLinear -> residual. ``input_shape`` is the input node's shape without the batch
         (needed when the first layer is a convolution, e.g. (1, 8, 8)). ``layers_owned=(a, b)`` keeps
-        only layers a..b-1 (a layer slice).
+        only layers a..b-1 (a layer slice). ``precision`` and ``prior`` go to the constructor.
         """
         mods = list(layers)
         if not mods:
@@ -115,14 +150,16 @@ class PCNetwork(nn.Module):
             shape = tuple(kind.out_shape)
         p = next(iter(picked[0][1].values()))
         net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
-                  init=False)
-        net.load_layer_state_dict({f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1)
-                                   for name, t in params.items()})
+                  init=False, **kw)
+        state = {f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1) for name, t in params.items()}
+        if net.groups and net.groups[0].first == 0:  # a learned prior mean starts at its init (zero)
+            state.update({f"layers.0.{name}": t.detach() for name, t in net.groups[0].public_params(0).items()})
+        net.load_layer_state_dict(state)
         return net
 
     @classmethod
     def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,
-                        input_shape: Sequence[int] | None = None) -> "PCNetwork":
+                        input_shape: Sequence[int] | None = None, **kw) -> "PCNetwork":
         """A PCNetwork with a copy of the weights of an nn.Sequential (or of a slice of it).
 
         A value node goes after each nn.Linear / nn.Conv1d / nn.Conv2d with the activation and the
@@ -130,7 +167,7 @@ class PCNetwork(nn.Module):
         ``from_layers`` (a network that starts with a convolution needs it). Anything else cannot be
         placed where a value node would go: build such networks with ``from_layers``.
         """
-        return cls.from_layers(split_sequential(seq), energy=energy, input_shape=input_shape, layers_owned=layers)
+        return cls.from_layers(split_sequential(seq), energy=energy, input_shape=input_shape, layers_owned=layers, **kw)
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Each kind's init (dense: nn.Linear's default; residual: N(0, 1)), layer by layer.
@@ -160,6 +197,13 @@ class PCNetwork(nn.Module):
     @property
     def owns_all(self) -> bool:
         return self.first == 1 and self.stop == self.num_layers + 1
+
+    def prior_group(self) -> PriorGroup:
+        """The prior of h_0 as group 0: the network's own (a learned mean), or a constant one."""
+        if self.groups and isinstance(self.groups[0], PriorGroup):
+            return self.groups[0]
+        p = next(self.parameters())
+        return PriorGroup(self.prior, self.node_shapes[0], dtype=p.dtype, device=p.device)
 
     def signature(self) -> list[dict]:
         """What fixes the parameters' shapes and meaning, layer by layer (checkpoints compare it)."""
@@ -217,7 +261,7 @@ class PCNetwork(nn.Module):
         """The current weights as plain torch modules, one per PC layer (``from_layers``' structure)."""
         if not self.owns_all:
             raise RuntimeError("to_layers needs all layers; this network owns a slice")
-        return nn.ModuleList(g.to_module(k) for g in self.groups for k in range(g.K))
+        return nn.ModuleList(g.to_module(k) for g in self.groups if g.first > 0 for k in range(g.K))
 
     def to_sequential(self) -> nn.Sequential:
         """The current weights as a plain nn.Sequential (Linear, act, ..., Linear for an MLP)."""
