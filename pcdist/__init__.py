@@ -17,6 +17,8 @@ from .engine.activations import ACTIVATIONS, Activation, get_activation
 from .engine.energies import ENERGIES
 from .engine.fuse import FusedModules, fuse
 from .engine.layers import AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear, mupc_layers, mupc_specs
+from .engine.layers.prior import Prior
+from .engine.schedules import top_down
 from .engine.network import PCNetwork, mlp_specs
 from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
 from .errors import ConfigError
@@ -49,6 +51,7 @@ __all__ = [
     "PCNetwork",
     "PCTrainer",
     "Preempted",
+    "Prior",
     "Residual",
     "ResidualLinear",
     "fuse",
@@ -60,6 +63,7 @@ __all__ = [
     "mlp_specs",
     "mupc_layers",
     "mupc_specs",
+    "top_down",
     "train",
     "warmup_cosine",
 ]
