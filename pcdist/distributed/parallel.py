@@ -276,3 +276,16 @@ class Parallel(LayerExchange):
             shards = sorted((rank, nodes[n]) for nodes, rank in parts if n in nodes)
             out.append(torch.cat([t for _, t in shards]).to(device))
         return out
+
+    def gather_batch(self, t: Tensor | None) -> Tensor | None:
+        """Rows held by some ranks (``t``; None on the others) joined over the data axis in data-rank order,
+        on the logging rank (None elsewhere): e.g. predictions the last layer slice of each data replica made."""
+        if self.logging_rank is None:
+            return t
+        parts = [None] * dist.get_world_size() if self.is_logging else None
+        with collective("the batch gather"):
+            dist.gather_object(None if t is None else (self.data_rank, t.cpu()), parts, dst=self.logging_rank)
+        if not self.is_logging:
+            return None
+        shards = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+        return torch.cat([t for _, t in shards]).to(t.device if t is not None else "cpu") if shards else None

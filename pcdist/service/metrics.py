@@ -68,6 +68,9 @@ class NullLogger:
     def log_trace(self, trace: list[list[float]]) -> None:
         pass
 
+    def log_images(self, images: dict, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -133,6 +136,13 @@ class RunLogger(NullLogger):
     def log_trace(self, trace: list[list[float]]) -> None:
         """Per-layer energies at each inference step of one batch (for the plots)."""
         self.trace = trace
+
+    def log_images(self, images: dict, step: int) -> None:
+        """Pictures the run drew into its directory ({name: path}), to wandb as images."""
+        if self._wandb is not None and images:
+            import wandb
+
+            self._wandb.log({f"images/{name}": wandb.Image(str(path)) for name, path in images.items()}, step=step)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -27,8 +27,12 @@ from .config import PYTHON_DATA, Config, make_config, num_layers
 from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
 from ..errors import ConfigError
 from ..engine.layers import mupc_specs
-from ..engine.models import cnn_specs, vgg_specs
+from ..engine.layers.prior import Prior
+from ..engine.models import cnn_specs, deconv_specs, vgg_specs
+from ..engine.modes import clamps
+from ..engine.schedules import precision_schedule
 from .loader import Streamed
+from .evaluate import evaluate, pictures
 from .metrics import check_logger, make_logger
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
@@ -59,20 +63,39 @@ def _optimizer(c: Config, params, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
 
 
-CONV_MODELS = ("cnn", "vgg")
+IMAGE_MODELS = ("cnn", "vgg", "deconv")
+"""Models whose data nodes stay images [C, H, W]; the others read samples flattened."""
 
 
-def model_specs(c: Config, in_shape: tuple[int, ...], d_out: int) -> list:
-    """The layer kinds of the configured model. mupc, cnn and vgg take their input shape (a sample's,
-    ``in_shape``) and number of classes (``d_out``) from the data."""
+def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of h_0 and h_L in pc.mode: (data, label) supervised, (label, data) generative,
+    (latent, data) unsupervised; data flattened unless the model keeps images."""
+    data = tuple(sample_shape) if c.model.name in IMAGE_MODELS else (math.prod(sample_shape),)
+    bottom = {"supervised": data, "generative": (classes,), "unsupervised": (c.pc.latent_dim,)}[c.pc.mode]
+    return bottom, (data if c.pc.mode != "supervised" else (classes,))
+
+
+def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
+    """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
+    from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
     m = c.model
+    bottom, top = end_shapes(c, sample_shape, classes)
     if m.name == "mupc":
-        return mupc_specs(math.prod(in_shape), m.width, m.depth, d_out, m.activation)
+        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
     if m.name == "cnn":
-        return cnn_specs(in_shape, m.channels, m.kernel_size, m.pool, m.head, d_out, m.activation)
+        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation)
     if m.name == "vgg":
-        return vgg_specs(m.variant, in_shape, d_out, m.activation)
+        return vgg_specs(m.variant, bottom, classes, m.activation)
+    if m.name == "deconv":
+        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
     return mlp_specs(m.dims, m.activation, m.init)
+
+
+def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:
+    """The configured network's layer slice ``layers``: its output energy, precisions and the prior of h_0."""
+    mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
+    return PCNetwork(specs, energy=c.model.energy, layers=layers, seed=c.trainer.seed, dtype=dtype, device=device,
+                     precision=c.pc.precision, prior=Prior(float(c.pc.prior_precision), mean))
 
 
 def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
@@ -99,9 +122,14 @@ def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | Stre
     if c.data.augment and len(data.sample_shape) != 3:
         raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
                           f"samples have shape {list(data.sample_shape)}")
-    if c.model.name in CONV_MODELS:
+    return data
+
+
+def _model_view(c: Config, data: Dataset | StreamedData) -> Dataset | StreamedData:
+    """The data as the model reads it: images kept for IMAGE_MODELS, else in-memory samples flattened."""
+    if c.model.name in IMAGE_MODELS or not isinstance(data, Dataset):
         return data
-    return data.flat() if isinstance(data, Dataset) else data
+    return data.flat()
 
 
 def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
@@ -111,14 +139,24 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
 
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
-    if c.model.name in CONV_MODELS and len(ds.sample_shape) not in (2, 3):
+    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}")
-    if c.model.name == "mlp" and ds.num_features != c.model.dims[0]:
-        raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
-                        f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
-    if c.model.name == "mlp" and ds.num_classes != c.model.dims[-1]:
-        raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    if c.model.name == "mlp" and c.pc.mode == "supervised":
+        if ds.num_features != c.model.dims[0]:
+            raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
+                            f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
+        if ds.num_classes != c.model.dims[-1]:
+            raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
+        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
+        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
+        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
+                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
+                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
+            if got != want:
+                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
+                                f"{list(c.model.dims)}")
     if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
         for name, x, labels in (("train", ds.x_train, ds.labels_train), ("val", ds.x_val, ds.labels_val)):
             if not torch.isfinite(x).all():
@@ -239,7 +277,9 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
     dtype = getattr(torch, c.trainer.dtype)
     ds = _load_data(c, data)
-    specs = model_specs(c, tuple(ds.sample_shape), ds.num_classes)
+    image_shape = tuple(ds.sample_shape)  # for the pictures of generated and reconstructed images
+    ds = _model_view(c, ds)
+    specs = model_specs(c, image_shape, ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
                                  micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
@@ -254,11 +294,14 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         if par.is_logging:
             print(_nothing_to_train(c, run_dir, start), flush=True)
         return {"step": start, "run_dir": str(run_dir), "finished": True}
-    net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
+    net = make_network(c, specs, par.layers, dtype, device)
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init)
+                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
+                        precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
+                        value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
+    trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
     is_rank0 = not distributed or dist.get_rank() == 0
     if resume.checkpoint is not None:
         meta = load_checkpoint(resume.checkpoint, net, opt)
@@ -276,13 +319,14 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
-                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in CONV_MODELS)
+                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in IMAGE_MODELS,
+                          data_at_top=c.pc.mode != "supervised")
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
-                                 is_rank0)
+                                 is_rank0, image_shape=image_shape)
         x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
                                                                    dtype)
-        trace = trainer.trace(x, y)  # collective: every rank takes part
+        trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
         result["run_dir"] = str(run_dir)
@@ -353,19 +397,6 @@ def _val_chunks(ds, par: Parallel, device, dtype):
         yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.labels_val[chunk]
 
 
-def _evaluate(c: Config, ds, net: PCNetwork, par: Parallel, device, dtype) -> float | None:
-    """Validation accuracy (one feed-forward pass, argmax), summed over the data axis on the logging rank."""
-    correct = total = 0
-    with torch.no_grad():
-        for x, labels in _val_chunks(ds, par, device, dtype):
-            logits = par.predict(net, x)
-            if logits is not None:
-                correct += int((logits.argmax(1).cpu() == labels).sum())
-                total += len(labels)
-    summed = par.sum_to_logging([correct, total], device)  # NCCL reduces device tensors only
-    return None if summed is None else summed[0] / max(1.0, summed[1])
-
-
 class Preempted(RuntimeError):
     """SIGTERM or SIGUSR1 arrived: the run checkpointed and stopped; rerunning resumes it."""
 
@@ -417,10 +448,11 @@ class _StopVote:
 
 
 def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
-          until: int | None = None) -> dict:
+          until: int | None = None, image_shape: tuple[int, ...] = ()) -> dict:
     """Train from step ``start`` to the end of the run, taking each step's batch from ``batches``;
     ``until``: stop after that step instead, without the end-of-run evaluation and checkpoint (for
-    benchmarks)."""
+    benchmarks). ``image_shape``: the data's sample shape, for the pictures of the generative and
+    unsupervised modes."""
     t_cfg = c.trainer
     result: dict = {"step": start}
     clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
@@ -434,17 +466,21 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
-        stats = trainer.step(x, y, log=log)
+        stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         metrics = acc = None
         if log and stats:
             stats["skipped_updates"] = trainer.skipped_updates
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
             result.update(metrics)
         if done % t_cfg.eval_every == 0 or done == end:
-            acc = _evaluate(c, ds, net, par, device, dtype)
-            if acc is not None:
-                logger.log({"val/accuracy": acc}, done)
-                result["val/accuracy"] = acc
+            val = evaluate(c, _val_chunks(ds, par, device, dtype), trainer, device)
+            images = pictures(c, next(_val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
+                              ds.num_classes, run_dir)
+            if val is not None:
+                logger.log(val, done)
+                logger.log_images(images, done)
+                result.update(val)
+                acc = val.get("val/accuracy", val.get("val/reconstruction_mse"))
         if metrics is not None or acc is not None:
             logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"])
         if ckpt:
@@ -480,6 +516,7 @@ def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict
                "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
                "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
                **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
+               **({"train/prior_energy": stats["prior_energy"]} if "prior_energy" in stats else {}),
                **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
     logger.log(metrics, done)
     clock.update(t=now, step=done, comm=par.comm_seconds)
