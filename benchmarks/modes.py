@@ -37,7 +37,7 @@ from torch import nn
 import pcdist
 from pcdist.data import load_digits
 from pcdist.engine.modes import classify, generate, reconstruct
-from pcdist.service.evaluate import draw_grid
+from pcdist.service.validate import draw_grid
 
 OUT = Path(__file__).resolve().parent / "results"
 SHAPES = {"A": (64, 128, 32, 10, "mlp"), "M": (64, 128, 32, 10, "mupc")}  # (input, width, hidden layers, output)

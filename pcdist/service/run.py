@@ -32,7 +32,7 @@ from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from .loader import Streamed
-from .evaluate import evaluate, pictures
+from .validate import pictures, validate
 from .metrics import check_logger, make_logger
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
@@ -473,7 +473,7 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
             result.update(metrics)
         if done % t_cfg.eval_every == 0 or done == end:
-            val = evaluate(c, _val_chunks(ds, par, device, dtype), trainer, device)
+            val = validate(c, _val_chunks(ds, par, device, dtype), trainer, device)
             images = pictures(c, next(_val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
                               ds.num_classes, run_dir)
             if val is not None:

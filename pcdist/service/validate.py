@@ -1,4 +1,4 @@
-"""Validation in each PC mode, and the pictures of the generative and unsupervised modes.
+"""Validation during training in each PC mode, and the pictures of the generative and unsupervised modes.
 
     supervised     val/accuracy               feed-forward from the data, argmax u_L
     generative     val/accuracy               classification by inference: h_L = data, h_0 free
@@ -23,10 +23,10 @@ import torch
 from ..engine.modes import forward_mean
 from ..engine.trainer import PCTrainer
 
-__all__ = ["evaluate", "pictures", "draw_grid"]
+__all__ = ["validate", "pictures", "draw_grid"]
 
 
-def evaluate(c, chunks, trainer: PCTrainer, device) -> dict | None:
+def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
     """The mode's validation metrics over this rank's validation ``chunks`` ((data, labels) pairs), on the
     logging rank."""
     par, net, mode = trainer.parallel, trainer.net, c.pc.mode
