@@ -22,7 +22,7 @@ from ..distributed.parallel import Parallel
 from .network import PCNetwork
 from .schedules import PrecisionSchedule, warmup_cosine
 from .stage import INITS, Stage
-from .values import noise_seed
+from .values import value_noise
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
 
@@ -70,16 +70,7 @@ class PCTrainer:
         value_noise: float = 0.0,
         noise_seed: int = 0,
     ):
-        _check_T(T)
-        if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
-            raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
-        if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
-            raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
-        if init not in INITS:
-            raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
-        _check_noise(value_noise)
+        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
         if (net.first, net.stop) != tuple(parallel.layers):
             raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is {parallel.layers}")
@@ -122,7 +113,8 @@ class PCTrainer:
         clock = [time.perf_counter()]
         par.feedforward(st)
         clock.append(time.perf_counter())
-        energies, noise = None, self._noise(self.value_noise, self.steps_done, st, global_batch)
+        energies = None
+        noise = value_noise(st, self.parallel, self.x_lr, self.value_noise, self.noise_seed, self.steps_done, global_batch)
         if self.algorithm == "pc":
             for t in range(self.T):
                 self._relax(st, t, noise, more=t < self.T - 1)
@@ -175,7 +167,7 @@ class PCTrainer:
         _check_noise(noise)
         st, par = self._begin(x, y, batch_size, global_batch)
         par.feedforward(st)
-        draw = self._noise(noise, -1 - self._inferred, st, global_batch)
+        draw = value_noise(st, par, self.x_lr, noise, self.noise_seed, -1 - self._inferred, global_batch)
         self._inferred += 1
         for t in range(T):
             self._relax(st, t, draw, more=t < T - 1)
@@ -205,7 +197,7 @@ class PCTrainer:
 
     # -- the pieces ------------------------------------------------------------------
     def _begin(self, x: Tensor | None, y: Tensor | None, batch_size: int | None, global_batch: int | None):
-        B = self._check_batch(x, y, batch_size)
+        B = check_batch(self.net, x, y, batch_size)
         st = self.stage(B, x is None, y is None)
         st.begin(x if self.parallel.is_first else None, y if self.parallel.is_last else None)
         return st, self.parallel
@@ -230,32 +222,6 @@ class PCTrainer:
         st.precision.copy_(torch.tensor([base[l - 1] * sched(l, t, net.num_layers) for l in range(net.first, net.stop)],
                                         dtype=st.precision.dtype))
 
-    def _noise(self, tau: float, call: int, st: Stage, global_batch: int | None):
-        """The value noise of one step or infer call: ``noise(t)`` adds sqrt(2 x_lr tau) xi to every node
-        this rank updates, xi of node n drawn from (noise_seed, call, t, n) for the global batch and
-        cut to this data rank's rows; None without noise."""
-        if not tau:
-            return None
-        par, B = self.parallel, st.B
-        total = B if par.data_size == 1 else global_batch
-        if total is None:
-            raise ValueError("value noise on a data axis needs the global batch size: pass global_batch=")
-        rows = torch.tensor_split(torch.arange(total), par.data_size)[par.data_rank]
-        if len(rows) != B:
-            raise ValueError(f"global_batch={total} over {par.data_size} data ranks gives this rank {len(rows)} "
-                             f"rows, but its batch has {B}")
-        lo, std = int(rows[0]) if len(rows) else 0, math.sqrt(2.0 * self.x_lr * tau)
-        h = st.node(self.net.stop - 1)
-
-        def add(t: int) -> None:
-            def draw(n: int, shape: tuple[int, ...]) -> Tensor:
-                gen = torch.Generator(device=h.device).manual_seed(noise_seed(self.noise_seed, call, t, n))
-                return torch.randn(total, *shape, generator=gen, dtype=h.dtype, device=h.device)[lo : lo + B]
-
-            st.values.add_noise(std, draw)
-
-        return add
-
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
         """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
         energy diverged on any rank."""
@@ -270,19 +236,6 @@ class PCTrainer:
             self.scheduler.step()
         st.weights_changed()
 
-    def _check_batch(self, x: Tensor | None, y: Tensor | None, batch_size: int | None = None) -> int:
-        s_in, s_out = self.net.node_shapes[0], self.net.node_shapes[-1]
-        B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
-        if B is None:
-            raise ValueError("with both ends free (x=None, y=None) give batch_size=")
-        for name, t, shape, node, side in (("x", x, s_in, "h_0", "input"), ("y", y, s_out, "h_L", "output")):
-            if t is not None and (t.ndim != 1 + len(shape) or tuple(t.shape[1:]) != shape or t.shape[0] != B):
-                what = "width" if len(shape) == 1 else "shape"
-                raise ValueError(f"{name} must have shape [{'batch' if name == 'x' else B}, "
-                                 f"{', '.join(map(str, shape))}] ({node}: the model's {side} {what}), got "
-                                 f"{list(t.shape)}")
-        return B
-
     def value_nodes(self) -> list[Tensor]:
         """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference.
 
@@ -295,6 +248,19 @@ class PCTrainer:
         return [st.node(n).clone() for n in range(self.net.first - 1, self.net.stop)]
 
 
+def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:
+    _check_T(T)
+    if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
+        raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
+    if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
+        raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
+    if init not in INITS:
+        raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+    _check_noise(value_noise)
+
+
 def _check_T(T) -> int:
     if isinstance(T, bool) or not isinstance(T, int) or T < 1:
         raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
@@ -304,3 +270,19 @@ def _check_T(T) -> int:
 def _check_noise(tau) -> None:
     if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
         raise ValueError(f"value noise (the temperature tau) must be a finite number >= 0, got {tau!r}")
+
+
+def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: int | None = None) -> int:
+    """The batch size of a step clamping h_0 to ``x`` and h_L to ``y`` (``batch_size`` where both are None);
+    a ValueError naming the expected shape otherwise."""
+    s_in, s_out = net.node_shapes[0], net.node_shapes[-1]
+    B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
+    if B is None:
+        raise ValueError("with both ends free (x=None, y=None) give batch_size=")
+    for name, t, shape, node, side in (("x", x, s_in, "h_0", "input"), ("y", y, s_out, "h_L", "output")):
+        if t is not None and (t.ndim != 1 + len(shape) or tuple(t.shape[1:]) != shape or t.shape[0] != B):
+            what = "width" if len(shape) == 1 else "shape"
+            raise ValueError(f"{name} must have shape [{'batch' if name == 'x' else B}, "
+                             f"{', '.join(map(str, shape))}] ({node}: the model's {side} {what}), got "
+                             f"{list(t.shape)}")
+    return B

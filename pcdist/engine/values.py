@@ -25,13 +25,15 @@ owner takes, from ``recv_error`` and ``send_backproj``, in the same floating-poi
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from .nodes import ValueNodes
 
-__all__ = ["ValueOptimizer", "noise_seed", "scale_"]
+__all__ = ["ValueOptimizer", "noise_seed", "scale_", "value_noise"]
 
 
 def noise_seed(seed: int, call: int, t: int, node: int) -> int:
@@ -111,3 +113,30 @@ class ValueOptimizer:
         if nd.has_replica:
             h = nd.blocks[0].h[0]
             h.add_(draw(nd.blocks[0].lo, tuple(h.shape[1:])), alpha=std)
+
+
+def value_noise(st, par, x_lr: float, tau: float, seed: int, call: int, global_batch: int | None):
+    """The value noise of one training step or infer call ``call`` on a Stage: ``add(t)`` puts
+    sqrt(2 x_lr tau) xi on every node this rank updates at inference step t, xi of node n drawn from
+    ``noise_seed(seed, call, t, n)`` for the global batch and cut to this data rank's rows (``par``: the
+    rank's Parallel); None when tau is 0."""
+    if not tau:
+        return None
+    B = st.B
+    total = B if par.data_size == 1 else global_batch
+    if total is None:
+        raise ValueError("value noise on a data axis needs the global batch size: pass global_batch=")
+    rows = torch.tensor_split(torch.arange(total), par.data_size)[par.data_rank]
+    if len(rows) != B:
+        raise ValueError(f"global_batch={total} over {par.data_size} data ranks gives this rank {len(rows)} rows, "
+                         f"but its batch has {B}")
+    lo, std, like = int(rows[0]) if len(rows) else 0, math.sqrt(2.0 * x_lr * tau), st.node(st.net.stop - 1)
+
+    def add(t: int) -> None:
+        def draw(n: int, shape: tuple[int, ...]) -> Tensor:
+            gen = torch.Generator(device=like.device).manual_seed(noise_seed(seed, call, t, n))
+            return torch.randn(total, *shape, generator=gen, dtype=like.dtype, device=like.device)[lo : lo + B]
+
+        st.values.add_noise(std, draw)
+
+    return add
