@@ -238,3 +238,49 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         assert kinds >= ({"conv", "dense"} if case.net == "conv" else {"conv", "module", "dense", "residual"}), kinds
     if name.startswith("mupc-uneven"):
         assert len({res["layers"][1] - res["layers"][0] for res in results}) > 1, "the split is uneven"
+
+
+INFER_CASES = {"P2": (2, 1), "P3": (3, 1), "D2xP2": (2, 2)}
+
+
+def infer_worker(rank, world, layer, data, out_dir):
+    """Inference at test time on a layer split: infer (gathered), classify, reconstruct, generate."""
+    from pcdist.engine.modes import classify, generate, reconstruct
+
+    init_distributed(timeout_s=60)
+    specs = pcdist.mlp_specs([5, 8, 8, 8, 6], "tanh")
+    par = Parallel.from_mesh(ParallelDims(data, layer), specs, timeout_s=60)
+    net = pcdist.PCNetwork(specs, layers=par.layers, dtype=DT, seed=4, prior=Prior(0.5, "uniform"))
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, parallel=par, noise_seed=2)
+    g = torch.Generator().manual_seed(9)
+    y = torch.rand(8, 6, generator=g, dtype=DT)
+    rows = torch.tensor_split(torch.arange(8), data)[par.data_rank]
+    got = {"nodes": tr.infer(None, y[rows], noise=0.1, global_batch=8), "labels": classify(tr, y[rows]),
+           "recon": reconstruct(tr, y[rows]), "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]][rows])}
+    if par.is_logging:
+        torch.save(got, f"{out_dir}/logging.pt")
+    else:
+        assert all(v is None for v in got.values()), "only the logging rank gets the results"
+
+
+@pytest.mark.parametrize("name", list(INFER_CASES))
+def test_inference_at_test_time_on_a_layer_split_equals_one_process(name, tmp_path):
+    """trainer.infer (nodes gathered onto the logging rank, value noise included) and the modes' tests
+    (classify, reconstruct, generate) on P layer ranks and a 2 x 2 mesh give one process's results."""
+    from pcdist.engine.modes import classify, generate, reconstruct
+
+    layer, data = INFER_CASES[name]
+    run(infer_worker, layer * data, layer, data, str(tmp_path), timeout=180)
+    got = torch.load(tmp_path / "logging.pt", weights_only=True)
+    specs = pcdist.mlp_specs([5, 8, 8, 8, 6], "tanh")
+    net = pcdist.PCNetwork(specs, dtype=DT, seed=4, prior=Prior(0.5, "uniform"))
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, noise_seed=2)
+    y = torch.rand(8, 6, generator=torch.Generator().manual_seed(9), dtype=DT)
+    want = {"nodes": tr.infer(None, y, noise=0.1), "labels": classify(tr, y), "recon": reconstruct(tr, y),
+            "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]])}
+    assert len(got["nodes"]) == len(want["nodes"]) == 5
+    for a, b in zip(got["nodes"], want["nodes"]):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    assert torch.equal(got["labels"], want["labels"])
+    torch.testing.assert_close(got["recon"], want["recon"], atol=1e-9, rtol=0)
+    torch.testing.assert_close(got["gen"], want["gen"], atol=1e-9, rtol=0)
