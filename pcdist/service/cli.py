@@ -178,9 +178,10 @@ def _train(cfg) -> None:
         sys.exit(3)
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         fail(str(e))
-    if "val/accuracy" in result:
-        print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
-              flush=True)
+    shown = [f"{k} {result[k]:.4f}" if k == "val/accuracy" else f"{k} {result[k]:.4g}"
+             for k in ("val/accuracy", "val/reconstruction_mse") if k in result]
+    if shown:
+        print(f"step {result['step']}: {', '.join(shown)}; run directory: {result['run_dir']}", flush=True)
 
 
 def main() -> None:

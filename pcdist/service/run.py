@@ -467,7 +467,7 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
         stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
-        metrics = acc = None
+        metrics = acc = val = None
         if log and stats:
             stats["skipped_updates"] = trainer.skipped_updates
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
@@ -480,9 +480,10 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
                 logger.log(val, done)
                 logger.log_images(images, done)
                 result.update(val)
-                acc = val.get("val/accuracy", val.get("val/reconstruction_mse"))
-        if metrics is not None or acc is not None:
-            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"])
+                acc = val.get("val/accuracy")
+        if metrics is not None or val is not None:
+            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"],
+                            val and val.get("val/reconstruction_mse"))
         if ckpt:
             meta = {"step": done, "model": net.signature(),
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
