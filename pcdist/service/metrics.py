@@ -212,7 +212,10 @@ def plot_training(rows: list[dict], what: str = ""):
         if all(e > 0 for _, e in tr):
             energy.set_yscale("log")
     energy.set_ylabel("training energy F (batch mean)", color="tab:orange")
-    final = f"; final {name.split(' (')[0]} {va[-1][1]:.4g} at step {va[-1][0]}" if va else ""
+    final = ""
+    if va:
+        value = f"accuracy {va[-1][1]:.4f}" if key == "val/accuracy" else f"reconstruction error {va[-1][1]:.4g}"
+        final = f"; final {value} at step {va[-1][0]}"
     acc.set_title(f"Training: {what}{final}", fontsize=9)
     fig.tight_layout()
     return fig
