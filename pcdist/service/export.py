@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .load import Run, load
 
-__all__ = ["export", "Deployed", "ExportResult"]
+__all__ = ["export", "export_run", "Deployed", "ExportResult"]
 
 
 class Deployed(nn.Module):
@@ -69,10 +69,15 @@ def _first_failing_layer(run: Run, example: Tensor) -> str:
     return "torch.export failed on the whole network"
 
 
-def export(run_dir, out, checkpoint="last") -> ExportResult:
+def export(run_dir, out, checkpoint="last", layers=None) -> ExportResult:
     """Write the run's network (with its preprocessing) to ``out`` as a torch.export program, or as a
-    state_dict with a note where a layer cannot be exported. Returns what was written."""
-    run = load(run_dir, checkpoint)
+    state_dict with a note where a layer cannot be exported. Returns what was written. ``layers``: as
+    for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
+    return export_run(load(run_dir, checkpoint, layers=layers), out)
+
+
+def export_run(run: Run, out) -> ExportResult:
+    """``export`` for a run already loaded."""
     out = Path(out)
     model = Deployed(run).eval()
     dtype = getattr(torch, run.inputs.dtype)
@@ -87,6 +92,7 @@ def export(run_dir, out, checkpoint="last") -> ExportResult:
     except Exception:  # noqa: BLE001 - fall back to the weights, saying which layer could not be traced
         note = _first_failing_layer(run, example)
         state = {"state_dict": model.layers.state_dict(), "note": note, "info": json.dumps(info)}
+        out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
         return ExportResult(path=str(out), format="state_dict", note=note + f"; wrote the state_dict of "
                             f"to_sequential() to {out} instead (torch.load(..., weights_only=True)['state_dict'])")

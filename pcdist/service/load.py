@@ -169,6 +169,9 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu") -> Run:
             raise RunError(f"{p}: layers {missing} are the user's own modules and the run recorded no importable "
                            f"function that builds them; pass them: pcdist.load(run_dir, layers=...)")
         user = UserLayers.of(layers if layers is not None else (lambda: call_factory(factory)))
+        if len(user.modules) != len(signature):
+            raise CheckpointError(f"{path} holds {len(signature)} layers but {len(user.modules)} modules were given: "
+                                  f"they are not the run's architecture")
         try:
             net = user.network(energy, (1, len(signature) + 1), inputs.node_shape(), dtype, device)
         except Exception as e:
