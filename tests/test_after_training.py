@@ -245,7 +245,7 @@ def make_layers():
     """The user's model, built deterministically (every rank builds the same initial weights)."""
     torch.manual_seed(0)
     return [nn.Sequential(OrderedDict(flat=nn.Flatten(), fc=nn.Linear(64, 32), act=nn.GELU())), Block(32),
-            Block(32), nn.Linear(32, 10)]
+            nn.Linear(32, 10)]
 
 
 def _train_user_layers(rank, world, run_dir, stop_at, logger):
@@ -256,20 +256,27 @@ def _train_user_layers(rank, world, run_dir, stop_at, logger):
 
 
 def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp_path):
-    """The user's modules (two of them a custom class) train on 2 layer ranks with wandb offline, stop at
-    step 10 and resume to 20, ending where an uninterrupted run ends; pcdist.load rebuilds the exact
-    modules from the recorded factory and reproduces the logged accuracy."""
+    """The user's modules (one a custom class) train on 2 layer ranks with wandb offline, stop at step 10
+    and resume to 20, ending where an uninterrupted one-process run ends (1e-6, as test_service's resume
+    across splits); pcdist.load rebuilds the exact modules from the recorded factory and reproduces the
+    logged accuracy."""
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
     spawn_run(_train_user_layers, 2, str(resumed), 10, "wandb", timeout=300)
     assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl") if "val/accuracy" in r] == [10]
     spawn_run(_train_user_layers, 2, str(resumed), None, "wandb", timeout=300)
-    spawn_run(_train_user_layers, 2, str(straight), None, "none", timeout=300)
+    threads = torch.get_num_threads()
+    try:  # one thread, as each spawned rank has
+        pcdist.train({"trainer": {"max_steps": 20, "eval_every": 10, "log_every": 10, "ckpt_every": 10,
+                                  "progress": "off", "threads": 1}, "run_dir": str(straight), "logger": "none",
+                      "pc": {"T": 5}}, layers=make_layers)
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
     assert list((resumed / "wandb").glob("offline-run-*")), "wandb wrote its offline run"
     a, b = pcdist.load(resumed), pcdist.load(straight)
-    for p, q in zip(a.network.parameters(), b.network.parameters()):
-        assert torch.equal(p, q), "resuming ends where the uninterrupted run ends"
-    assert held_out_accuracy(a) == logged_accuracy(resumed) == logged_accuracy(straight)
+    for p, q in zip(a.network.parameters(), b.network.parameters()):  # as test_service's resume across splits
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg="resuming ends where the uninterrupted run ends")
+    assert held_out_accuracy(a) == logged_accuracy(resumed)
     layers = a.network.to_layers()
     assert [type(m) for m in layers] == [type(m) for m in make_layers()]
     mine = nn.Sequential(*make_layers())
@@ -282,14 +289,14 @@ def test_user_layers_without_a_factory_need_them_at_load(tmp_path):
     run_dir = tmp_path / "run"
     result = pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 10}},
                           layers=make_layers())
-    with pytest.raises(pcdist.RunError, match=r"layers \[2, 3\] are the user's own modules"):
+    with pytest.raises(pcdist.RunError, match=r"layers \[2\] are the user's own modules"):
         pcdist.load(run_dir)
     run = pcdist.load(run_dir, layers=make_layers())
     assert held_out_accuracy(run) == logged_accuracy(run_dir) == result["val/accuracy"]
-    with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="holds 4 layers but 1 modules"):
+    with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="holds 3 layers but 1 modules"):
         pcdist.load(run_dir, layers=[nn.Sequential(nn.Flatten(), nn.Linear(64, 10))])
     dense = [nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh())] + \
-        [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)] + [nn.Linear(32, 10)]
+        [nn.Sequential(nn.Linear(32, 32), nn.Tanh())] + [nn.Linear(32, 10)]
     with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="written by a different model"):
         pcdist.load(run_dir, layers=dense)
 
@@ -328,8 +335,11 @@ def test_to_layers_round_trips_a_mupc_network():
     back = net.to_layers()
     assert [type(m) for m in back] == [pcdist.ResidualLinear] * 6
     model = nn.Sequential(*layers)
-    _round_trip(model, torch.randn(4, 64), pcdist.PCNetwork.from_sequential(model))
-    model.load_state_dict(nn.Sequential(*back).state_dict())
+    assert list(nn.Sequential(*back).state_dict()) == list(model.state_dict())
+    fresh = nn.Sequential(*pcdist.mupc_layers(64, 32, 6, 10))
+    fresh.load_state_dict(nn.Sequential(*back).state_dict())
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(fresh(x), net(x), rtol=1e-5, atol=1e-5)
 
 
 def test_presets_return_the_structure_their_config_describes(digits_run):

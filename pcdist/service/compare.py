@@ -46,7 +46,7 @@ def _summary(rows: list[dict]) -> dict:
     energy = [r["train/energy"] for r in rows if "train/energy" in r]
     step_s = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
     return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
-            "best val/accuracy": max(acc) if acc else None, "train/energy": energy[-1] if energy else None,
+            "val/accuracy(best)": max(acc) if acc else None, "train/energy": energy[-1] if energy else None,
             "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
 
 
@@ -103,7 +103,7 @@ def _cell(v) -> str:
 
 def format_table(result: dict) -> str:
     """The comparison as an aligned text table, one run per line."""
-    cols = ["run", *result["settings"], "step", "val/accuracy", "best val/accuracy", "train/energy", "step_s"]
+    cols = ["run", *result["settings"], "step", "val/accuracy", "val/accuracy(best)", "train/energy", "step_s"]
     cells = [[_cell(row.get(c)) for c in cols] for row in result["rows"]]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
