@@ -4,7 +4,7 @@ For each preset (the default digits MLP and every conf/experiment/ file) two ser
 the same seed, one with the preset's ``pc.algorithm=pc`` and one with ``pc.algorithm=bp`` (the
 same network, data, optimizer, schedule and seed trained by autograd; pcdist/service/backprop.py),
 each for a step budget that fits a 2-core CPU (``BUDGET``: steps and batch size; the warm-up is
-scaled with the steps). Presets whose data files are not in ``--data-root`` run on a stand-in:
+scaled with the steps), one torch thread. Presets whose data files are not in ``--data-root`` run on a stand-in:
 the bundled digits resized to the preset's input shape (1 x 28 x 28 for MNIST / FashionMNIST,
 3 x 32 x 32 for CIFAR), keeping the preset's network (100 outputs for CIFAR-100). Accuracy is
 then a statement about the method on the stand-in, not the published number.
@@ -13,7 +13,7 @@ Time per step: after the runs, the PC step (PCTrainer) and the backprop step (Ba
 of the preset's network on one batch are timed side by side in this process, in interleaved
 rounds (PC then BP, then BP then PC), and the medians reported with their ratio.
 
-    python benchmarks/backprop.py                          # every preset (about 10 minutes on 2 cores)
+    python benchmarks/backprop.py                          # every preset (about 15 minutes on 2 busy cores)
     python benchmarks/backprop.py --presets default pcx_mnist
     python benchmarks/backprop.py --tiny                   # a smoke test of the script (seconds)
 
@@ -45,8 +45,8 @@ PRESETS = ["default"] + sorted(p.stem for p in (CONF_DIR / "experiment").glob("*
 # preset -> (training steps, batch size) of both runs; None keeps the preset's batch size
 BUDGET = {"default": (660, None), "mupc_digits": (100, None), "deep_narrow": (30, None),
           "pcx_mnist": (300, None), "pcx_fashion_mnist": (300, None),
-          "pcx_vgg5_cifar10": (12, 16), "pcx_vgg5_cifar100": (12, 16), "pcx_vgg7_cifar10": (12, 16),
-          "pcx_vgg7_cifar100": (12, 16)}
+          "pcx_vgg5_cifar10": (8, 16), "pcx_vgg5_cifar100": (8, 16), "pcx_vgg7_cifar10": (8, 16),
+          "pcx_vgg7_cifar100": (8, 16)}
 SHAPES = {"mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32), "cifar100": (3, 32, 32)}
 CLASSES = {"cifar100": 100}
 
@@ -88,7 +88,7 @@ def run_pair(name: str, steps: int, batch: int | None, data, tmp: Path, tiny: bo
     extra = {"trainer.max_steps": steps, "trainer.epochs": None, "trainer.batch_size": B,
              "trainer.eval_every": max(1, steps // 4), "trainer.log_every": max(1, steps // 12),
              "trainer.ckpt_every": steps, "trainer.progress": "off", "optim.warmup_steps": min(warm, steps),
-             "logger": "none"}
+             "logger": "none", "trainer.threads": 1}
     if tiny:
         extra.update({"pc.T": min(c.pc.T, 3)})
     out = {"steps": steps, "batch": B}
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a few steps per preset: a smoke test of the script")
     ap.add_argument("--out", default=str(OUT / "backprop.json"))
     args = ap.parse_args()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second one waits for a busy core
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.presets:
@@ -180,7 +180,7 @@ def main() -> None:
             row = {"preset": name, "model": c.model.name, "data": where,
                    **run_pair(name, steps, batch, data, Path(tmp), args.tiny)}
             heavy = c.model.name == "vgg" or c.model.depth >= 64 and c.model.name == "mupc"
-            row.update(time_steps(name, batch, data, 3 if args.tiny else args.rounds,
+            row.update(time_steps(name, batch, data, 3 if (args.tiny or heavy) else args.rounds,
                                   1 if (heavy or args.tiny) else 10, args.tiny))
             rows.append(row)
             print(f"{name:<20} {where[:44]:<44} steps {row['steps']:>4} x {row['batch']:>3}: accuracy PC "
