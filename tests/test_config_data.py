@@ -99,7 +99,7 @@ BAD_CONFIGS = [
     (["pc.T=0"], "config pc.T=0 is invalid: allowed an integer >= 1"),
     (["pc.x_lr=-1"], "config pc.x_lr=-1.0 is invalid: allowed a finite number > 0"),
     (["pc.x_momentum=1"], "config pc.x_momentum=1.0 is invalid: allowed a number in [0, 1)"),
-    (["pc.algorithm=bp"], "config pc.algorithm='bp' is invalid: allowed pc, ipc"),
+    (["pc.algorithm=dfa"], "config pc.algorithm='dfa' is invalid: allowed pc, ipc, bp"),
     (["optim.lr=0"], "config optim.lr=0.0 is invalid: allowed a finite number > 0"),
     (["optim.name=adam"], "config optim.name='adam' is invalid: allowed adamw, sgd"),
     (["model.activation=swish"], "config model.activation='swish' is invalid: allowed tanh, relu, leaky_relu, gelu, "
