@@ -13,7 +13,7 @@ Time per step: after the runs, the PC step (PCTrainer) and the backprop step (Ba
 of the preset's network on one batch are timed side by side in this process, in interleaved
 rounds (PC then BP, then BP then PC), and the medians reported with their ratio.
 
-    python benchmarks/backprop.py                          # every preset (about 15 minutes on 2 busy cores)
+    python benchmarks/backprop.py                          # every preset (about 20 minutes on 2 busy cores)
     python benchmarks/backprop.py --presets default pcx_mnist
     python benchmarks/backprop.py --tiny                   # a smoke test of the script (seconds)
 
@@ -76,7 +76,8 @@ def preset_data(c, root: str | None) -> tuple[Dataset | None, str]:
         return load_dataset(name, root or c.data.root), name
     except (DataError, ValueError, TypeError):
         shape = SHAPES[name]
-        return stand_in(shape, CLASSES.get(name, 10)), f"digits resized to {'x'.join(map(str, shape))} (no {name} files)"
+        where = f"digits resized to {'x'.join(map(str, shape))} (no {name} files)"
+        return stand_in(shape, CLASSES.get(name, 10)), where
 
 
 def run_pair(name: str, steps: int, batch: int | None, data, tmp: Path, tiny: bool) -> dict:
@@ -130,6 +131,7 @@ def time_steps(name: str, batch: int | None, data, rounds: int, per_round: int, 
             samples[algo].append((time.perf_counter() - t0) / per_round)
     pc_s, bp_s = statistics.median(samples["pc"]), statistics.median(samples["bp"])
     return {"pc_step_s": pc_s, "bp_step_s": bp_s, "pc_over_bp": pc_s / bp_s, "timing_batch": B,
+            "pc_samples_s": samples["pc"], "bp_samples_s": samples["bp"],
             "timing_rounds": rounds, "timing_steps_per_round": per_round}
 
 

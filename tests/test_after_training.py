@@ -65,7 +65,8 @@ def test_load_a_torchrun_layer_parallel_run_into_one_process_without_the_data(tm
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
            "parallel.layer=2", "trainer.max_steps=30", "trainer.eval_every=15", "trainer.ckpt_every=15",
-           "logger=none", "trainer.progress=off", f"data.normalize={str(normalize).lower()}", f"hydra.run.dir={run_dir}"]
+           "logger=none", "trainer.progress=off", f"data.normalize={str(normalize).lower()}",
+           f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]

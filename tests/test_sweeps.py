@@ -51,7 +51,7 @@ def test_optuna_sweep_on_digits_then_compare(tmp_path):
     trial is its own run directory, and compare prints one table of the differing settings and final
     metrics and draws the validation curves."""
     sweep = tmp_path / "optuna"
-    out = train_py("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
+    train_py("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
                    "hydra.sweeper.sampler.seed=0", "pc.x_lr=tag(log, interval(0.02, 0.5))", "pc.T=range(4, 12, step=4)",
                    "optim.lr=tag(log, interval(5e-4, 5e-3))", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     runs = jobs(sweep)
