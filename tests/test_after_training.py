@@ -398,3 +398,8 @@ def test_backprop_twin_refuses_several_processes():
     c = pcdist.service.config.make_config({"pc": {"algorithm": "bp"}})
     with pytest.raises(pcdist.ConfigError, match="pc.algorithm=bp .* trains in one process, but this launch has 2"):
         pcdist.service.run.check(c, 2)
+
+
+def test_model_name_python_needs_layers():
+    with pytest.raises(pcdist.ConfigError, match="model.name='python' stands for layers passed"):
+        pcdist.train({"model": {"name": "python"}, "logger": "none"})

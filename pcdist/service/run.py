@@ -189,6 +189,9 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
     if layers is not None:
         user = UserLayers.of(layers)
         c.model.name, c.model.depth = PYTHON_MODEL, len(user.modules)
+    elif c.model.name == PYTHON_MODEL:
+        raise ConfigError(f"config model.name={PYTHON_MODEL!r} stands for layers passed to pcdist.train(cfg, "
+                          f"layers=...), and none were passed")
     if data is not None:
         c.data.name = PYTHON_DATA
     elif c.data.name == PYTHON_DATA:
