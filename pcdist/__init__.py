@@ -24,7 +24,12 @@ from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
 from .errors import ConfigError
 from .service import data
 from .service.config import compose
-from .service.run import Preempted, train
+from .service.backprop import BackpropTrainer
+from .service.compare import compare
+from .service.evaluate import evaluate, predict
+from .service.export import export
+from .service.load import Run, RunError, load
+from .service.run import Preempted, Result, train
 
 # pcdist.layers, pcdist.data and pcdist.deeppcr stay importable by their short names.
 for _name, _module in (("layers", layers), ("data", data), ("deeppcr", deeppcr)):
@@ -35,6 +40,15 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "ALGORITHMS",
+    "BackpropTrainer",
+    "compare",
+    "evaluate",
+    "export",
+    "load",
+    "predict",
+    "Result",
+    "Run",
+    "RunError",
     "ENERGIES",
     "Activation",
     "AnyModule",

@@ -150,3 +150,21 @@ def test_modes_benchmark_writes_ratios_learning_figures_and_pictures(tmp_path):
     assert 0 <= learn["generative_hidden"]["accuracy"] <= 1 and 0.85 < learn["lda"] <= 1
     for png in ("modes_tiny_samples.png", "modes_tiny_reconstructions.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_backprop_benchmark_runs_both_twins_and_times_them_interleaved(tmp_path):
+    """benchmarks/backprop.py: a PC and a backprop service run per preset, and the step-time ratio is the
+    ratio of the medians of the interleaved samples it saved."""
+    out = tmp_path / "backprop.json"
+    stdout = run("backprop.py", "--tiny", "--presets", "default", "pcx_mnist", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert [r["preset"] for r in res["rows"]] == ["default", "pcx_mnist"] and res["tiny"]
+    assert "shared" in res["machine"]
+    for row in res["rows"]:
+        assert 0.0 <= row["pc_accuracy"] <= 1.0 and 0.0 <= row["bp_accuracy"] <= 1.0
+        assert len(row["pc_samples_s"]) == len(row["bp_samples_s"]) == row["timing_rounds"]
+        ratio = statistics.median(row["pc_samples_s"]) / statistics.median(row["bp_samples_s"])
+        assert row["pc_over_bp"] == pytest.approx(ratio, rel=1e-12)
+        assert row["preset"] in stdout
+    assert res["rows"][1]["data"].startswith("digits resized to 1x28x28") or res["rows"][1]["data"] == "mnist"

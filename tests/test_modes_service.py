@@ -115,3 +115,22 @@ def test_what_cannot_work_is_one_line_naming_the_key(overrides, message, tmp_pat
     with pytest.raises(ValueError) as info:
         train(tmp_path, **overrides)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["generative", "unsupervised"])
+def test_evaluating_a_run_reproduces_its_logged_test(mode, tmp_path):
+    """python -m pcdist evaluate on a generative / unsupervised run: the network loaded from its checkpoint
+    (a learned prior mean included) gives the test the run logged at its last evaluation, exactly."""
+    from pcdist.service.evaluate import evaluate
+
+    over = {"experiment": f"{mode}_digits", "pc.eval_T": 30, "pc.T": 10}
+    if mode == "unsupervised":
+        over["pc.prior_mean"] = "learned"
+    result, run_dir = train(tmp_path, **over)
+    got = evaluate(run_dir)
+    assert got["mode"] == mode and got["T"] == 30
+    assert got["reconstruction_mse"] == pytest.approx(result["val/reconstruction_mse"], rel=1e-6)
+    if mode == "generative":
+        assert got["accuracy"] == pytest.approx(result["val/accuracy"], abs=1e-12)
+        assert (run_dir / "confusion.png").read_bytes()[:8] == PNG
+    assert (run_dir / "eval.json").is_file()

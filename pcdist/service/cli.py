@@ -36,6 +36,8 @@ usage: python train.py [group=option ...] [key=value ...]           one process 
        torchrun --nproc_per_node=N train.py [...]                    N processes (launch/local.sh does this)
        WORLD_SIZE=N python train.py --check [...]                    check the overrides for N processes, run nothing
        python train.py --help [...]                                  this text, with the values those overrides give
+       python train.py --multirun optim.lr=1e-3,2e-3                 one run directory per job (runs/multirun/...)
+       python -m pcdist evaluate|predict|export|compare ...          after training (python -m pcdist evaluate -h)
 """
 
 
@@ -67,8 +69,9 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     from .config import composition_error
 
-    try:  # a value of the wrong type for its key: one line, not Hydra's report
-        _compose(conf_dir, args.overrides)
+    try:  # a value of the wrong type for its key: one line, not Hydra's report (each job of a sweep is
+        # checked as Hydra launches it: pcdist.train validates its config)
+        _compose(conf_dir, _fixed(args.overrides) if args.multirun else args.overrides)
     except HydraException as e:
         fail(str(composition_error(e)))
     if not (args.help or check):
@@ -89,6 +92,14 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     except (ConfigError, DataError) as e:
         fail(str(e))
     sys.exit(0)
+
+
+def _fixed(overrides: list[str]) -> list[str]:
+    """The overrides of a --multirun that are not sweeps (``optim.lr=1e-3,2e-3``, ``x=interval(0,1)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()]
 
 
 def _groups(conf_dir: Path) -> dict[str, list[str]]:
@@ -163,7 +174,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _train(cfg) -> None:
+def _train(cfg) -> float | None:
     import pcdist
     from hydra.core.hydra_config import HydraConfig
 
@@ -182,6 +193,7 @@ def _train(cfg) -> None:
              for k in ("val/accuracy", "val/reconstruction_mse") if k in result]
     if shown:
         print(f"step {result['step']}: {', '.join(shown)}; run directory: {result['run_dir']}", flush=True)
+    return result.get("val/accuracy")  # the objective of a sweeper (Optuna: direction maximize)
 
 
 def main() -> None:
@@ -189,8 +201,11 @@ def main() -> None:
     import hydra
 
     from ..errors import ConfigError
+    from .commands import COMMANDS, main as command
     from .rundir import launch_run_dir
 
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
+        sys.exit(command(sys.argv[1:]))
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank

@@ -27,7 +27,7 @@ from ..engine.activations import ACTIVATIONS
 from ..errors import ConfigError
 from ..engine.energies import ENERGIES
 from ..engine.layers.dense import INITS as DENSE_INITS
-from ..engine.layers.prior import PRIOR_MEANS
+from ..engine.layers.prior import PRIOR_MEANS, Prior
 from ..engine.modes import MODES
 from ..engine.schedules import PRECISION_SCHEDULES
 from ..engine.trainer import ALGORITHMS
@@ -40,7 +40,11 @@ __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCCon
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
 PYTHON_DATA = "python"
 """data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
+PYTHON_MODEL = "python"
+"""model.name of a run whose layers were passed to ``pcdist.train(cfg, layers=...)``."""
 RESUME = ("auto", "never", "require")
+BP = "bp"
+"""pc.algorithm of the backprop twin (pcdist/service/backprop.py)."""
 
 
 def _conf_dir() -> Path:
@@ -68,7 +72,8 @@ class ModelConfig:
     width: int = 128
     """mupc: width N of the hidden layers."""
     depth: int = 32
-    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer."""
+    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer.
+    python (layers passed to pcdist.train(cfg, layers=...)): their number, set by pcdist.train."""
     activation: str = "gelu"
     """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
     gelu, hard_tanh, sigmoid, identity."""
@@ -130,7 +135,9 @@ class PCConfig:
     x_momentum: float = 0.0
     """Value-node SGD momentum in [0, 1), reset every batch."""
     algorithm: str = "pc"
-    """pc (one weight step per batch) or ipc (a weight step at every inference step)."""
+    """pc (one weight step per batch), ipc (a weight step at every inference step) or bp (the backprop
+    twin: the same network, data, optimizer, schedule and seed trained by autograd on the output energy
+    of the feed-forward pass; one process)."""
     init: str = "ff"
     """Value-node init: ff (feed-forward pass) or deeppcr (fused groups solved by DeepPCR)."""
     mode: str = "supervised"
@@ -351,10 +358,17 @@ def load_config(cfg: Any) -> Config:
     return conf
 
 
+def network_options(c: Config) -> dict:
+    """The network's energy beyond its output energy, as PCNetwork takes it: the precisions and the prior
+    of a free h_0 (pc.prior_mean auto: uniform for a label node in generative mode, else zero)."""
+    mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
+    return {"precision": c.pc.precision, "prior": Prior(float(c.pc.prior_precision), mean)}
+
+
 def num_layers(c: Config) -> int:
     """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
     m = c.model
-    if m.name == "mupc":
+    if m.name in ("mupc", PYTHON_MODEL):
         return m.depth
     if m.name == "cnn":
         return len(m.channels) + len(m.head) + 1
@@ -377,7 +391,7 @@ def _finite(x: Any) -> bool:
 def validate(c: Config) -> None:
     """Raise ValueError naming the first key whose value is out of range."""
     m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
-    _check(m.name in MODELS, "model.name", m.name, ", ".join(MODELS))
+    _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
     _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
     _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
     _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
@@ -401,9 +415,11 @@ def validate(c: Config) -> None:
     _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
     _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
     _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
-    _check(pc.algorithm in ALGORITHMS, "pc.algorithm", pc.algorithm, ", ".join(ALGORITHMS))
+    _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
     _check(pc.init in ("ff", "deeppcr"), "pc.init", pc.init, "ff (feed-forward), deeppcr")
     _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
+    _check(pc.mode == "supervised" or pc.algorithm != BP, "pc.algorithm", pc.algorithm,
+           f"pc or ipc with pc.mode={pc.mode} (the backprop twin trains the supervised feed-forward map)")
     _check(pc.latent_dim >= 1, "pc.latent_dim", pc.latent_dim, "an integer >= 1")
     _check(_finite(pc.prior_precision) and pc.prior_precision >= 0, "pc.prior_precision", pc.prior_precision,
            "a finite number >= 0")

@@ -22,12 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PYTHON_DATA, Config, make_config, num_layers
-from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers
+from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
+                   normalized, one_hot)
+from .modelfile import Inputs, write_model_file
+from .userlayers import UserLayers
 from ..errors import ConfigError
 from ..engine.layers import mupc_specs
-from ..engine.layers.prior import Prior
 from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
@@ -39,7 +42,15 @@ from ..distributed.parallel import Parallel, ParallelDims, collective, init_dist
 from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
 from ..engine.trainer import PCTrainer, warmup_cosine
 
-__all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads"]
+__all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
+
+
+class Result(dict):
+    """The final metrics of a run (``result["val/accuracy"]``, ``result["run_dir"]``), with the trained
+    network beside them: ``result.network`` (this rank's layer slice in a layer-parallel run; the
+    whole network from ``pcdist.load(result["run_dir"])``)."""
+
+    network = None
 
 
 def _device(c: Config) -> torch.device:
@@ -93,17 +104,18 @@ def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
 
 def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:
     """The configured network's layer slice ``layers``: its output energy, precisions and the prior of h_0."""
-    mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
     return PCNetwork(specs, energy=c.model.energy, layers=layers, seed=c.trainer.seed, dtype=dtype, device=device,
-                     precision=c.pc.precision, prior=Prior(float(c.pc.prior_precision), mean))
+                     **network_options(c))
 
 
-def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
+def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
+               ) -> tuple[Dataset | StreamedData, Inputs]:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
     Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
     take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
     they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
+    Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
     if data is None:
         d = c.data
@@ -114,22 +126,29 @@ def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | Stre
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
     _check_data(c, data)
+    shape = tuple(data.sample_shape)
+    flatten = _flattens(c, shape, user)
+    inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
     if c.data.normalize:
         if not isinstance(data, Dataset):
             raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
                               "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
-        data = normalized(data)
+        inputs.mean, inputs.std = normalization_stats(data)
+        data = normalized(data, (inputs.mean, inputs.std))
     if c.data.augment and len(data.sample_shape) != 3:
         raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
                           f"samples have shape {list(data.sample_shape)}")
-    return data
+    if not flatten:
+        return data, inputs
+    return (data.flat() if isinstance(data, Dataset) else data), inputs
 
 
-def _model_view(c: Config, data: Dataset | StreamedData) -> Dataset | StreamedData:
-    """The data as the model reads it: images kept for IMAGE_MODELS, else in-memory samples flattened."""
-    if c.model.name in IMAGE_MODELS or not isinstance(data, Dataset):
-        return data
-    return data.flat()
+def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
+    """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
+    when the first one starts with an nn.Linear."""
+    if user is not None:
+        return user.flattens(sample_shape)
+    return c.model.name not in IMAGE_MODELS
 
 
 def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
@@ -182,8 +201,9 @@ def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
-    """Train as configured; returns the final metrics (complete on the logging rank).
+def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> Result:
+    """Train as configured; returns the final metrics (complete on the logging rank) and, as
+    ``result.network``, the trained network (this rank's layer slice under torchrun).
 
     ``cfg``: a dict applied on top of conf/'s defaults, as overrides on the command line are
     (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a
@@ -191,8 +211,18 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
     defaults). ``data``: your own data instead of ``data.name``: a ``pcdist.data.Dataset``
     (tensors in memory) or ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader
     worker processes). ``run_dir`` unset: a new directory (pcdist/service/rundir.py).
+    ``layers``: your own model instead of ``model``: one torch module per PC layer (or an
+    nn.Sequential, or a function returning either; an importable function is recorded in the run
+    so that ``pcdist.load`` rebuilds the exact modules). Their weights are the initial weights.
     """
     c = make_config(cfg)
+    user = None
+    if layers is not None:
+        user = UserLayers.of(layers)
+        c.model.name, c.model.depth = PYTHON_MODEL, len(user.modules)
+    elif c.model.name == PYTHON_MODEL:
+        raise ConfigError(f"config model.name={PYTHON_MODEL!r} stands for layers passed to pcdist.train(cfg, "
+                          f"layers=...), and none were passed")
     if data is not None:
         c.data.name = PYTHON_DATA
     elif c.data.name == PYTHON_DATA:
@@ -213,7 +243,7 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
         if dist.get_rank() == 0:
             print(mesh + threads, flush=True)
     try:
-        return _run(c, device, distributed, data)
+        return _run(c, device, distributed, data, user=user)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -223,6 +253,9 @@ def check(c: Config, world: int) -> str:
     """Everything about the user's input that can fail before any process group exists: the mesh
     for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
     mesh = choose_mesh(c, world)
+    if c.pc.algorithm == "bp" and world > 1:
+        raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
+                          "run it without torchrun")
     if c.parallel.backend == "nccl" and _device(c).type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
     check_logger(c.logger)
@@ -272,14 +305,17 @@ def cpu_threads(configured: int, env) -> tuple[int, str]:
     return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
 
 
-def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None) -> dict:
+def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, user: UserLayers | None = None
+         ) -> Result:
     """Everything after the process group: data, mesh, model, resume, the training ``loop``
     (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
     dtype = getattr(torch, c.trainer.dtype)
-    ds = _load_data(c, data)
-    image_shape = tuple(ds.sample_shape)  # for the pictures of generated and reconstructed images
-    ds = _model_view(c, ds)
-    specs = model_specs(c, image_shape, ds.num_classes)
+    ds, inputs = _load_data(c, data, user)
+    image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
+    if user is not None:
+        specs = user.specs(inputs.node_shape())
+    else:
+        specs = model_specs(c, image_shape, ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
                                  micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
@@ -290,19 +326,30 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     run_dir = Path(c.run_dir)
     resume = find_resume(c, run_dir)  # refuses (ConfigError) before any work
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
+    if user is not None:
+        net = user.network(c.model.energy, par.layers, inputs.node_shape(), dtype, device, **network_options(c))
+    else:
+        net = make_network(c, specs, par.layers, dtype, device)
+    is_rank0 = not distributed or dist.get_rank() == 0
+    if is_rank0:
+        _record_model(c, run_dir, specs, net, inputs, user)
     if resume.checkpoint is not None and start >= end:
         if par.is_logging:
             print(_nothing_to_train(c, run_dir, start), flush=True)
-        return {"step": start, "run_dir": str(run_dir), "finished": True}
-    net = make_network(c, specs, par.layers, dtype, device)
+        done = Result(step=start, run_dir=str(run_dir), finished=True)
+        load_checkpoint(resume.checkpoint, net, None)
+        done.network = net
+        return done
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
-    trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
-                        precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
-                        value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
-    trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
-    is_rank0 = not distributed or dist.get_rank() == 0
+    if c.pc.algorithm == "bp":
+        trainer = BackpropTrainer(net, opt, scheduler=sched, skip_above=skip)
+    else:
+        trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
+                            scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
+                            precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
+                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
+        trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
     if resume.checkpoint is not None:
         meta = load_checkpoint(resume.checkpoint, net, opt)
         if resume.schedule_changed:  # this run's schedule, at the resumed step
@@ -319,7 +366,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
-                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in IMAGE_MODELS,
+                          c.data.prefetch_factor, device, dtype, flatten=inputs.flatten,
                           data_at_top=c.pc.mode != "supervised")
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
@@ -329,10 +376,23 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
-        result["run_dir"] = str(run_dir)
+        result = Result(result, run_dir=str(run_dir))
+        result.network = net
         return result
     finally:
         logger.close()
+
+
+def _record_model(c: Config, run_dir: Path, specs, net: PCNetwork, inputs: Inputs, user: UserLayers | None) -> None:
+    """run_dir/model.json: the layers, their nesting and the input preparation, so that ``pcdist.load``
+    rebuilds the network and its inputs without the data (pcdist/service/modelfile.py)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    structure = user.structure() if user is not None else {}
+    write_model_file(run_dir, specs, c.model.energy, structure, inputs, user.factory if user is not None else None)
+    if user is not None and user.unbuildable(specs):
+        print(f"model.json: layers {user.unbuildable(specs)} are modules that only code can rebuild and no importable "
+              f"function made them; pcdist.load({str(run_dir)!r}, layers=...) needs them (or pass "
+              f"pcdist.train(cfg, layers=<an importable function>))", flush=True)
 
 
 def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
