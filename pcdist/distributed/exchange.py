@@ -162,6 +162,16 @@ class LayerExchange:
             self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
                                     None, None, st.recv_error, self.prev)
 
+    def recv_from_next(self, buf: Tensor) -> Tensor:
+        """Receive ``buf`` from the downstream neighbour (a diagnostic's sequential backward; nothing
+        without one)."""
+        self.comm_seconds += _wait(self._p2p(None, None, buf, self.next, "backward"))
+        return buf
+
+    def send_to_prev(self, t: Tensor) -> None:
+        """Send ``t`` to the upstream neighbour and wait (nothing without one)."""
+        self.comm_seconds += _wait(self._p2p(t.contiguous(), self.prev, None, None, "backward"))
+
     def predict(self, net, x: Tensor) -> Tensor | None:
         """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""
         if self.prev is None and self.next is None:

@@ -243,6 +243,14 @@ class Parallel(LayerExchange):
         self.comm_seconds += time.perf_counter() - t0
         self._grads.average()
 
+    def sum_over_data(self, tensors: list[Tensor]) -> None:
+        """Sum each tensor over the data axis, in place (nothing without a data axis)."""
+        if self.data_group is None:
+            return
+        with collective("the data-axis sum", self.data_group):
+            for t in tensors:
+                dist.all_reduce(t, group=self.data_group)
+
     def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:
         """The whole network's batch-mean energies [L + 1] on the logging rank (None elsewhere): entry 0
         the prior of a free h_0 (0 when clamped), entry l layer l. ``local`` holds this rank's
