@@ -67,7 +67,7 @@ class ModelConfig:
     """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer."""
     activation: str = "gelu"
     """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
-    gelu, hard_tanh, sigmoid, identity."""
+    gelu, hard_tanh, sigmoid, identity, silu, softplus, elu, mish."""
     energy: str = "ce"
     """Output energy: se (squared error) or ce (cross-entropy)."""
     init: str = "default"
