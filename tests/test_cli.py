@@ -32,6 +32,7 @@ def run(cmd, timeout=300, **env):
                   f"{', '.join(sorted(p.stem for p in (CONF / 'data').glob('*.yaml')))}); did you mean mnist?"),
     ("trainer.batchsize=8", "unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
     ("lr=0.1", "unknown config key lr; did you mean optim.lr?"),
+    ("modle=cnn", "unknown config key modle; did you mean the config group model=cnn?"),
 ])
 def test_overrides_are_checked_against_the_known_keys_and_groups(override, problem):
     """A key or option that does not exist is named with the nearest existing one; Hydra's own
@@ -64,7 +65,8 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
 
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     """NPROC=2 CPU processes with no parallel settings: the layer axis takes both (parallel.layer = 2 / 1),
-    said in one line; with no terminal, progress is a line per logged step, as in train.log."""
+    said in one line; with no terminal, progress is a line per logged step; train.log has every line the
+    console shows (the mesh, the new run, the progress, the end), time-stamped."""
     run_dir = tmp_path / "run"
     out = run(["launch/local.sh", "logger=none", "trainer.max_steps=22", "trainer.log_every=11",
                "trainer.eval_every=22", f"hydra.run.dir={run_dir}"], NPROC="2", PYTHON=sys.executable,
@@ -77,7 +79,9 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     assert [l.split()[1] for l in progress] == ["11/22", "22/22"]
     assert "accuracy" not in progress[0] and "accuracy" in progress[1], "accuracy where it was evaluated"
     logged = [l.split("  ", 1)[1] for l in (run_dir / "train.log").read_text().splitlines()]
-    assert logged == progress
+    assert logged == out.stdout.splitlines(), "train.log holds what the console shows: mesh, new run, progress, end"
+    assert logged[:2] == mesh + [f"new run in {run_dir} (config: configs/attempt-1.yaml)"] and logged[2:4] == progress
+    assert logged[4].startswith("step 22: val/accuracy ") and logged[4].endswith(f"; run directory: {run_dir}")
     assert yaml_layer(run_dir) == 2
 
 
@@ -105,6 +109,17 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
         i = lines.index(f"  {key} = {'null' if value is None else value}")
         assert lines[i + 1].strip() == docs[key], key
     assert re.search(r"^  experiment +deep_narrow\*", out.stdout, re.M), "the chosen preset is marked"
+
+
+def test_help_into_a_reader_that_has_gone_ends_without_a_traceback():
+    """`python -m pcdist --help | head`: when the reader stops reading (here: before anything is written), the
+    command ends quietly, not with a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "pcdist", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_online_wandb_without_a_login_is_one_line(tmp_path):

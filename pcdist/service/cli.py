@@ -27,7 +27,8 @@ from pathlib import Path
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
-from .config import CONF_DIR, Config, config_keys, did_you_mean, load_config  # noqa: E402
+from .config import CONF_DIR, Config, check_overrides, config_keys, groups, load_config  # noqa: E402
+from ..errors import PeerError  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -39,13 +40,13 @@ usage: python train.py [group=option ...] [key=value ...]           one process 
 """
 
 
-def fail(message: str) -> None:
-    """Print ``error: <message>`` once (local rank 0) and exit with status 2."""
+def fail(message: str, status: int = 2) -> None:
+    """Print ``error: <message>`` once (local rank 0) and exit with ``status`` (2: the user's input)."""
     if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # torchrun stops every worker once one exits: let local rank 0 print first
-    sys.exit(2)
+    sys.exit(status)
 
 
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
@@ -91,46 +92,6 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     sys.exit(0)
 
 
-def _groups(conf_dir: Path) -> dict[str, list[str]]:
-    """Config group -> its options (conf/<group>/<option>.yaml)."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(conf_dir.iterdir()) if d.is_dir()}
-
-
-def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
-    """The first problem with the command-line overrides as one line, or None.
-
-    A key that is not in the config gets a did-you-mean from the known keys (Hydra itself would
-    advise appending it with ``+key``, which the structured config then refuses); a group option
-    that does not exist lists the options.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException as e:
-        return f"cannot read the override: {' '.join(str(e).split())}"
-    keys, groups = config_keys(), _groups(conf_dir)
-    for o in parsed:
-        key = o.key_or_group
-        if o.is_delete() or key.split(".")[0].split("/")[0] == "hydra" or o.package:
-            continue
-        if key in groups:
-            v = None if o.is_sweep_override() else o.value()
-            if isinstance(v, str) and v not in groups[key]:
-                return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(groups[key])})"
-                        f"{did_you_mean(v, groups[key])}")
-            continue
-        if key in keys:
-            if o.is_add():
-                return f"config key {key} already exists: set it with {key}=... (without +, which adds a new key)"
-            continue
-        if any(key.startswith(k + ".") for k in keys):  # an element of a list-valued key, e.g. model.dims.0
-            continue
-        return f"unknown config key {key}{did_you_mean(key, keys)} (python train.py --help lists every key)"
-    return None
-
-
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
     """The config Hydra composes from ``conf_dir`` with ``overrides`` (no run directory, no logging setup)."""
     from hydra import compose, initialize_config_dir
@@ -150,7 +111,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     # The values a run gets: the composed files over the dataclass defaults (as load_config merges them).
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in composed.items() if k in top})
     lines = [USAGE, "config groups (conf/<group>/<option>.yaml; * = chosen):"]
-    for group, options in _groups(conf_dir).items():
+    for group, options in groups(conf_dir).items():
         if group != "hydra":
             lines.append(f"  {group:<11} " + ", ".join(o + "*" * (chosen.get(group) == o) for o in options))
     lines += ["", "keys (value with these overrides; every key is checked before any process starts):"]
@@ -168,40 +129,64 @@ def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from .checkpoint import CheckpointError
+    from .config import passed_settings
     from .data import DataError
+    from .run import run
 
-    cfg.run_dir = HydraConfig.get().runtime.output_dir
     try:
-        result = pcdist.train(cfg)
+        c = load_config(cfg)
+        c.run_dir = HydraConfig.get().runtime.output_dir
+        run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
         print(f"pre-empted: {e}", flush=True)
         sys.exit(3)
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         fail(str(e))
-    if "val/accuracy" in result:
-        print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
-              flush=True)
+    except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
+        fail(str(e).split("\n")[0], status=1)
+
+
+def _new_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    path = path.absolute()
+    return [p for p in [path, *path.parents] if not p.exists()]
 
 
 def main() -> None:
     """Check the command line, then parse it as Hydra overrides and train."""
+    try:
+        _main()
+    except BrokenPipeError:  # `python -m pcdist --help | head`: the reader has gone, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _main() -> None:
     import hydra
 
     from ..errors import ConfigError
     from .rundir import launch_run_dir
 
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank
-        # writes the resolved config.yaml itself), and all agree on the run directory (pcdist/service/rundir.py).
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    if not any(a.startswith(("hydra.run.dir=", "--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
-               for a in sys.argv[1:]):
+    # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
+    # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
+    if not named and not any(a.startswith(("--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
+                             for a in sys.argv[1:]):
         try:  # the new run directory, named before Hydra resolves it (cached: Hydra gets the same)
-            launch_run_dir()
+            named = [launch_run_dir("runs")]  # as conf/config.yaml asks (the cache is keyed by the argument)
         except ConfigError as e:
             fail(str(e))
-    hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
+    new = _new_dirs(Path(named[-1])) if named else []  # Hydra creates them before the run starts
+    try:
+        hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
+    finally:  # a launch that failed before training leaves no empty run directory behind
+        for d in new:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (the run wrote its files), or not ours to remove
+                break
 
 
 if __name__ == "__main__":
