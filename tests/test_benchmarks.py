@@ -1,6 +1,6 @@
-"""The benchmark scripts run end to end (tiny sizes) and write what the README says they write.
+"""The benchmark scripts run end to end (tiny sizes) and write what docs/results.md says they write.
 
-No timing is asserted here: speed claims live in the README, measured by these scripts.
+No timing is asserted here: speed claims live in docs/results.md (and docs/service.md), measured by these scripts.
 What is checked is that the reported ratios are the ones defined in each script's
 docstring, recomputed from the raw samples the script saved.
 """
@@ -126,3 +126,14 @@ def test_service_benchmark_interleaves_the_service_loop_and_the_engine_step(tmp_
     assert res["service/engine"] == statistics.median(per_round)
     assert res["step_s"] == {k: statistics.median(v) for k, v in rounds.items()}
     assert f"service / engine: {res['service/engine']:.3f}" in stdout
+
+
+def test_threads_benchmark_writes_every_round_and_their_medians(tmp_path):
+    """Every variant in both conditions (the machine as is, one core held by a busy process), each a median of
+    the rounds it saved."""
+    run("threads.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "threads.json").read_text())
+    assert set(res["rounds"]) == {f"quickstart | {c} | {v}" for c in ("as is", "one core held")
+                                  for v in ("default", "1 thread", "passive")}
+    for key, samples in res["rounds"].items():
+        assert res["seconds"][key] == statistics.median(samples) and all(s > 0 for s in samples)

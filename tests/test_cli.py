@@ -158,6 +158,24 @@ def test_threads_trainer_setting_then_omp_num_threads_then_cores_per_local_rank(
         cpu_threads(0, {"OMP_NUM_THREADS": "zero"})
 
 
+@pytest.mark.parametrize("entry", ["train.py", "-m pcdist", "import pcdist"])
+def test_the_service_makes_waiting_openmp_threads_sleep_unless_told_otherwise(entry):
+    """OMP_WAIT_POLICY=PASSIVE in every process that imports pcdist before torch (train.py, python -m pcdist,
+    pcdist-train, their torchrun workers): spinning threads made runs 6-13x slower where another process
+    holds a core (docs/service.md). Set before torch loads OpenMP, which reads it once; a user's value stays."""
+    start = {"train.py": "import runpy, sys; sys.argv = ['train.py', '--help']; runpy.run_path('train.py', run_name='__main__')",
+             "-m pcdist": "import runpy, sys; sys.argv = ['pcdist', '--help']; runpy.run_module('pcdist', run_name='__main__')",
+             "import pcdist": "import pcdist"}[entry]
+    code = f"import os\ntry:\n    {start}\nexcept SystemExit:\n    pass\nprint('policy', os.environ.get('OMP_WAIT_POLICY'))"
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env.update({"OMP_WAIT_POLICY": given} if given else {})
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[-1] == f"policy {expected}"
+
+
 def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):
     """A user's OMP_NUM_THREADS is what the run uses (it used to be replaced by cores / local ranks)."""
     n = torch.get_num_threads()

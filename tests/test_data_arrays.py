@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.service.data import DataError, Dataset, StreamedData, load_arrays, load_dataset, load_digits
+from pcdist.service.data import DataError, StreamedData, load_arrays, load_dataset, load_digits
 from pcdist.service.metrics import read_metrics
 from test_service import layer_state, torchrun
 

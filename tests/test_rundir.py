@@ -175,7 +175,7 @@ def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12
 
 
 def test_the_policy_table_covers_what_a_resume_cannot_change():
-    """The refusals the README documents: the model group, the data set and split, the seed, the batch size,
+    """The refusals docs/service.md documents: the model group, the data set and split, the seed, the batch size,
     the optimizer."""
     refused = {k for k, (decision, _) in ON_RESUME.items() if decision == "refused"}
     assert {"model", "data.name", "data.val_fraction", "trainer.seed", "trainer.batch_size", "optim.name"} <= refused
@@ -203,7 +203,7 @@ def test_a_stopped_run_resumed_with_only_its_directory_continues_with_its_own_se
     first = train_py(tmp_path, *CLI_RUN, "trainer.max_steps=12", "trainer.stop_at=6", f"hydra.run.dir={run_dir}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.splitlines()[-1].startswith(
-        f"stopped early at step 6 of 12 (trainer.stop_at=6): val/accuracy ")
+        "stopped early at step 6 of 12 (trainer.stop_at=6): val/accuracy ")
     assert first.stdout.splitlines()[-1].endswith(
         f"run directory: {run_dir}; to train on, resume it with its own settings: python train.py "
         f"hydra.run.dir={run_dir}")
