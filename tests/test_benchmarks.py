@@ -137,3 +137,16 @@ def test_threads_benchmark_writes_every_round_and_their_medians(tmp_path):
                                   for v in ("default", "1 thread", "passive")}
     for key, samples in res["rounds"].items():
         assert res["seconds"][key] == statistics.median(samples) and all(s > 0 for s in samples)
+
+
+def test_activations_benchmark_times_every_activation_with_and_without_the_kernel(tmp_path):
+    """Each activation on shapes A and M, with the kernel and as torch ops; the gain is the median of the
+    per-round ratios of the saved samples."""
+    run("activations.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "activations.json").read_text())
+    assert set(res["shapes"]) == {"A", "M"}
+    for shape in res["shapes"].values():
+        assert {"tanh", "gelu", "relu", "silu", "softplus", "elu", "mish"} <= set(shape)
+        for act in shape.values():
+            kernel, ops = act["rounds"]["kernel"], act["rounds"]["torch_ops"]
+            assert act["gain"] == statistics.median(o / k for o, k in zip(ops, kernel))

@@ -13,7 +13,11 @@ A user error (a mistyped key, a value out of range, a mesh that does not fit, mi
 files, a checkpoint of another model, a wandb login missing) is printed as one line and
 exits with status 2. Under torchrun every rank finds the same error; only local rank 0
 prints it (once per machine), the others wait a moment so that torchrun, which stops every
-worker once one has exited, does not stop local rank 0 before it has printed.
+worker once one has exited, does not stop local rank 0 before it has printed. A neighbour
+rank that died or hung is one line too (status 1), without the survivor's traceback.
+
+Hydra writes none of its own files into the run directory, and the directories Hydra creates
+for a launch that then fails before training are removed: a failed launch leaves nothing.
 """
 
 from __future__ import annotations

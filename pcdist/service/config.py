@@ -351,7 +351,7 @@ def passed_settings(cfg: Any) -> dict[str, str] | None:
             key = o.key_or_group
             if key in groups():
                 choices.append(o.input_line)
-            elif key.split(".")[0] != "hydra":
+            elif key.split(".")[0].split("/")[0] != "hydra":
                 known = [k for k in config_keys() if key == k or key.startswith(k + ".")]  # model.dims.0: model.dims
                 keys[known[0] if known else key] = o.input_line
     if choices:
