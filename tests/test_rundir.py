@@ -279,3 +279,9 @@ def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
         out = train_py(tmp_path, *args, "logger=none")
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr[-3000:])
         assert not (tmp_path / "runs").exists(), f"{args} left {sorted(tmp_path.rglob('*'))}"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "train.py"), "trainer.max_steps=0", "logger=none"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode != 0 and out.stderr.count("error: config trainer.max_steps=0 is invalid") == 1, out.stderr
+    left = [p for p in tmp_path.glob("runs/*/*") if p.parent.name != ".launches"]
+    assert not left, f"under torchrun too (only the launch's name record stays, in runs/.launches): {left}"

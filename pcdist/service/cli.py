@@ -145,15 +145,23 @@ def _train(cfg) -> None:
         print(f"pre-empted: {e}", flush=True)
         sys.exit(3)
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
+        _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
 
 
-def _new_dirs(path: Path) -> list[Path]:
-    """``path`` and those of its parents that do not exist yet, deepest first."""
-    path = path.absolute()
-    return [p for p in [path, *path.parents] if not p.exists()]
+_new_dirs: list[Path] = []
+"""The run directory and those of its parents that did not exist before this launch, deepest first."""
+
+
+def _remove_new_dirs() -> None:
+    """Remove the directories this launch created while they are empty (a launch that failed before training)."""
+    for d in _new_dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (the run wrote its files), gone, or not ours to remove
+            break
 
 
 def main() -> None:
@@ -182,15 +190,13 @@ def _main() -> None:
             named = [launch_run_dir("runs")]  # as conf/config.yaml asks (the cache is keyed by the argument)
         except ConfigError as e:
             fail(str(e))
-    new = _new_dirs(Path(named[-1])) if named else []  # Hydra creates them before the run starts
+    if named:  # Hydra creates them before the run starts
+        path = Path(named[-1]).absolute()
+        _new_dirs[:] = [p for p in [path, *path.parents] if not p.exists()]
     try:
         hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind
-        for d in new:
-            try:
-                d.rmdir()
-            except OSError:  # not empty (the run wrote its files), or not ours to remove
-                break
+        _remove_new_dirs()
 
 
 if __name__ == "__main__":
