@@ -48,6 +48,14 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def preempted_status() -> int:
+    """The exit status of a pre-empted run: 3, or ``$PCDIST_PREEMPTED_STATUS``. launch/slurm.sbatch sets 0,
+    so that torchrun's agent neither restarts the stopped workers nor reports them as failed (with a
+    traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
+    return int(value) if value.isdigit() and int(value) < 256 else 3
+
+
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     """Handle ``--help`` and ``--check`` and refuse bad overrides, before Hydra composes anything.
 
@@ -174,8 +182,9 @@ def _train(cfg) -> None:
     try:
         result = pcdist.train(cfg)
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
-        print(f"pre-empted: {e}", flush=True)
-        sys.exit(3)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
+            print(f"pre-empted: {e}", flush=True)
+        sys.exit(preempted_status())
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         fail(str(e))
     if "val/accuracy" in result:
