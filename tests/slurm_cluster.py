@@ -15,8 +15,9 @@ so that two jobs of two CPU processes each fit on a small CI machine, and with t
 only a count (``gres.conf`` without device files: no CUDA device is ever visible), so that a job
 that asks for GPUs sees SLURM's GPU variables. Two partitions: ``debug`` (the default) and ``high``,
 whose jobs pre-empt debug's (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime``).
-``cred_expire`` is lowered from 120 s to 10 s: it is how long SLURM holds a requeued job before it may
-start again.
+``cred_expire`` is lowered from 120 s to 10 s (how long SLURM holds a requeued job before it may start
+again), and the scheduler's periodic pass from every 60 s to every 2 s (it starts a requeued job once
+the hold is over).
 
 Run it by hand to try things: ``python tests/slurm_cluster.py /tmp/slurm`` starts a cluster and prints
 the ``SLURM_CONF`` to export; Ctrl-C stops it.
@@ -52,6 +53,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _running() -> set[str]:
+    """The names (comm) of the processes running here."""
+    names = set()
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            names.add(comm.read_text().strip())
+        except OSError:
+            pass
+    return names
 
 
 def cgroup_problem() -> str | None:
@@ -192,6 +204,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
@@ -234,6 +247,18 @@ PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 Pr
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._remove_cgroups()
+
+    def _remove_cgroups(self) -> None:
+        """Remove the (empty) cgroups slurmd made, unless another slurmd runs here and may still use them."""
+        if self.proctrack != "cgroup" or "slurmd" in _running():
+            return
+        for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}"):
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
 
     def logs(self, daemon: str, tail: int = 4000) -> str:
         text = ""
