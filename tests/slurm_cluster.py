@@ -1,25 +1,27 @@
 """A real one-node SLURM cluster on this machine, for tests: munged, slurmctld and slurmd (Debian's
-``slurm-wlm`` and ``munge``), started by hand with their own key, sockets, ports, spool and state under
-one folder, and torn down at the end. Jobs are submitted with the real ``sbatch`` and run as the
-caller (root: the daemons must be root to switch users and to manage cgroups).
+``slurm-wlm`` and ``munge``), started by hand with their own key, socket, ports, spool and state under one
+folder, and stopped at the end. Jobs are submitted with the real ``sbatch`` and run as the caller.
 
     with SlurmCluster(tmp_path, proctrack="cgroup") as cluster:
         job = cluster.sbatch(["launch/slurm.sbatch", "trainer.max_steps=10"], cwd=tmp_path)
-        cluster.wait_state(job, "COMPLETED")
+        cluster.wait_finished(job)
 
-``SlurmCluster.unavailable()`` says why no cluster can run here (None if one can): no slurm-wlm or
-munge installed, not root, or (proctrack/cgroup) no writable cgroup v1 freezer or cgroup v2 hierarchy.
+The daemons run as root (slurmd switches users and makes cgroups): the caller is root, or has
+passwordless sudo. ``SlurmCluster.unavailable()`` says why no cluster can run here (None if one can).
 
-The node is declared with more CPUs than the machine has (``SlurmdParameters=config_overrides``),
-so that two jobs of two CPU processes each fit on a small CI machine, and with two GPUs that are
-only a count (``gres.conf`` without device files: no CUDA device is ever visible), so that a job
-that asks for GPUs sees SLURM's GPU variables. Two partitions: ``debug`` (the default) and ``high``,
-whose jobs pre-empt debug's (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime``).
-``cred_expire`` is lowered from 120 s to 10 s (how long SLURM holds a requeued job before it may start
-again), and the scheduler's periodic pass from every 60 s to every 2 s (it starts a requeued job once
-the hold is over).
+proctrack/cgroup uses SLURM's cgroup/v1 plugin where the v1 freezer controller is mounted (a writable
+hierarchy), else cgroup/v2 on the unified hierarchy with ``IgnoreSystemd=yes`` (slurmd is not started by
+systemd here, so it makes its cgroups itself; SLURM calls that mode development and testing only).
 
-Run it by hand to try things: ``python tests/slurm_cluster.py /tmp/slurm`` starts a cluster and prints
+The node is declared with more CPUs than the machine has (``SlurmdParameters=config_overrides``), so
+that two jobs of two CPU processes each fit on a small CI machine, and with two GPUs that are a count
+only (each "device" an empty file: CUDA never sees one), so that a job asking for GPUs gets SLURM's GPU
+variables. Two partitions: ``debug`` (the default) and ``high``, whose jobs pre-empt debug's
+(``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime``). ``cred_expire`` is lowered from
+120 s to 5 s (how long SLURM holds a requeued job before it may start again), and the scheduler's
+periodic pass from every 60 s to every 2 s (it starts a requeued job once the hold is over).
+
+By hand: ``python tests/slurm_cluster.py /tmp/slurm [cgroup|linuxproc]`` starts a cluster and prints
 the ``SLURM_CONF`` to export; Ctrl-C stops it.
 """
 
@@ -40,13 +42,23 @@ CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue")
 NODE_CPUS = 4
 NODE_GPUS = 2
 GRACE_S = 60
-CRED_EXPIRE_S = 10
+CRED_EXPIRE_S = 5
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def _which(name: str) -> str | None:
+    """A program on PATH or in /usr/sbin, /sbin (not on a user's PATH on Debian)."""
     return shutil.which(name) or next((p for d in ("/usr/sbin", "/sbin") if os.access(p := f"{d}/{name}", os.X_OK)),
                                       None)
+
+
+def as_root() -> list[str] | None:
+    """The prefix that runs a command as root: nothing for root, ``sudo -n`` with passwordless sudo, else None."""
+    if os.geteuid() == 0:
+        return []
+    if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
+        return ["sudo", "-n"]
+    return None
 
 
 def _free_port() -> int:
@@ -66,28 +78,35 @@ def _running() -> set[str]:
     return names
 
 
-def cgroup_problem() -> str | None:
-    """Why proctrack/cgroup cannot run here, or None: SLURM 22.05 needs the cgroup v1 freezer
-    controller mounted and writable (cgroup/v1), or a writable unified cgroup v2 hierarchy (cgroup/v2)."""
-    mounts = Path("/proc/self/mounts").read_text().split("\n")
-    freezer = [m.split()[1] for m in mounts if m.split()[2:3] == ["cgroup"] and "freezer" in m.split()[3].split(",")]
-    if freezer:
+def _mounts(fstype: str) -> list[tuple[str, list[str]]]:
+    """(mount point, options) of every mount of ``fstype``."""
+    rows = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return [(r[1], r[3].split(",")) for r in rows if len(r) > 3 and r[2] == fstype]
+
+
+def cgroup_setup() -> tuple[str, str, str | None]:
+    """(SLURM's cgroup plugin, its mount point, why proctrack/cgroup cannot run here or None).
+    PCDIST_SLURM_CGROUP=v2 picks the unified hierarchy where both are mounted (a hybrid layout)."""
+    root = as_root()
+    if root is None:
+        return "", "", "the cgroup hierarchies need root"
+    freezer = [point for point, options in _mounts("cgroup") if "freezer" in options]
+    if freezer and os.environ.get("PCDIST_SLURM_CGROUP") != "v2":  # cgroup v1 (or a hybrid layout): SLURM's v1 plugin freezes and signals through it
         probe = Path(freezer[0]) / f"pcdist-probe-{os.getpid()}"
-        try:
-            probe.mkdir()
-            probe.rmdir()
-            return None
-        except OSError as e:
-            return f"the cgroup v1 freezer hierarchy {freezer[0]} is not writable ({e.strerror})"
-    if Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-        return None if os.access("/sys/fs/cgroup", os.W_OK) else "/sys/fs/cgroup (cgroup v2) is not writable"
-    return "no cgroup v1 freezer controller and no cgroup v2 hierarchy is mounted"
-
-
-def cgroup_version() -> str:
-    """The cgroup plugin SLURM picks here: v1 when the freezer controller is mounted as cgroup v1."""
-    mounts = Path("/proc/self/mounts").read_text()
-    return "cgroup/v1" if re.search(r"^\S+ \S+ cgroup \S*freezer", mounts, re.M) else "cgroup/v2"
+        made = subprocess.run([*root, "mkdir", str(probe)], capture_output=True, text=True)
+        if made.returncode:
+            return "", "", f"the cgroup v1 freezer hierarchy {freezer[0]} is not writable ({made.stderr.strip()})"
+        subprocess.run([*root, "rmdir", str(probe)], capture_output=True)
+        return "cgroup/v1", str(Path(freezer[0]).parent), None
+    unified = [point for point, _ in _mounts("cgroup2")]
+    if unified:
+        probe = Path(unified[0]) / f"pcdist-probe-{os.getpid()}"
+        made = subprocess.run([*root, "mkdir", str(probe)], capture_output=True, text=True)
+        if made.returncode:
+            return "", "", f"the cgroup v2 hierarchy {unified[0]} is not writable ({made.stderr.strip()})"
+        subprocess.run([*root, "rmdir", str(probe)], capture_output=True)
+        return "cgroup/v2", unified[0], None
+    return "", "", "no cgroup v1 freezer controller and no cgroup v2 hierarchy is mounted"
 
 
 class SlurmCluster:
@@ -100,6 +119,9 @@ class SlurmCluster:
         self.node = socket.gethostname().split(".")[0]
         self.conf = self.root / "etc" / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env["PATH"] = os.pathsep.join([self.env.get("PATH", ""), "/usr/sbin", "/sbin"])
+        self.sudo = as_root() or []
+        self.cgroup_plugin = self.cgroup_mount = ""
         self.version = ""
 
     @staticmethod
@@ -109,10 +131,11 @@ class SlurmCluster:
         if missing:
             return (f"SLURM is not installed ({', '.join(missing)} not found): apt-get install slurm-wlm munge "
                     "(.ci/run does)")
-        if os.geteuid() != 0:
-            return "the SLURM daemons must run as root (slurmd switches users and manages cgroups)"
+        if as_root() is None:
+            return ("the SLURM daemons must run as root (slurmd switches users and makes cgroups): run the tests "
+                    "as root or with passwordless sudo")
         if proctrack == "cgroup":
-            problem = cgroup_problem()
+            problem = cgroup_setup()[2]
             if problem:
                 return f"proctrack/cgroup cannot run in this container: {problem}"
         return None
@@ -130,23 +153,27 @@ class SlurmCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _daemon(self, name: str, args: list[str]) -> None:
+        log = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115 (the process keeps it)
+        self.procs[name] = subprocess.Popen([*self.sudo, _which(name), *args], env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
     def start(self, timeout: float = 120) -> None:
-        for d in ("etc", "munge", "state", "spool", "log", "run"):
+        for d in ("etc", "munge", "state", "spool", "log", "run", "dev"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)  # munged refuses a socket folder that others may write to
+        if self.proctrack == "cgroup":
+            self.cgroup_plugin, self.cgroup_mount, problem = cgroup_setup()
+            if problem:
+                raise RuntimeError(problem)
         self._start_munge()
         self._write_config()
-        for daemon in ("slurmctld", "slurmd"):
-            log = open(self.root / "log" / f"{daemon}.out", "w")  # noqa: SIM115 (closed with the process)
-            args = [_which(daemon), "-D", "-f", str(self.conf)] + (["-i"] if daemon == "slurmctld" else [])
-            if daemon == "slurmd":
-                args += ["-N", self.node]
-            self.procs[daemon] = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True)
+        self._daemon("slurmctld", ["-D", "-i", "-f", str(self.conf)])
+        self._daemon("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])
         deadline = time.monotonic() + timeout
         while True:
-            state = subprocess.run(["sinfo", "-h", "-n", self.node, "-o", "%T"], env=self.env, capture_output=True,
-                                   text=True).stdout.strip()
+            state = self.run("sinfo", "-h", "-n", self.node, "-o", "%T", check=False).stdout.strip()
             if state.rstrip("*") in ("idle", "mixed", "allocated"):
                 break
             for name, proc in self.procs.items():
@@ -156,20 +183,17 @@ class SlurmCluster:
                 raise RuntimeError(f"the node is not idle after {timeout} s (sinfo: {state!r}):\n"
                                    f"{self.logs('slurmctld')}\n{self.logs('slurmd')}")
             time.sleep(0.2)
-        self.version = subprocess.run(["sinfo", "--version"], env=self.env, capture_output=True,
-                                      text=True).stdout.strip()
+        self.version = self.run("sinfo", "--version").stdout.strip()
 
     def _start_munge(self) -> None:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self.socket = self.root / "munge" / "munge.socket"
-        log = open(self.root / "log" / "munged.out", "w")  # noqa: SIM115
-        self.procs["munged"] = subprocess.Popen(
-            [_which("munged"), "-F", "-f", f"--socket={self.socket}", f"--key-file={key}",
-             f"--pid-file={self.root / 'run' / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
-             f"--seed-file={self.root / 'munge' / 'munged.seed'}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._daemon("munged", ["-F", "-f", f"--socket={self.socket}", f"--key-file={key}",
+                                f"--pid-file={self.root / 'run' / 'munged.pid'}",
+                                f"--log-file={self.root / 'log' / 'munged.log'}",
+                                f"--seed-file={self.root / 'munge' / 'munged.seed'}"])
         deadline = time.monotonic() + 30
         while not self.socket.exists():
             if self.procs["munged"].poll() is not None or time.monotonic() > deadline:
@@ -180,7 +204,6 @@ class SlurmCluster:
         r = self.root
         # A job-id range of its own: slurmd names cgroups by job id, and another cluster may run beside this one.
         first_job = random.randrange(1000, 60_000_000, 1000)
-        cgroup = "cgroup/v1" if cgroup_version() == "cgroup/v1" else "cgroup/v2"
         self.conf.write_text(f"""\
 ClusterName=pcdist-test
 SlurmctldHost={self.node}(127.0.0.1)
@@ -222,54 +245,62 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Prio
 PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
         # GPUs in name only: SLURM drops a GPU without a device file, so each is an empty file here.
-        (r / "dev").mkdir(exist_ok=True)
         for i in range(NODE_GPUS):
             (r / "dev" / f"gpu{i}").touch()
         (r / "etc" / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={r / 'dev'}/gpu[0-{NODE_GPUS - 1}]\n")
-        (r / "etc" / "cgroup.conf").write_text(f"CgroupPlugin={cgroup}\nCgroupMountpoint=/sys/fs/cgroup\n")
+        cgroup = [f"CgroupPlugin={self.cgroup_plugin or 'autodetect'}"]
+        if self.cgroup_plugin:
+            cgroup.append(f"CgroupMountpoint={self.cgroup_mount}")
+        if self.cgroup_plugin == "cgroup/v2":
+            cgroup += ["IgnoreSystemd=yes", "CgroupAutomount=yes"]
+        (r / "etc" / "cgroup.conf").write_text("\n".join(cgroup) + "\n")
 
     def stop(self) -> None:
         """Cancel every job, wait for the node to be empty, then stop the daemons (slurmd first)."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "-u", str(os.getuid())], env=self.env, capture_output=True)
+            self.run("scancel", "--full", "-u", str(os.getuid()), check=False)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and subprocess.run(
-                    ["squeue", "-h", "-t", "RUNNING,COMPLETING"], env=self.env, capture_output=True,
-                    text=True).stdout.strip():
+            while time.monotonic() < deadline and self.run("squeue", "-h", "-t", "RUNNING,COMPLETING",
+                                                           check=False).stdout.strip():
                 time.sleep(0.5)
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
-            proc.send_signal(signal.SIGTERM)
+            # sudo passes the signal on to the daemon; only root may signal sudo
+            subprocess.run([*self.sudo, "kill", "-TERM", str(proc.pid)], capture_output=True)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                subprocess.run([*self.sudo, "kill", "-KILL", str(proc.pid)], capture_output=True)
                 proc.wait()
+        if self.sudo and self.root.is_dir():  # what root wrote (spool, state) back to the caller, to delete
+            subprocess.run([*self.sudo, "chown", "-R", f"{os.getuid()}:{os.getgid()}", str(self.root)],
+                           capture_output=True)
         self._remove_cgroups()
 
     def _remove_cgroups(self) -> None:
         """Remove the (empty) cgroups slurmd made, unless another slurmd runs here and may still use them."""
-        if self.proctrack != "cgroup" or "slurmd" in _running():
+        if not self.cgroup_plugin or "slurmd" in _running():
             return
-        for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}"):
-            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+        mount = Path(self.cgroup_mount)
+        for top in [*mount.glob(f"*/slurm_{self.node}"), *mount.glob("system.slice/*slurmstepd*")]:
+            dirs = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            subprocess.run([*self.sudo, "rmdir", *map(str, dirs), str(top)], capture_output=True)
 
     def logs(self, daemon: str, tail: int = 4000) -> str:
         text = ""
         for f in sorted((self.root / "log").glob(f"{daemon}*")):
-            text += f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}\n"
+            try:
+                text += f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}\n"
+            except OSError as e:
+                text += f"--- {f.name}: {e}\n"
         return text
 
     # --- jobs -----------------------------------------------------------------------------------------
 
     def run(self, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        """A SLURM client command against this cluster."""
+        """A SLURM client command against this cluster, as the caller."""
         out = subprocess.run(list(args), env={**self.env, **kw.pop("env", {})}, capture_output=True, text=True,
                              timeout=kw.pop("timeout", 60), **kw)
         if check and out.returncode:
@@ -286,15 +317,16 @@ PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 Pr
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def wait(self, job_id: str, until, timeout: float, what: str) -> dict[str, str]:
-        """Poll the job until ``until(fields)`` holds; fail with its state and log after ``timeout`` s."""
+        """Poll the job until ``until(fields)`` holds; fail with its state after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job_id)
             if until(fields):
                 return fields
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id}: {what} not reached within {timeout} s; now {fields.get('JobState')}"
-                                     f" ({fields.get('Reason')}):\n{self.logs('slurmctld', 3000)}")
+                raise AssertionError(f"job {job_id}: {what} not reached within {timeout} s; now "
+                                     f"{fields.get('JobState')} ({fields.get('Reason')}):\n"
+                                     f"{self.logs('slurmctld', 3000)}")
             time.sleep(0.25)
 
     def wait_finished(self, job_id: str, timeout: float = 600) -> dict[str, str]:
@@ -310,7 +342,7 @@ if __name__ == "__main__":
     if why:
         sys.exit(why)
     with SlurmCluster(root, proctrack) as c:
-        print(f"{c.version}, proctrack/{proctrack}: export SLURM_CONF={c.conf}", flush=True)
+        print(f"{c.version}, proctrack/{proctrack} {c.cgroup_plugin}: export SLURM_CONF={c.conf}", flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:
