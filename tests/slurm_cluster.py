@@ -91,7 +91,7 @@ def cgroup_setup() -> tuple[str, str, str | None]:
     if root is None:
         return "", "", "the cgroup hierarchies need root"
     freezer = [point for point, options in _mounts("cgroup") if "freezer" in options]
-    if freezer and os.environ.get("PCDIST_SLURM_CGROUP") != "v2":  # cgroup v1 (or a hybrid layout): SLURM's v1 plugin freezes and signals through it
+    if freezer and os.environ.get("PCDIST_SLURM_CGROUP") != "v2":  # cgroup v1, or hybrid: SLURM's v1 plugin
         probe = Path(freezer[0]) / f"pcdist-probe-{os.getpid()}"
         made = subprocess.run([*root, "mkdir", str(probe)], capture_output=True, text=True)
         if made.returncode:

@@ -287,7 +287,7 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
     fields = job.wait_finished()
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
     step = preempted_step(job)
-    assert f"resume with RUN_DIR=runs/named sbatch launch/slurm.sbatch" in job.log
+    assert "resume with RUN_DIR=runs/named sbatch launch/slurm.sbatch" in job.log
     again = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
     assert again.id != job.id and again.run_dir == job.run_dir
     fields = again.wait_finished()
