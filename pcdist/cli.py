@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,15 @@ def preempted_status() -> int:
     traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
     value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
     return int(value) if value.isdigit() and int(value) < 256 else 3
+
+
+def _ignore_stop_signals() -> None:
+    """The run is over: ignore further SIGTERM / SIGUSR1 on the way out. Python puts back their default
+    action (death) as the interpreter exits, and a launcher may repeat them until the process is gone
+    (launch/slurm_node.sh does): a pre-empted worker killed so would count as failed, and torchrun would
+    restart the group."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
@@ -187,6 +197,8 @@ def _train(cfg) -> None:
         sys.exit(preempted_status())
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         fail(str(e))
+    finally:
+        _ignore_stop_signals()
     if "val/accuracy" in result:
         print(f"step {result['step']}: val/accuracy {result['val/accuracy']:.4f}; run directory: {result['run_dir']}",
               flush=True)

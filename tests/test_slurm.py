@@ -96,6 +96,9 @@ def job_env(**extra: str) -> dict[str, str]:
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
     if Path(sys.executable) != ROOT / ".venv" / "bin" / "python":
         env["PYTHON"] = sys.executable
+    # launch/slurm_node.sh repeats a stop signal every second, not 5: a stopping worker must ignore the repeats
+    # (a worker killed by one as it exits would make torchrun restart the group).
+    env["RESEND_S"] = "1"
     return {**env, **extra}
 
 
@@ -183,7 +186,7 @@ def assert_resumed(job: Job, step: int) -> None:
     """The pre-emption's checkpoint is the only one before the end, and the next attempt started from it."""
     assert 0 < step < STEPS, f"pre-empted after step {step}: not within the run (1..{STEPS - 1})"
     ckpts = sorted(p.name for p in (job.run_dir / "checkpoints").iterdir())
-    assert ckpts == [f"step-{step:08d}", f"step-{STEPS:08d}"], ckpts
+    assert ckpts == [f"step-{step:08d}", f"step-{STEPS:08d}"], f"{ckpts}\n{job.log[-8000:]}"
     assert len(list((job.run_dir / "checkpoints" / f"step-{step:08d}").glob("layers-*.pt"))) == 2, \
         "both layer slices wrote their part of the pre-emption's step"
     assert f"resumed from {job.run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in job.log
@@ -368,7 +371,7 @@ def test_two_jobs_on_one_node_never_meet(cluster, reference, tmp_path):
             fields = job.wait_finished()
             assert fields["JobState"] == "COMPLETED", job.log
     ports = [int(re.search(r"rendezvous \S+:(\d+);", job.log).group(1)) for job in (first, second)]
-    assert ports[0] == 15000 + int(first.id) % 15000 and ports[1] != taken and ports[0] != ports[1], ports
+    assert ports[1] != taken and ports[0] != ports[1], ports
     a, b = (cluster.job(job.id) for job in (first, second))
     assert b["StartTime"] < a["EndTime"], f"the jobs did not overlap: {a['StartTime']}-{a['EndTime']}, " \
                                           f"{b['StartTime']}-{b['EndTime']}"
