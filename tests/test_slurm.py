@@ -223,7 +223,7 @@ def test_a_gpu_job_runs_one_process_per_gpu(cluster, tmp_path):
     """--gpus-per-node=2 (the test node's GPUs are a count only: no device is visible, so the two processes
     train on the CPU): the processes per node come from SLURM_GPUS_ON_NODE, the threads from the CPUs."""
     job = Job(cluster, tmp_path, ["--gpus-per-node=2", "--cpus-per-task=4"],
-              ["trainer.max_steps=20", "trainer.eval_every=20", "logger=none", "trainer.progress=off"])
+              ["trainer.max_steps=10", "trainer.eval_every=10", "logger=none", "trainer.progress=off"])
     fields = job.wait_finished()
     assert fields["JobState"] == "COMPLETED", job.log
     assert "1 node(s) x 2 processes (one per GPU, SLURM_GPUS_ON_NODE=2), 2 threads each" in job.log
