@@ -67,6 +67,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _node_name() -> str:
+    """This machine's short host name, as SLURM names a node, if it resolves (the job's rendezvous endpoint
+    is the node's name), else localhost."""
+    name = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(name)
+        return name
+    except OSError:
+        return "localhost"
+
+
 def _running() -> set[str]:
     """The names (comm) of the processes running here."""
     names = set()
@@ -116,7 +127,7 @@ class SlurmCluster:
         self.root = Path(root)
         self.proctrack = proctrack
         self.procs: dict[str, subprocess.Popen] = {}
-        self.node = socket.gethostname().split(".")[0]
+        self.node = _node_name()
         self.conf = self.root / "etc" / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.env["PATH"] = os.pathsep.join([self.env.get("PATH", ""), "/usr/sbin", "/sbin"])
