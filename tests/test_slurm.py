@@ -9,8 +9,10 @@ signal that kills the agent loses everything since the last checkpoint. Each way
 with every rank checkpointing the same step, and a requeued (or resubmitted) run must end exactly where an
 uninterrupted run ends: the same logged metrics at every step and the same weights.
 
-The tests skip, saying why, where SLURM is not installed, the daemons cannot run (not root, no usable
-cgroup hierarchy) or do not start; with PCDIST_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead.
+The tests skip, saying why, where SLURM is not installed or its daemons cannot run (neither root nor
+passwordless sudo) or do not start; with PCDIST_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead. Where
+only proctrack/cgroup cannot run, they run under proctrack/linuxproc, and test_proctrack_cgroup_ran skips
+saying why.
 """
 
 from __future__ import annotations
