@@ -13,5 +13,5 @@ CONF = ["pcdist.conf"] + [f"pcdist.conf.{d.name}" for d in sorted(Path("conf").i
 setup(
     packages=find_packages(include=["pcdist", "pcdist.*"]) + CONF,
     package_dir={"pcdist.conf": "conf"},
-    package_data={"pcdist": ["_native.c"], **{p: ["*.yaml"] for p in CONF}},  # _native.c: the fused CPU kernel
+    package_data={"pcdist.engine": ["_native.c"], **{p: ["*.yaml"] for p in CONF}},  # _native.c: the fused CPU kernel
 )

@@ -4,14 +4,14 @@
     torchrun --standalone --nproc_per_node=2 train.py             # two layer-parallel processes
     python train.py --help                                        # every config group and key, documented
 
-The logic lives in pcdist/cli.py (a thin Hydra wrapper over ``pcdist.train``).
+The logic lives in pcdist/service/cli.py (a thin Hydra wrapper over ``pcdist.train``).
 """
 
 import os
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume)
 
-from pcdist.cli import main  # noqa: E402
+from pcdist.service.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -43,8 +43,8 @@ from torch import nn
 
 import pcdist
 from fusion import LoopPC, ratio, time_interleaved
-from pcdist.layers import Conv
-from pcdist.models import conv_specs, vgg_specs
+from pcdist.engine.layers import Conv
+from pcdist.engine.models import conv_specs, vgg_specs
 
 OUT = Path(__file__).resolve().parent / "results"
 _aten = torch.ops.aten

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pcdist import deeppcr
-from pcdist.activations import Activation
+from pcdist.engine.activations import Activation
 
 OUT = Path(__file__).resolve().parent / "results"
 ACT = Activation("tanh")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import pcdist
-from pcdist.data import load_digits, one_hot
+from pcdist.service.data import load_digits, one_hot
 
 OUT = Path(__file__).resolve().parent / "results"
 METHODS = ("mupc_pc", "mlp_pc", "mupc_bp")

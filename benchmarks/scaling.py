@@ -38,7 +38,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import pcdist
-    from pcdist.parallel import Parallel, ParallelDims, init_distributed
+    from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)

@@ -1,12 +1,12 @@
 """What the training service's loop costs on top of the engine's own step, side by side.
 
-The real torchrun starts P ranks (gloo, one thread each); each runs ``pcdist.run._run``
+The real torchrun starts P ranks (gloo, one thread each); each runs ``pcdist.service.run._run``
 (mesh, synthetic data, model, optimizer) on the service's config with
 ``logger=none``, no evaluation and no checkpoint within the timed steps, and
 instead of training straight through it alternates, round by round, on the same
 network and optimizer:
 
-  service  ``pcdist.run._loop`` for N steps: batch assembly, the stop-signal vote, the
+  service  ``pcdist.service.run._loop`` for N steps: batch assembly, the stop-signal vote, the
            progress marks, logging every ``trainer.log_every`` steps (energy gather,
            metrics.jsonl, progress line), exactly as ``python train.py`` runs them
   engine   N bare ``PCTrainer.step(x, y, log=False)`` on one fixed batch, as
@@ -52,9 +52,9 @@ def worker(args) -> None:
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
-    from pcdist.config import load_config
-    from pcdist.parallel import init_distributed
-    from pcdist.run import _batch_indices, _batches, _loop, _run, _shard, check
+    from pcdist.service.config import load_config
+    from pcdist.distributed.parallel import init_distributed
+    from pcdist.service.run import _batch_indices, _batches, _loop, _run, _shard, check
 
     P = int(os.environ["WORLD_SIZE"])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

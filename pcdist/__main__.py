@@ -1,6 +1,6 @@
-"""``python -m pcdist [overrides]``: the training service (see pcdist/cli.py)."""
+"""``python -m pcdist [overrides]``: the training service (see pcdist/service/cli.py)."""
 
-from pcdist.cli import main
+from pcdist.service.cli import main
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import pcdist
-from pcdist.network import group_layers
+from pcdist.engine.network import group_layers
 
 
 def seq_of(dims, act=nn.Tanh):

@@ -126,3 +126,27 @@ def test_service_benchmark_interleaves_the_service_loop_and_the_engine_step(tmp_
     assert res["service/engine"] == statistics.median(per_round)
     assert res["step_s"] == {k: statistics.median(v) for k, v in rounds.items()}
     assert f"service / engine: {res['service/engine']:.3f}" in stdout
+
+
+def test_modes_benchmark_writes_ratios_learning_figures_and_pictures(tmp_path):
+    """benchmarks/modes.py --tiny: every mode timed in every round, ratios recomputed from the samples, the
+    learning figures' ratios to PCA consistent, the two pictures written."""
+    stdout = run("modes.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "modes_tiny.json").read_text())
+    for name in ("A", "M"):
+        shape = res["speed"][name]
+        samples = shape["samples"]
+        assert set(samples) == {"supervised", "generative", "unsupervised", "precision"}
+        assert len({len(v) for v in samples.values()}) == 1, "every variant is timed in every round"
+        for k, v in samples.items():
+            assert shape["step_s"][k] == statistics.median(v)
+            if k != "supervised":
+                assert shape["ratios"][f"{k}/supervised"] == statistics.median(
+                    a / b for a, b in zip(v, samples["supervised"]))
+        assert f"shape {name}:" in stdout
+    learn = res["learning"]
+    for k in ("unsupervised_linear", "unsupervised_hidden_value_nodes", "unsupervised_mlp_in_one_layer"):
+        assert learn[k]["ratio_to_pca"] == learn[k]["mse"] / learn["pca_k10"]
+    assert 0 <= learn["generative_hidden"]["accuracy"] <= 1 and 0.85 < learn["lda"] <= 1
+    for png in ("modes_tiny_samples.png", "modes_tiny_reconstructions.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC

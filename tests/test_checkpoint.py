@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from pcdist.service.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 
 # The model these tests load checkpoints into (pcdist.PCNetwork.from_dims(..., activation="tanh")).
@@ -68,7 +68,7 @@ def test_resume_after_a_damaged_checkpoint_redoes_the_lost_steps(two_checkpoints
 
 WRITER = textwrap.dedent("""
     import resource, signal, sys, torch, pcdist
-    from pcdist.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+    from pcdist.service.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
     run_dir = sys.argv[1]
     net = pcdist.PCNetwork.from_dims([64, 512, 512, 10], seed=0)
     opt = torch.optim.AdamW(net.parameters())

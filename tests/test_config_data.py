@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.data import DataError, load_dataset, read_idx
+from pcdist.service.data import DataError, load_dataset, read_idx
 from datafiles import make_cifar10, make_cifar100, make_mnist, write_idx
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -207,9 +207,9 @@ def test_labels_out_of_range_are_refused(tmp_path):
 
 
 def test_non_finite_inputs_are_refused(tmp_path):
-    from pcdist.config import load_config
-    from pcdist.data import Dataset
-    from pcdist.run import _check_data
+    from pcdist.service.config import load_config
+    from pcdist.service.data import Dataset
+    from pcdist.service.run import _check_data
 
     x = torch.randn(80, 64)
     x[3, 5] = float("nan")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import pcdist
-from pcdist.config import Config, load_config, make_config
+from pcdist.service.config import Config, load_config, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

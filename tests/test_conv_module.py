@@ -16,8 +16,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import pcdist
-from pcdist.layers import AnyModule
-from pcdist.network import split_sequential
+from pcdist.engine.layers import AnyModule
+from pcdist.engine.network import split_sequential
 from reference import Gate, pc_step
 
 pytestmark = pytest.mark.usefixtures("single_thread")

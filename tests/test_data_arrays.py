@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.data import DataError, Dataset, StreamedData, load_arrays, load_digits
-from pcdist.metrics import read_metrics
+from pcdist.service.data import DataError, Dataset, StreamedData, load_arrays, load_digits
+from pcdist.service.metrics import read_metrics
 from test_service import layer_state, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pcdist import deeppcr
-from pcdist.activations import Activation
+from pcdist.engine.activations import Activation
 
 
 def chain(L, D, act, dtype=torch.float64, seed=0, gain=1.2):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.data import load_digits, one_hot
+from pcdist.service.data import load_digits, one_hot
 
 
 def train_digits(seed: int, epochs: int = 30, B: int = 64):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pcdist.fuse import FusedModules, fuse
+from pcdist.engine.fuse import FusedModules, fuse
 
 TOL = 1e-12
 DT = torch.float64

@@ -1,4 +1,4 @@
-"""The module kind's traced calls (pcdist/layers/graph.py): the recorded aten graphs, rewritten,
+"""The module kind's traced calls (pcdist/engine/layers/graph.py): the recorded aten graphs, rewritten,
 against the modules themselves differentiated by autograd; which modules take them; the fallback."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from torch.func import functional_call, stack_module_state, vmap
 from torch.testing import assert_close
 
 import pcdist
-from pcdist import native
-from pcdist.layers.graph import EagerCall, GraphCall, native_tanh, trace
+from pcdist.engine import native
+from pcdist.engine.layers.graph import EagerCall, GraphCall, native_tanh, trace
 
 from test_conv_module import MODES, Branchy, Residual, compare, module_net
 

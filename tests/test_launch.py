@@ -68,16 +68,16 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_wheel_ships_the_kernel_source_the_configs_and_the_entry_point(wheel):
-    """A non-editable install must carry pcdist/_native.c (or the fused CPU kernel can never build), every
+    """A non-editable install must carry pcdist/engine/_native.c (or the fused CPU kernel can never build), every
     file of conf/ (as pcdist/conf) and the pcdist-train command."""
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    assert "pcdist/_native.c" in names and "pcdist/native.py" in names and "pcdist/__main__.py" in names
+    assert "pcdist/engine/_native.c" in names and "pcdist/engine/native.py" in names and "pcdist/__main__.py" in names
     conf = {f"pcdist/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert conf <= set(names), conf - set(names)
     entry = zipfile.ZipFile(wheel).read("pcdist-0.1.0.dist-info/entry_points.txt").decode()
-    assert "pcdist-train = pcdist.cli:main" in entry
+    assert "pcdist-train = pcdist.service.cli:main" in entry
 
 
 def test_the_installed_wheel_trains_without_a_checkout(wheel, tmp_path):
@@ -101,7 +101,7 @@ def test_the_installed_wheel_trains_without_a_checkout(wheel, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = [p.parent for p in work.glob("runs/*/*/config.yaml")]
     assert (run_dir / "checkpoints/step-00000002/manifest.json").is_file()
-    where = subprocess.run([str(venv / "bin/python"), "-c", "import pcdist.config as c; print(c.__file__, c.CONF_DIR)"],
+    where = subprocess.run([str(venv / "bin/python"), "-c", "import pcdist.service.config as c; print(c.__file__, c.CONF_DIR)"],
                            cwd=work, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), f"not the installed copy: {where}"
     out = subprocess.run([str(venv / "bin/python"), "-m", "pcdist", "--cfg", "job", "optim=sgd"], cwd=work,

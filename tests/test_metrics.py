@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.metrics import RunLogger, plot_heatmap, plot_inference, plot_training
+from pcdist.service.metrics import RunLogger, plot_heatmap, plot_inference, plot_training
 
 NO_WANDB = SimpleNamespace(name="none", mode="disabled")
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import pcdist
-from pcdist.layers import Residual, ResidualLinear
+from pcdist.engine.layers import Residual, ResidualLinear
 from reference import PHI, MuPCReference
 
 pytestmark = pytest.mark.usefixtures("single_thread")

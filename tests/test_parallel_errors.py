@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.parallel import Parallel, ParallelDims, init_distributed
+from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
 from spawn import WorkerError, run
 
 

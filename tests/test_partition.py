@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pcdist.layers import LayerSpec
-from pcdist.partition import layer_flops, partition_layers
+from pcdist.engine.layers import LayerSpec
+from pcdist.distributed.partition import layer_flops, partition_layers
 
 
 def brute_force_bottleneck(costs, P):

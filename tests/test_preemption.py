@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from pcdist.checkpoint import latest_checkpoint
+from pcdist.service.checkpoint import latest_checkpoint
 from test_elastic import children
 from test_service import ROOT
 

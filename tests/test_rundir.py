@@ -13,9 +13,9 @@ import torch
 import yaml
 
 import pcdist
-from pcdist.metrics import read_metrics
-from pcdist.rundir import ON_RESUME, new_run_dir
-from pcdist.trainer import warmup_cosine
+from pcdist.service.metrics import read_metrics
+from pcdist.service.rundir import ON_RESUME, new_run_dir
+from pcdist.engine.trainer import warmup_cosine
 from spawn import free_port
 from test_service import ROOT
 

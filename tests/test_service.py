@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.metrics import read_metrics
-from pcdist.partition import layer_flops, partition_layers
+from pcdist.service.metrics import read_metrics
+from pcdist.distributed.partition import layer_flops, partition_layers
 from spawn import run
 from wandb_files import offline_run
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pcdist.metrics import read_metrics
+from pcdist.service.metrics import read_metrics
 from slurm_cluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,177 @@
+"""The layer axis's point-to-point traffic: the pipelined feed-forward init and the one boundary
+exchange per inference step.
+
+Rank r of the layer axis owns the contiguous layers [a_r, b_r) and keeps a replica of its
+upstream neighbour's last node h_{a_r - 1}. Per inference step it trades two tensors of the
+boundary node's shape with each neighbour, in ONE exchange:
+
+    downstream   send e_{b_r - 1} (the error of its last node) to r + 1
+    upstream     send -P_{a_r} (its first layer's back-projection) to r - 1
+
+and receives their counterparts; both ranks then apply the same update to the shared node.
+The exchange is posted once the boundary layers are computed, the interior layers compute
+while the messages fly, and only the value update waits. On NCCL the exchange is one
+``batch_isend_irecv`` over the Stage's preallocated views; on gloo the receives are posted
+a step ahead (see ``update_values``). A rank with no neighbours exchanges nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..engine.stage import Stage
+from ..errors import PeerError
+
+__all__ = ["LayerExchange"]
+
+
+def _wait(reqs) -> float:
+    """Wait for (work, peer, what, timeout) tuples; returns the seconds spent blocked.
+
+    A failure names both ranks.
+    """
+    t0 = time.perf_counter()
+    for work, peer, what, timeout in reqs:
+        try:
+            work.wait(timeout)
+        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
+            me = dist.get_rank()
+            raise PeerError(
+                f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
+                f"(is rank {peer} alive?): {e}"
+            ) from e
+    return time.perf_counter() - t0
+
+
+
+class LayerExchange:
+    """The point-to-point schedule of one rank of the layer axis (``prev`` / ``next``: the global
+    ranks of its neighbours, None at the ends)."""
+
+    def __init__(self, prev: int | None = None, next: int | None = None, micro_batches: int = 1,
+                 timeout_s: float = 300.0, prepost: bool = False):
+        self.prev, self.next = prev, next
+        self.timeout = timedelta(seconds=timeout_s)
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
+        self.micro_batches = micro_batches
+        self._pending: list = []  # the boundary exchange in flight (posted by errors)
+        # gloo only: the next step's receives, posted as soon as this step's are consumed.
+        self.prepost = prepost
+        self._recvs: list = []
+        self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
+
+    @property
+    def is_first(self) -> bool:
+        return self.prev is None
+
+    @property
+    def is_last(self) -> bool:
+        return self.next is None
+
+    def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
+             *more) -> list:
+        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``.
+
+        ``more`` repeats (send, to, recv, frm) for further peers in the same batch.
+        """
+        ops, peers = [], []
+        quads = [(send, to, recv, frm), *(more[i : i + 4] for i in range(0, len(more), 4))]
+        for send, to, recv, frm in quads:
+            if to is not None:
+                ops.append(dist.P2POp(dist.isend, send, to))
+                peers.append((to, f"{what} send"))
+            if frm is not None:
+                ops.append(dist.P2POp(dist.irecv, recv, frm))
+                peers.append((frm, f"{what} receive"))
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
+
+    def feedforward(self, st: Stage) -> None:
+        """The feed-forward init, pipelined over micro-batches across the layer slices."""
+        if self.prev is None and self.next is None:
+            st.feedforward()
+            return
+        M = min(self.micro_batches, st.B)
+        bounds = [st.B * m // M for m in range(M + 1)]
+        sends = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            rows = slice(lo, hi)
+            self.comm_seconds += _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
+            st.feedforward(rows)
+            if self.next is not None:
+                sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
+        self.comm_seconds += _wait(sends)
+
+    def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True,
+               step_lr: float | None = None) -> None:
+        """Errors of every group, and the step's one boundary exchange posted as early as possible.
+
+        The boundary quantities come first: the first layer's error and back-projection
+        (for the upstream neighbour) and the last node's error (for the downstream one).
+        Then one batch_isend_irecv sends both and receives their counterparts, and the
+        interior groups compute while the messages fly; ``update_values`` waits for them.
+        Every input of this phase is local (the upstream node is replicated), so nothing
+        here waits. ``exchange=False`` (an evaluation after the last update) sends nothing.
+        ``step_lr``: fuse the value step into the passes (see ``Stage.errors``).
+        """
+        if not exchange or (self.prev is None and self.next is None):
+            st.errors(None, need_all_deltas, step_lr)
+            return
+        first, last = st.groups[0], st.groups[-1]
+        st.errors([first], need_all_deltas, step_lr)
+        if self.prev is not None:
+            st.backproject([first])
+        if last is not first:
+            st.errors([last], need_all_deltas, step_lr)
+        if self._recvs:  # the receives were posted at the end of the last step
+            self._pending = self._recvs + self._p2p(st.send_error, self.next, None, None, "boundary exchange",
+                                                    st.send_backproj, self.prev, None, None)
+            self._recvs = []
+        else:
+            self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
+                                      st.send_backproj, self.prev, st.recv_error, self.prev)
+        st.errors(st.groups[1:-1], need_all_deltas, step_lr)
+
+    def backproject(self, st: Stage) -> None:
+        """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""
+        st.backproject(st.groups[1:] if self.prev is not None else None)
+
+    def update_values(self, st: Stage, x_lr: float, more: bool = False) -> None:
+        """Wait for the boundary messages, then the value step (owned nodes and the replica).
+
+        ``more``: another exchange follows in this batch. On gloo its receives are then
+        posted right away: gloo sends only once the receiver has posted (a rendezvous
+        run by its transport threads), so a receive posted a step ahead lets the peer's
+        send go out inline when it is posted, instead of waiting for both transport
+        threads to get a core that the compute threads hold. NCCL matches sends and
+        receives by order within one batch and keeps the single batch_isend_irecv.
+        """
+        if self._pending:
+            self.comm_seconds += _wait(self._pending)
+        self._pending = []
+        st.update_values(x_lr)
+        if more and self.prepost and (self.prev is not None or self.next is not None):
+            self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
+                                    None, None, st.recv_error, self.prev)
+
+    def predict(self, net, x: Tensor) -> Tensor | None:
+        """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""
+        if self.prev is None and self.next is None:
+            return net(x)
+        h = x
+        if self.prev is not None:
+            h = torch.empty(x.shape[0], *net.node_shapes[net.first - 1], dtype=x.dtype, device=x.device)
+            self.comm_seconds += _wait(self._p2p(None, None, h, self.prev, "prediction"))
+        out = net(h).contiguous()
+        if self.next is not None:
+            self.comm_seconds += _wait(self._p2p(out, self.next, None, None, "prediction"))
+            return None
+        return out

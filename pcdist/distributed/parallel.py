@@ -1,0 +1,291 @@
+"""Where a rank sits in the (data, layer) mesh, and the collectives between ranks.
+
+Rank r of the layer axis owns the contiguous layers [a_r, b_r) (balanced by each layer
+kind's FLOPs) and trades boundary tensors with its two neighbours once per inference step
+(pcdist/distributed/exchange.py). The data axis splits the batch; weight gradients are all-reduced
+over it only, one bucket per fused group, overlapped with the next group's gradient GEMMs
+(pcdist/distributed/buckets.py). Energies and metrics are reduced to one logging rank when logged. A
+single process is the case with no neighbours and no data peers: every exchange is empty.
+
+The PC maths lives in ``engine.Stage``; this module only places the rank and moves tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .buckets import GradBuckets
+from ..engine.stage import Stage
+from ..errors import ConfigError, PeerError
+from .exchange import LayerExchange
+from ..engine.layers import LayerKind
+from .partition import layer_costs, partition_layers
+from .rendezvous import join_process_group, warn_if_restarts_unsafe
+
+__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh axes: ``data`` x ``layer`` must equal the world size."""
+
+    data: int = 1
+    layer: int = 1
+
+    def validate(self, world_size: int, num_layers: int | None = None) -> None:
+        """Raise ConfigError (a ValueError) naming every factor if the mesh cannot be built."""
+        for name, v in (("parallel.data", self.data), ("parallel.layer", self.layer)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.data * self.layer != world_size:
+            raise ConfigError(
+                f"mesh parallel.data={self.data} x parallel.layer={self.layer} = {self.data * self.layer} ranks, "
+                f"but the world size is {world_size}; choose factors whose product is {world_size}"
+            )
+        if num_layers is not None and self.layer > num_layers:
+            raise ConfigError(
+                f"parallel.layer={self.layer} ranks but the model has only {num_layers} layers; "
+                f"use parallel.layer <= {num_layers}"
+            )
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device | str | None = None, timeout_s: float = 300.0) -> torch.device:
+    """Join the process group torchrun describes (env:// rendezvous); returns this rank's device.
+
+    On GPUs every rank binds ``cuda:LOCAL_RANK`` and the NCCL group is created
+    eagerly; on CPUs the backend is gloo. A peer that stops answering raises after
+    ``timeout_s`` instead of hanging. Started without torchrun (no RANK and
+    WORLD_SIZE in the environment), the process forms a group of one, so the same
+    script also runs as ``python script.py``.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    if dist.is_initialized():
+        warn_if_restarts_unsafe()
+    elif "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
+                                rank=0, world_size=1, **kw)
+    else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/distributed/rendezvous.py)
+        join_process_group(backend_for(device), timedelta(seconds=timeout_s), **kw)
+    return device
+
+
+@contextmanager
+def collective(what: str, group=None):
+    """Run a collective; a failure (a peer died or stopped answering within the process-group
+    timeout) becomes a PeerError naming this rank, the ranks of the group and, from the
+    progress each rank records in the rendezvous store, the members that fell behind."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out{_who_fell_behind(ranks)}: {e}") from e
+
+
+_STEPS_KEY = "pcdist/steps_begun/{}"
+
+
+def _mark_progress(steps: int) -> None:
+    """Record in the rendezvous store how many training steps this rank has begun (one small
+    write per step) so that a failed collective can name the member that fell behind."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_STEPS_KEY.format(dist.get_rank()), str(steps))
+    except Exception:  # diagnostics only: a dead store shows up in the next exchange anyway
+        pass
+
+
+def _who_fell_behind(ranks: list[int]) -> str:
+    """Which ranks of a failed collective began fewer training steps than this one (from the
+    store, read within 5 s; empty when the store is gone with the rank that hosted it)."""
+    me = dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        old = store.timeout
+        store.set_timeout(timedelta(seconds=5))
+        try:
+            keys = {r: _STEPS_KEY.format(r) for r in ranks}
+            begun = {r: int(store.get(k)) if store.check([k]) else 0 for r, k in keys.items()}
+        finally:
+            store.set_timeout(old)
+    except Exception:
+        return ""
+    behind = [r for r in ranks if begun[r] < begun[me]]
+    if not behind:
+        return f" (every rank of the group began training step {begun[me]}; one of them died or stopped answering in it)"
+    return (f" (rank {me} began training step {begun[me]}, but "
+            + ", ".join(f"rank {r} only step {begun[r]}" for r in behind) + ": it died or stopped answering)")
+
+
+class Parallel(LayerExchange):
+    """This rank's layer slice, its neighbours on the layer axis (the point-to-point schedule of
+    ``pcdist.exchange.LayerExchange``) and its data-axis group.
+
+    ``Parallel.single(num_layers)`` is the single-process case (no peers at all);
+    ``Parallel.from_mesh(dims, specs)`` builds the (data, layer) DeviceMesh of a
+    torch.distributed job.
+    """
+
+    def __init__(self, layers: tuple[int, int], num_layers: int, prev: int | None = None, next: int | None = None,
+                 data_group=None, data_size: int = 1, layer_rank: int = 0, layer_size: int = 1,
+                 logging_rank: int | None = None, micro_batches: int = 1, data_rank: int = 0,
+                 timeout_s: float = 300.0, prepost: bool = False):
+        super().__init__(prev, next, micro_batches, timeout_s, prepost)
+        self.layers, self.num_layers = layers, num_layers
+        self.data_group, self.data_size = data_group, data_size
+        self.layer_rank, self.layer_size = layer_rank, layer_size
+        self.data_rank = data_rank
+        self.logging_rank = logging_rank  # global rank that gathers stats; None: no gathering needed
+        self._grads = GradBuckets(data_group) if data_group is not None else None  # data axis only
+        self.steps_begun = 0  # recorded in the store for error messages (``collective``)
+
+    @classmethod
+    def single(cls, num_layers: int) -> "Parallel":
+        return cls((1, num_layers + 1), num_layers)
+
+    @classmethod
+    def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerKind] | Sequence[int],
+                  device: torch.device | str = "cpu", micro_batches: int = 1, timeout_s: float = 300.0) -> "Parallel":
+        """Build the (data, layer) mesh over the initialised process group and place this rank.
+
+        ``specs``: the network's layer kinds, or any per-layer costs (the partition balances
+        their sums over the layer ranks; see ``pcdist.partition.layer_costs``).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims.validate(dist.get_world_size(), len(specs))
+        mesh = init_device_mesh(torch.device(device).type, (dims.data, dims.layer), mesh_dim_names=("data", "layer"))
+        lr, P = mesh.get_local_rank("layer"), dims.layer
+        layer_group = mesh.get_group("layer")
+        # Every rank of the group joins one collective first: NCCL then has its
+        # communicator before the first point-to-point batch.
+        dev = torch.device(device)
+        dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
+        peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
+        costs = layer_costs(specs) if all(isinstance(s, LayerKind) for s in specs) else [int(c) for c in specs]
+        slices = partition_layers(costs, P)
+        # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
+        logging = int(mesh.mesh[0, P - 1])
+        return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,
+                   next=peer(lr + 1) if lr < P - 1 else None,
+                   data_group=mesh.get_group("data") if dims.data > 1 else None, data_size=dims.data,
+                   layer_rank=lr, layer_size=P, logging_rank=logging, micro_batches=micro_batches,
+                   data_rank=mesh.get_local_rank("data"), timeout_s=timeout_s, prepost=dev.type != "cuda")
+
+    @property
+    def is_logging(self) -> bool:
+        return self.logging_rank is None or dist.get_rank() == self.logging_rank
+
+    def feedforward(self, st: Stage) -> None:
+        """The pipelined feed-forward init (``LayerExchange.feedforward``), which begins a training
+        step: recorded in the store so a failed collective can name who fell behind."""
+        self.steps_begun += 1
+        if self.data_group is not None or self.prev is not None or self.next is not None:
+            _mark_progress(self.steps_begun)
+        super().feedforward(st)
+
+    # -- collectives ----------------------------------------------------------------
+    def any_rank(self, flag: bool, device: torch.device | str = "cpu") -> bool:
+        """True on every rank if ``flag`` is true on any rank (one tiny all-reduce; none in one process)."""
+        if self.logging_rank is None:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        with collective("the stop-signal all-reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
+        """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
+        vec = torch.tensor(values, dtype=torch.float64, device=device)
+        if self.logging_rank is None:
+            return vec.tolist()
+        with collective("the metrics reduce"):
+            dist.reduce(vec, dst=self.logging_rank)
+        return vec.tolist() if self.is_logging else None
+
+    # -- data axis ----------------------------------------------------------------
+    def weight_grads(self, st: Stage) -> None:
+        """dF/dtheta of every owned layer into .grad; with a data axis, also its all-reduce,
+        one bucket per fused group, overlapped with the next groups' gradients (pcdist.buckets)."""
+        if self._grads is None:
+            st.weight_grads()
+        else:
+            self._grads.start(st)
+
+    def reduce_grads(self) -> None:
+        """Finish the data-axis gradient all-reduces: wait, then divide the sums by the global batch."""
+        if self._grads is None or not self._grads.pending:
+            return
+        t0 = time.perf_counter()
+        with collective("the data-axis gradient all-reduce", self.data_group):
+            self._grads.wait(self.timeout)
+        self.comm_seconds += time.perf_counter() - t0
+        self._grads.average()
+
+    def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:
+        """The whole network's batch-mean energies [L + 1] on the logging rank (None elsewhere): entry 0
+        the prior of a free h_0 (0 when clamped), entry l layer l. ``local`` holds this rank's
+        entries from global index ``first_index`` on (default: its first layer)."""
+        lo = self.layers[0] if first_index is None else first_index
+        vec = torch.zeros(self.num_layers + 1 + (self.logging_rank is not None), dtype=local.dtype if
+                          self.logging_rank is None else torch.float64, device=local.device)
+        if self.logging_rank is None:
+            vec[lo : lo + len(local)] = local
+            return vec
+        vec[lo : lo + len(local)] = local.to(torch.float64) * local_batch
+        if self.layer_rank == 0:
+            vec[-1] = local_batch
+        with collective("the energy reduce"):
+            dist.reduce(vec, dst=self.logging_rank)
+        return vec[:-1] / vec[-1] if self.is_logging else None
+
+    def gather_nodes(self, own: dict[int, Tensor], num_layers: int) -> list[Tensor] | None:
+        """Value nodes h_0 .. h_L of the whole batch on the logging rank (None elsewhere), from every
+        rank's own {node: [B_local, ...]} (data shards joined in data-rank order)."""
+        if self.logging_rank is None:
+            return [own[n] for n in range(num_layers + 1)]
+        parts = [None] * dist.get_world_size() if self.is_logging else None
+        with collective("the value-node gather"):
+            dist.gather_object(({n: t.cpu() for n, t in own.items()}, self.data_rank), parts, dst=self.logging_rank)
+        if not self.is_logging:
+            return None
+        device = next(iter(own.values())).device
+        out = []
+        for n in range(num_layers + 1):
+            shards = sorted((rank, nodes[n]) for nodes, rank in parts if n in nodes)
+            out.append(torch.cat([t for _, t in shards]).to(device))
+        return out
+
+    def gather_batch(self, t: Tensor | None) -> Tensor | None:
+        """Rows held by some ranks (``t``; None on the others) joined over the data axis in data-rank order,
+        on the logging rank (None elsewhere): e.g. predictions the last layer slice of each data replica made."""
+        if self.logging_rank is None:
+            return t
+        parts = [None] * dist.get_world_size() if self.is_logging else None
+        with collective("the batch gather"):
+            dist.gather_object(None if t is None else (self.data_rank, t.cpu()), parts, dst=self.logging_rank)
+        if not self.is_logging:
+            return None
+        shards = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+        return torch.cat([t for _, t in shards]).to(t.device if t is not None else "cpu") if shards else None

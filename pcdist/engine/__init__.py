@@ -1,0 +1,14 @@
+"""The single-device PC engine: networks of fused layer groups and the phases of PC on them.
+
+* ``network.py``  PCNetwork: layer kinds grouped into stacked runs of equal layers
+* ``layers/``     the layer kinds (dense, residual, conv, module) and their fused phases
+* ``stage.py``    Stage: one batch's value nodes (``nodes.py``) and the fused phases over every group
+* ``trainer.py``  PCTrainer: feed-forward init, T inference steps, weight update (pc / ipc)
+* ``energies.py``, ``activations.py``, ``native.py`` (+ ``_native.c``): output energies,
+  activations with fused derivatives, the fused CPU error kernel
+* ``fuse.py``     N same-architecture modules run as one; ``deeppcr.py`` chains in O(log L);
+  ``models.py`` the conv model zoo (PCX's VGG, listed CNNs)
+
+Nothing here imports torch.distributed except through the trainer's schedule driver
+(pcdist.distributed.parallel), whose single-process case has no peers.
+"""

@@ -1,0 +1,252 @@
+"""The layer-kind interface: what the engine needs to know about one kind of PC layer.
+
+Shape letters: K layers in a group, B batch, I / O the input / output node shape
+(a width for dense and residual layers).
+
+A PC layer maps value node l-1 to the prediction u_l of node l. The engine sees it
+through three objects:
+
+* ``LayerKind`` (a frozen dataclass) describes ONE global layer: its node shapes, a
+  fuse key (consecutive layers with equal keys stack into one group of K), its FLOPs
+  per sample and inference step (for the FLOP-balanced partition) and its signature
+  (what a checkpoint records). It builds the parameter group.
+* ``LayerGroup`` (an nn.Module) holds the stacked parameters of K consecutive equal
+  layers ([K, ...] tensors, so the optimizer sees few large tensors) and their
+  parameter init, public per-layer layout (checkpoints, ``to_layers``) and the plain
+  feed-forward chain used for evaluation.
+* ``BoundGroup`` is a group bound to a Stage's preallocated value nodes for one batch
+  size (and one ``Binding``: which end nodes are free, the precisions, the output energy):
+  the phases of the PC schedule as a few batched kernels.
+
+The phases (per group, all K layers at once):
+
+    predict       u = layer(h_in)                                   (stale only after h or W moved)
+    errors        e = pi (h_out - u) and the layer's error signal (pi: the layer's precision, 1
+                  unless given); optionally the value step's own-error term h_out -= lr * e
+                  (pc without momentum, see Stage.errors)
+    backproject   target <- beta * target + alpha * P,   P = -dE_l/dh_{l-1} per sample
+    weight_grads  dF/dtheta into .grad (F the batch mean of E; ``scale`` = -1/B)
+    energies      batch-sum energy of each layer (hidden: 1/2 pi ||h_out - u||^2; output: pi E_out)
+
+Everything a phase needs is local to a layer and its two nodes, so the layer-parallel
+schedule (pcdist.parallel) is the same for every kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ..energies import OutputEnergy
+
+__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "seeded_generator"]
+
+
+def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
+    """Layer ``layer``'s own generator for a network ``seed`` (None: the global RNG), so a layer's
+    initial weights do not depend on how the layers are split over ranks."""
+    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + layer)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One global PC layer, value node l-1 -> prediction of node l (subclasses are frozen dataclasses)."""
+
+    kind: ClassVar[str] = "?"
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def fuse_key(self):
+        """Consecutive layers with equal keys stack into one group (default: the description itself)."""
+        return self
+
+    def flops(self, index: int) -> int:
+        """FLOPs per sample of one inference step of global layer ``index`` (1-based)."""
+        raise NotImplementedError
+
+    def signature(self) -> dict:
+        """What a checkpoint records of this layer: the fields that fix its parameters' shapes and meaning."""
+        return {"kind": self.kind, **asdict(self)}
+
+    def check(self, index: int, is_output: bool) -> None:
+        """Raise ValueError if this layer cannot stand at ``index`` (e.g. an output with an activation)."""
+
+    def make_group(self, first: int, K: int, dtype=None, device=None) -> "LayerGroup":
+        raise NotImplementedError
+
+
+class LayerGroup(nn.Module):
+    """K consecutive equal layers with stacked parameters; global layers first .. first + K - 1.
+
+    ``reads_errors``: the group's back-projection reads its layers' errors e themselves (not
+    only a signal of its own), so a Stage must keep the errors apart from the value
+    gradients it accumulates.
+    """
+
+    reads_errors: ClassVar[bool] = False
+
+    def __init__(self, kind: LayerKind, first: int, K: int):
+        super().__init__()
+        self.kind, self.first, self.K = kind, first, K
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.K)
+
+    def public_params(self, k: int) -> dict[str, Tensor]:
+        """Writable views of layer k's parameters in their public layout (e.g. nn.Linear's
+        ``weight`` [out, in]): what checkpoints, ``to_layers`` and ``from_layers`` exchange."""
+        raise NotImplementedError
+
+    def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
+        """Initialise layer k from ``generator`` (None: the global RNG)."""
+        raise NotImplementedError
+
+    def to_module(self, k: int) -> nn.Module:
+        """Layer k as a plain torch module with a copy of its weights (forward = its prediction)."""
+        raise NotImplementedError
+
+    def forward(self, h: Tensor) -> Tensor:
+        """Feed-forward through the K layers in order (a chain: sequential by nature)."""
+        raise NotImplementedError
+
+    def bind(self, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: "Binding") -> "BoundGroup":
+        """The group's phases over a Stage's views: ``h_in`` [K, B, *I] and ``h_out`` / ``e_out``
+        [K, B, *O] (for the output layer h_out holds the top node: the clamped target, or a free
+        node); ``b`` says how (see ``Binding``)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"layers {self.first}..{self.first + self.K - 1}: {self.K} x ({self.kind})"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a group is bound to a Stage for one batch size.
+
+    ``static_weights``: the weights stay fixed through a batch's inference (pc), so weight-derived
+    copies may be cached per weight change. ``init``: the value-node init ("ff", "deeppcr").
+    ``free_input``: the group's input node is free (a hidden node, or a free h_0), so its
+    back-projection is needed and its prediction moves with every value step; False only for
+    layer 1 under a clamped h_0. ``energy``: the output group's energy (None for hidden groups);
+    ``free_output``: the output group's top node h_L is free (the feed-forward sets it; it then
+    follows its energy's gradient). ``prec``: the K layers' precisions [K] (a view of the Stage's,
+    which a schedule may change between steps), None when every precision is 1.
+    """
+
+    batch_size: int
+    static_weights: bool = False
+    init: str = "ff"
+    free_input: bool = True
+    energy: OutputEnergy | None = None
+    free_output: bool = False
+    prec: Tensor | None = None
+
+
+class BoundGroup:
+    """A LayerGroup's phases over preallocated buffers (see the module docstring).
+
+    Attributes the Stage reads: ``g`` (the LayerGroup), ``K``, ``first``, ``h_in``, ``h_out``,
+    ``e_out``, ``is_output``, ``free_input`` and ``cached`` (u is current for the present inputs and
+    weights); an output group also keeps ``u``, ``d`` (its signal) and ``energy``.
+    """
+
+    def __init__(self, g: LayerGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: Binding):
+        self.g, self.K, self.first = g, g.K, g.first
+        self.h_in, self.h_out, self.e_out = h_in, h_out, e_out
+        self.energy, self.is_output = b.energy, b.energy is not None
+        self.free_input, self.free_output, self.prec = b.free_input, b.free_output, b.prec
+        self.cached = False
+
+    def feedforward(self, rows: slice | None, init: str) -> None:
+        """u for the K layers as a chain from h_in[0] (restricted to ``rows``), then h_out <- u
+        (hidden groups); leaves the group cached."""
+        raise NotImplementedError
+
+    def predict(self) -> None:
+        raise NotImplementedError
+
+    def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
+        """e = h_out - u (hidden) or the output's error signal, predicting first if stale.
+
+        ``with_signal``: the signal that feeds the back-projection is wanted (global layer 1
+        needs its signal only for the weight gradient). ``step_lr``: also take h_out -= step_lr * e
+        (on all nodes but the last with ``hold_last``)."""
+        raise NotImplementedError
+
+    def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
+        """target [K, B, *I] <- beta * target + alpha * P with P = -dE_l/dh_{l-1} (beta 0 ignores
+        the old contents)."""
+        raise NotImplementedError
+
+    def weight_grads(self, scale: float) -> None:
+        """Write scale * (-dE/dtheta summed over the batch) into the group's .grad (which exist)."""
+        raise NotImplementedError
+
+    def energies(self) -> Tensor:
+        """Batch-sum energy of each of the K layers [K], from the last ``errors``: 1/2 pi ||h - u||^2 =
+        1/2 ||e||^2 / pi (0 where pi is 0); the output group's from its prediction ``u``, top node
+        ``h_out`` and signal ``d`` (a kind that can be the output layer keeps those three)."""
+        if self.is_output:
+            return self.energy.value(self.u[0], self.h_out[0], self.d[0]).reshape(1)
+        sq = 0.5 * torch.linalg.vector_norm(self.e_out.flatten(1), dim=1).square()
+        if self.prec is None:
+            return sq
+        return torch.where(self.prec > 0, sq / self.prec.clamp_min(torch.finfo(sq.dtype).tiny), 0.0)
+
+    def weigh(self, e: Tensor) -> Tensor:
+        """e *= pi per layer, in place (nothing without precisions): the torch-ops error pass's weighting."""
+        if self.prec is None:
+            return e
+        return e.mul_(self.prec.view(-1, *[1] * (e.dim() - 1)))
+
+    def weights_changed(self) -> None:
+        """The weights moved (optimizer step) or a new batch began."""
+        self.cached = False
+
+
+def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:
+    """target <- beta * target + alpha * p, in place (beta 0 ignores target's old contents, as a
+    GEMM with beta 0 does): how a kind without a fused GEMM epilogue writes its back-projection."""
+    if beta == 0.0:
+        torch.mul(p, alpha, out=target)
+    else:
+        if beta != 1.0:
+            target.mul_(beta)
+        target.add_(p, alpha=alpha)
+
+
+class TransposedWeight:
+    """w^T [K, O, I] of a stacked w [K, I, O] for the back-projection GEMM.
+
+    A GEMM that reads its second operand transposed is 20-30% slower on CPUs (MKL) than
+    one that reads it row-major, so with ``copy=True`` (weights fixed through a batch's
+    inference: pc) this keeps a row-major copy, refreshed on first use after each weight
+    change; otherwise (iPC changes the weights every step) it is the transposed view.
+    """
+
+    def __init__(self, w_KIO: Tensor, copy: bool):
+        self.w_KIO = w_KIO
+        self._t = w_KIO.transpose(1, 2)
+        if copy:
+            self._t = torch.empty_like(self._t, memory_format=torch.contiguous_format)
+        self._stale = copy
+
+    def get(self) -> Tensor:
+        if self._stale:
+            self._t.copy_(self.w_KIO.transpose(1, 2))
+            self._stale = False
+        return self._t
+
+    def invalidate(self) -> None:
+        if self._t.data_ptr() != self.w_KIO.data_ptr():  # a copy, not the view
+            self._stale = True

@@ -1,0 +1,292 @@
+"""The ``conv`` kind: Conv1d / Conv2d + elementwise activation, optionally pooled, as one PC layer.
+
+Shape letters: K layers in a group, B batch, C channels, H, W spatial sizes (a 1-D layer is
+run as 2-D with H = 1, so every op below is the 2-D one).
+
+    predict    a = conv(h_in, W) + b;  z = f(a);  u = pool(z)    (u = z without pooling)
+    error      e = pi (h_out - u);  d = pool'(e) * f'(a)                (d = -dE/da; max pooling
+               routes e to the saved argmax positions, average pooling spreads it)
+    backproj   target <- beta * target + alpha * conv_input_grad(d, W)    (P = -dE/dh_in)
+    weights    dF/dW = -(1/B) conv_weight_grad(h_in, d);  dF/db = -(1/B) sum d
+
+The value node of a conv layer is [B, C, H, W] ([B, C, L] for 1-D). Activation and pooling
+run on all K layers of a group at once (the K x B images are one batch); the convolutions
+themselves run layer by layer into the group's preallocated buffers (aten's ``convolution``
+and ``convolution_backward``, which pick the best algorithm per shape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..activations import Activation
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, accumulate
+
+__all__ = ["Conv", "ConvGroup", "POOLS"]
+
+POOLS = ("max", "avg")
+_aten = torch.ops.aten
+
+
+def _out_size(size: int, k: int, s: int, p: int, d: int = 1) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+@dataclass(frozen=True)
+class Conv(LayerKind):
+    """One convolution layer on a [C, *spatial] node: conv, activation, then optional pooling.
+
+    Tuples have one entry per spatial dimension (1 for Conv1d, 2 for Conv2d). ``pool``: None,
+    "max" or "avg" (zero padding; average pooling counts the padding, as torch's default).
+    """
+
+    kind = "conv"
+    in_channels: int
+    out_channels: int
+    spatial: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    activation: Activation | None
+    stride: tuple[int, ...] = (1, 1)
+    padding: tuple[int, ...] = (0, 0)
+    dilation: tuple[int, ...] = (1, 1)
+    groups: int = 1
+    bias: bool = True
+    pool: str | None = None
+    pool_kernel: tuple[int, ...] = ()
+    pool_stride: tuple[int, ...] = ()
+    pool_padding: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        n = len(self.spatial)
+        if n not in (1, 2):
+            raise ValueError(f"conv layers are 1-D or 2-D, got spatial size {self.spatial}")
+        for name in ("kernel_size", "stride", "padding", "dilation") + (("pool_kernel", "pool_stride", "pool_padding")
+                                                                         if self.pool else ()):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"conv {name}={getattr(self, name)} needs {n} entries (spatial size {self.spatial})")
+        if self.pool is not None and self.pool not in POOLS:
+            raise ValueError(f"unknown pooling {self.pool!r}; allowed: max, avg")
+        if self.in_channels % self.groups or self.out_channels % self.groups:
+            raise ValueError(f"conv groups={self.groups} must divide in_channels={self.in_channels} and "
+                             f"out_channels={self.out_channels}")
+        if any(s < 1 for s in self.conv_spatial) or any(s < 1 for s in self.out_shape[1:]):
+            raise ValueError(f"conv layer on a {list(self.in_shape)} node leaves no output "
+                             f"(conv gives {list(self.conv_spatial)}, then {list(self.out_shape[1:])})")
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return (self.in_channels, *self.spatial)
+
+    @property
+    def conv_spatial(self) -> tuple[int, ...]:
+        """Spatial size after the convolution (before pooling)."""
+        return tuple(_out_size(*t) for t in zip(self.spatial, self.kernel_size, self.stride, self.padding,
+                                                  self.dilation))
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        sp = self.conv_spatial
+        if self.pool is not None:
+            sp = tuple(_out_size(*t) for t in zip(sp, self.pool_kernel, self.pool_stride, self.pool_padding))
+        return (self.out_channels, *sp)
+
+    def __str__(self) -> str:
+        act = self.activation.name if self.activation else "none"
+        pool = f", {self.pool}pool {self.pool_kernel}" if self.pool else ""
+        return (f"conv{len(self.spatial)}d {list(self.in_shape)} -> {list(self.out_shape)}, k={self.kernel_size} "
+                f"s={self.stride} p={self.padding}, {act}{pool}")
+
+    def flops(self, index: int) -> int:
+        """The convolution (predict) and its input gradient (back-projection, not on layer 1)."""
+        macs = self.out_channels * math.prod(self.conv_spatial) * (self.in_channels // self.groups) \
+            * math.prod(self.kernel_size)
+        return (2 if index == 1 else 4) * macs + 8 * self.out_channels * math.prod(self.conv_spatial)
+
+    def signature(self) -> dict:
+        sig = {"kind": self.kind, "in": list(self.in_shape), "out": list(self.out_shape),
+               "activation": None if self.activation is None else self.activation.name}
+        sig.update({k: getattr(self, k) for k in ("kernel_size", "stride", "padding", "dilation", "groups", "bias",
+                                                  "pool", "pool_kernel", "pool_stride", "pool_padding")})
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in sig.items()}
+
+    def check(self, index: int, is_output: bool) -> None:
+        if is_output:
+            raise ValueError(f"layer {index} (a convolution) cannot be the output layer: end the network with "
+                             "nn.Flatten() and an nn.Linear (the output energy acts on a vector)")
+        if self.activation is None:
+            raise ValueError(f"layer {index} is a hidden conv layer without an activation "
+                             "(use Activation('identity') for a linear one)")
+
+    def make_group(self, first: int, K: int, dtype=None, device=None) -> "ConvGroup":
+        return ConvGroup(self, first, K, dtype=dtype, device=device)
+
+    # -- the 2-D view of a 1-D layer -----------------------------------------------------
+    def as_2d(self, t: tuple[int, ...], fill: int) -> list[int]:
+        return [fill, *t] if len(self.spatial) == 1 else list(t)
+
+
+class ConvGroup(LayerGroup):
+    """K equal conv layers: weight [K, C_out, C_in / groups, *kernel] (nn.Conv's layout), bias [K, C_out]."""
+
+    def __init__(self, kind: Conv, first: int, K: int, dtype=None, device=None):
+        super().__init__(kind, first, K)
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(K, kind.out_channels, kind.in_channels // kind.groups,
+                                               *kind.kernel_size, **kw))
+        self.bias = nn.Parameter(torch.empty(K, kind.out_channels, **kw)) if kind.bias else None
+
+    def public_params(self, k: int) -> dict[str, Tensor]:
+        out = {"weight": self.weight[k]}
+        if self.bias is not None:
+            out["bias"] = self.bias[k]
+        return out
+
+    def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
+        """nn.Conv's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias."""
+        bound = 1.0 / math.sqrt(self.weight[k][0].numel())
+        with torch.no_grad():
+            for t in self.public_params(k).values():
+                t.copy_(torch.rand(t.shape, generator=generator, dtype=t.dtype).mul_(2 * bound).sub_(bound))
+
+    def to_module(self, k: int) -> nn.Module:
+        s, p = self.kind, self.weight
+        conv_cls = nn.Conv1d if len(s.spatial) == 1 else nn.Conv2d
+        conv = conv_cls(s.in_channels, s.out_channels, s.kernel_size, s.stride, s.padding, s.dilation, s.groups,
+                        bias=s.bias, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            for name, t in self.public_params(k).items():
+                getattr(conv, name).copy_(t)
+        mods = [conv, s.activation.to_module()]
+        if s.pool == "max":
+            mods.append((nn.MaxPool1d if len(s.spatial) == 1 else nn.MaxPool2d)(s.pool_kernel, s.pool_stride,
+                                                                                  s.pool_padding))
+        elif s.pool == "avg":
+            mods.append((nn.AvgPool1d if len(s.spatial) == 1 else nn.AvgPool2d)(s.pool_kernel, s.pool_stride,
+                                                                                  s.pool_padding))
+        return nn.Sequential(*mods)
+
+    def forward(self, h: Tensor) -> Tensor:
+        for k in range(self.K):
+            h = self.to_module_ops(k, h)
+        return h
+
+    def to_module_ops(self, k: int, h: Tensor) -> Tensor:
+        """Layer k on a batch h [B, C, *spatial], differentiable (evaluation and the reference)."""
+        s = self.kind
+        conv = F.conv1d if len(s.spatial) == 1 else F.conv2d
+        b = None if self.bias is None else self.bias[k]
+        h = s.activation(conv(h, self.weight[k], b, s.stride, s.padding, s.dilation, s.groups))
+        if s.pool is not None:
+            one = len(s.spatial) == 1
+            pool = {"max": F.max_pool1d if one else F.max_pool2d, "avg": F.avg_pool1d if one else F.avg_pool2d}[s.pool]
+            h = pool(h, s.pool_kernel, s.pool_stride, s.pool_padding)
+        return h
+
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "ConvBound":
+        return ConvBound(self, h_in, h_out, e_out, b)
+
+
+class ConvBound(BoundGroup):
+    """A ConvGroup's phases over a Stage's buffers, everything in 2-D form."""
+
+    def __init__(self, g: ConvGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: Binding):
+        super().__init__(g, h_in, h_out, e_out, b)
+        B = b.batch_size
+        s: Conv = g.kind
+        K, self.one_d = self.K, len(s.spatial) == 1
+        to2 = (lambda t: t.unsqueeze(-2)) if self.one_d else (lambda t: t)
+        self.x2, self.h2, self.e2 = to2(h_in), to2(h_out), to2(e_out)  # [K, B, C, H, W]
+        self.w2 = to2(g.weight)  # [K, C_out, C_in / groups, kh, kw]
+        self.bias = g.bias
+        self.act, self.pool = s.activation, s.pool
+        self.conv_args = (s.as_2d(s.stride, 1), s.as_2d(s.padding, 0), s.as_2d(s.dilation, 1), False, [0, 0], s.groups)
+        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        conv_shape = (K, B, s.out_channels, *s.as_2d(s.conv_spatial, 1))
+        self.a = torch.empty(conv_shape, **kw)
+        self.z = self.a if not self.act.needs_input else torch.empty_like(self.a)  # f(a)
+        if self.pool is None:
+            self.u = self.z
+            self.dz = None
+        else:
+            self.pool_args = (s.as_2d(s.pool_kernel, 1), s.as_2d(s.pool_stride, 1), s.as_2d(s.pool_padding, 0))
+            self.u = torch.empty(K, B, s.out_channels, *s.as_2d(s.out_shape[1:], 1), **kw)
+            self.idx = torch.empty(self.u.shape, dtype=torch.int64, device=kw["device"]) if self.pool == "max" else None
+            self.dz = torch.empty_like(self.a)  # dE/dz: the error routed back through the pooling
+        self.d = torch.empty_like(self.a)
+
+    @staticmethod
+    def _flat(t: Tensor) -> Tensor:
+        """[K, B, C, H, W] -> [K * B, C, H, W]: activation and pooling see all K layers as one batch."""
+        return t.reshape(-1, *t.shape[2:])
+
+    def _activate_and_pool(self, a: Tensor, z: Tensor, u: Tensor, idx: Tensor | None) -> None:
+        self.act.forward(a, out=z)
+        if self.pool == "max":
+            _aten.max_pool2d_with_indices.out(z, *self.pool_args, [1, 1], False, out=u, indices=idx)
+        elif self.pool == "avg":
+            _aten.avg_pool2d.out(z, *self.pool_args, False, True, None, out=u)
+
+    def _conv(self, k: int, x: Tensor, out: Tensor) -> None:
+        b = None if self.bias is None else self.bias[k]
+        _aten.convolution.out(x, self.w2[k], b, *self.conv_args, out=out)
+
+    def feedforward(self, rows: slice | None, init: str) -> None:
+        sel = slice(None) if rows is None else rows
+        h = self.x2[0][sel]
+        for k in range(self.K):
+            a, z, u = self.a[k][sel], self.z[k][sel], self.u[k][sel]
+            self._conv(k, h, a)
+            self._activate_and_pool(a, z, u, None if self.pool != "max" else self.idx[k][sel])
+            h = u
+        self.h2[:, sel].copy_(self.u[:, sel])
+        self.cached = True
+
+    def predict(self) -> None:
+        for k in range(self.K):
+            self._conv(k, self.x2[k], self.a[k])
+        f = self._flat
+        self._activate_and_pool(f(self.a), f(self.z), f(self.u), None if self.pool != "max" else f(self.idx))
+        self.cached = True
+
+    def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
+        if not self.cached:
+            self.predict()
+        self.weigh(torch.sub(self.h2, self.u, out=self.e2))
+        if with_signal:
+            f = self._flat
+            dz = self.e2
+            if self.pool == "max":
+                dz = self.dz
+                _aten.max_pool2d_with_indices_backward.grad_input(f(self.e2), f(self.z), *self.pool_args, [1, 1], False,
+                                                                  f(self.idx), grad_input=f(dz))
+            elif self.pool == "avg":
+                dz = self.dz
+                _aten.avg_pool2d_backward.grad_input(f(self.e2), f(self.z), *self.pool_args, False, True, None,
+                                                     grad_input=f(dz))
+            self.act.grad(dz, self.a, self.z, out=self.d)
+        if step_lr is not None:
+            stepped = self.K - 1 if hold_last else self.K
+            self.h2[:stepped].add_(self.e2[:stepped], alpha=-step_lr)
+
+    def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
+        t2 = target.unsqueeze(-2) if self.one_d else target
+        for k in range(self.K):
+            p = _aten.convolution_backward(self.d[k], self.x2[k], self.w2[k], None, *self.conv_args,
+                                           [True, False, False])[0]
+            accumulate(t2[k], p, beta, alpha)
+
+    def weight_grads(self, scale: float) -> None:
+        g = self.g
+        wg2 = g.weight.grad.unsqueeze(-2) if self.one_d else g.weight.grad
+        bias_sizes = None if g.bias is None else [g.bias.shape[1]]
+        for k in range(self.K):
+            _, gw, gb = _aten.convolution_backward(self.d[k], self.x2[k], self.w2[k], bias_sizes, *self.conv_args,
+                                                   [False, True, g.bias is not None])
+            torch.mul(gw, scale, out=wg2[k])
+            if gb is not None:
+                torch.mul(gb, scale, out=g.bias.grad[k])

@@ -1,0 +1,290 @@
+"""The ``dense`` kind: Linear + elementwise activation, u_l = f(W_l h_{l-1} + b_l).
+
+Shape letters: K layers in a group, B batch, I input width, O output width.
+
+K equal layers store w_KIO [K, I, O] (W_l^T stacked, so the prediction of all K is one
+``baddbmm(b, h_KBI, w_KIO)``) and b_KO [K, O]. Per inference step a hidden group is
+
+    predict    a = baddbmm(b, h_in, w_KIO);  u = f(a)
+    error      e = pi (h_out - u);  d = e * f'(a)     (d = -dE/da; output: the energy's signal)
+    backproj   target <- beta * target + alpha * d @ w_KOI        (one GEMM, P = W^T d)
+    weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
+
+On CPUs the elementwise work between the GEMMs is one pass per group (pcdist.native):
+a = bmm(h_in, w) and then b, f, e (with the layers' precisions pi), f' and (pc without
+momentum) the value step's own-error term h_out -= x_lr * e in a single kernel (u is never
+stored). The output layer (no activation) with the squared-error energy and a clamped target
+computes d = y - b - h W as one GEMM on the precomputed y - b.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .. import native
+from ..activations import Activation
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight
+
+__all__ = ["Dense", "DenseGroup", "INITS"]
+
+INITS = ("default", "orthogonal")
+
+
+@dataclass(frozen=True)
+class Dense(LayerKind):
+    """One Linear layer: in/out widths and its activation (None for the output layer: u_L = a_L).
+
+    ``init``: "default" (nn.Linear's U(-1/sqrt(in), 1/sqrt(in))) or "orthogonal" (W orthogonal,
+    bias 0: keeps the signal's norm through deep plain MLPs). ``bias=False``: no bias (u = f(W h)).
+    ``input_shape``: the shape of the input node when it is not a vector (an image after
+    nn.Flatten: the layer reads it flattened, in_features = its size).
+    """
+
+    kind = "dense"
+    in_features: int
+    out_features: int
+    activation: Activation | None
+    init: str = field(default="default")
+    bias: bool = True
+    input_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"unknown dense init {self.init!r}; allowed: {', '.join(INITS)}")
+        if self.input_shape is not None and math.prod(self.input_shape) != self.in_features:
+            raise ValueError(f"dense input_shape {list(self.input_shape)} has {math.prod(self.input_shape)} "
+                             f"elements, not in_features={self.in_features}")
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return (self.in_features,) if self.input_shape is None else tuple(self.input_shape)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (self.out_features,)
+
+    def __str__(self) -> str:
+        act = self.activation.name if self.activation else "output"
+        return f"dense {self.in_features} -> {self.out_features}, {act}" + ("" if self.init == "default" else f", {self.init} init")
+
+    def flops(self, index: int) -> int:
+        """A layer predicts (one GEMM), back-projects (another) and does elementwise work.
+
+        Layer 1 does neither GEMM during PC inference: its input is clamped, so its
+        prediction is computed once per batch and it has no free node to project to.
+        """
+        gemms = 0 if index == 1 else 4 * self.in_features * self.out_features
+        return gemms + 6 * self.out_features
+
+    def signature(self) -> dict:
+        act = self.activation
+        sig = {"kind": self.kind, "in": self.in_features, "out": self.out_features,
+               "activation": None if act is None else act.name}
+        if not self.bias:
+            sig["bias"] = False
+        if self.input_shape is not None:
+            sig["in_shape"] = list(self.input_shape)
+        return sig
+
+    def check(self, index: int, is_output: bool) -> None:
+        if is_output and self.activation is not None:
+            raise ValueError("the output layer takes no activation (u_L = a_L)")
+        if not is_output and self.activation is None:
+            raise ValueError(f"layer {index} is a hidden dense layer without an activation "
+                             "(use Activation('identity') for a linear layer)")
+
+    def make_group(self, first: int, K: int, dtype=None, device=None) -> "DenseGroup":
+        return DenseGroup(self, first, K, dtype=dtype, device=device)
+
+
+class DenseGroup(LayerGroup):
+    """K consecutive Dense layers of one shape and activation: weight [K, I, O] (W^T), bias [K, O]."""
+
+    def __init__(self, kind: Dense, first: int, K: int, dtype=None, device=None):
+        super().__init__(kind, first, K)
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(K, kind.in_features, kind.out_features, **kw))
+        if kind.bias:
+            self.bias = nn.Parameter(torch.empty(K, kind.out_features, **kw))
+        else:  # the phases add a zero bias, so bias-free layers take the same fused path
+            self.bias = None
+            self.register_buffer("zero_bias", torch.zeros(K, kind.out_features, **kw), persistent=False)
+
+    @property
+    def spec(self) -> Dense:
+        return self.kind
+
+    @property
+    def b_KO(self) -> Tensor:
+        """The biases [K, O] (zeros for bias-free layers)."""
+        return self.zero_bias if self.bias is None else self.bias
+
+    def public_params(self, k: int) -> dict[str, Tensor]:
+        out = {"weight": self.weight[k].T}  # nn.Linear's layout
+        if self.bias is not None:
+            out["bias"] = self.bias[k]
+        return out
+
+    def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
+        w, b = self.weight[k], self.b_KO[k]
+        with torch.no_grad():
+            if self.kind.init == "orthogonal":
+                q = torch.empty(w.T.shape, dtype=w.dtype)
+                w.T.copy_(nn.init.orthogonal_(q, generator=generator))
+                b.zero_()
+                return
+            bound = 1.0 / math.sqrt(self.kind.in_features)
+            w.copy_(torch.rand(w.shape, generator=generator, dtype=w.dtype).mul_(2 * bound).sub_(bound))
+            if self.bias is not None:
+                b.copy_(torch.rand(b.shape, generator=generator, dtype=b.dtype).mul_(2 * bound).sub_(bound))
+
+    def to_module(self, k: int) -> nn.Module:
+        s, p = self.kind, self.weight
+        lin = nn.Linear(s.in_features, s.out_features, bias=s.bias, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            for name, t in self.public_params(k).items():
+                getattr(lin, name).copy_(t)
+        mods = ([] if s.input_shape is None else [nn.Flatten()]) + [lin] + \
+            ([] if s.activation is None else [s.activation.to_module()])
+        return mods[0] if len(mods) == 1 else nn.Sequential(*mods)
+
+    def forward(self, h_BI: Tensor) -> Tensor:
+        act = self.kind.activation
+        if self.kind.input_shape is not None:
+            h_BI = h_BI.flatten(1)
+        for k in range(self.K):
+            h_BI = torch.addmm(self.b_KO[k], h_BI, self.weight[k])
+            if act is not None:
+                h_BI = act(h_BI)
+        return h_BI
+
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "DenseBound":
+        return DenseBound(self, h_in, h_out, e_out, b)
+
+
+class DenseBound(BoundGroup):
+    """A DenseGroup's phases over a Stage's buffers.
+
+    Parameter views are taken once: optimizers update parameters in place, and the
+    trainer rebuilds its Stage if a parameter's storage is replaced.
+    """
+
+    def __init__(self, g: DenseGroup, h_in, h_out, e_out, b: Binding):
+        if g.kind.input_shape is not None:  # an image node, read flattened (a free view of the block)
+            h_in = h_in.flatten(2)
+        super().__init__(g, h_in, h_out, e_out, b)
+        K, B = self.K, b.batch_size
+        self.act = g.kind.activation
+        self.w_KIO = g.weight
+        self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
+        self.b_K1O = g.b_KO.unsqueeze(1)
+        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        self.a = torch.empty(K, B, g.kind.out_features, **kw)
+        # u overwrites a unless f'(a) must be read from a itself (gelu).
+        self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
+        self.d = torch.empty_like(self.a)
+        self.layers = [(g.b_KO[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
+        # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
+        se = self.is_output and self.energy.name == "se" and not self.free_output
+        self._y_minus_b = torch.empty_like(self.a) if se else None
+        # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
+        # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
+        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u,
+                                    prec=self.prec) \
+            if not self.is_output and native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
+
+    # -- feed-forward init ----------------------------------------------------------
+    def feedforward(self, rows: slice | None, init: str) -> None:
+        act = self.act
+        h = self.h_in[0] if rows is None else self.h_in[0][rows]
+        if init == "deeppcr" and self.K > 1 and not self.is_output:
+            self._chain_deeppcr(h, rows)
+            return
+        for b, w, a, u in self.layers:
+            if rows is not None:
+                a, u = a[rows], u[rows]
+            torch.addmm(b, h, w, out=a)
+            h = a if act is None else act.forward(a, out=u)
+        if not self.is_output or self.free_output:
+            if rows is None:
+                self.h_out.copy_(self.u)
+            else:
+                self.h_out[:, rows].copy_(self.u[:, rows])
+        self.cached = True
+
+    def _chain_deeppcr(self, h_BI: Tensor, rows: slice | None) -> None:
+        """The group's K chained predictions solved at once; a and u then follow from one GEMM."""
+        from ..deeppcr import solve
+
+        states = solve((self.w_KIO, self.g.b_KO, self.act), h_BI).states  # [K + 1, B, O]
+        sel = slice(None) if rows is None else rows
+        self.h_out[:, sel].copy_(states[1:])
+        a = self.a[:, sel]
+        torch.baddbmm(self.b_K1O, self.h_in[:, sel], self.w_KIO, out=a)
+        self.act.forward(a, out=self.u[:, sel])
+        self.cached = True
+
+    # -- inference ------------------------------------------------------------------
+    def predict(self, activate: bool = True) -> None:
+        """a = b + h_in @ w; u = f(a): one kernel each for all K layers. ``activate=False``
+        leaves a = h_in @ w, for the fused kernel to add b and apply f."""
+        if activate:
+            torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
+            if self.act is not None:
+                self.act.forward(self.a, out=self.u)
+            self.cached = True
+        else:
+            torch.bmm(self.h_in, self.w_KIO, out=self.a)
+
+    def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
+        """e = h_out - u and d = e * f'(a) (if ``with_signal``), predicting first if stale; with
+        ``step_lr`` also h_out -= step_lr * e (``hold_last``: on all nodes but the last), and e
+        is then left unwritten where the kernel takes that step (only the held node's e is read,
+        as the boundary message). The output layer writes its energy's signal d = -pi dE_out/du."""
+        if self.is_output:
+            if self._y_minus_b is not None:
+                torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
+                self.energy.scale_signal(self.d)
+            else:
+                if not self.cached:
+                    self.predict()
+                self.energy.signal(self.u[0], self.h_out[0], self.d[0])
+            return
+        stepped = self.K - 1 if hold_last else self.K
+        if self.kernel is not None:
+            # The kernel does not store u: only layer 1 under a clamped input reuses it, for the whole batch.
+            fresh = not self.cached and self.free_input
+            if fresh:
+                self.predict(activate=False)
+            elif not self.cached:
+                self.predict()
+            self.kernel.run(fresh, with_signal, step_lr, stepped)
+            return
+        if not self.cached:
+            self.predict()
+        self.weigh(torch.sub(self.h_out, self.u, out=self.e_out))
+        if with_signal:
+            self.act.grad(self.e_out, self.a, self.u, out=self.d)
+        if step_lr is not None:
+            self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
+
+    def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
+        if target.dim() > 3:  # an image node
+            target = target.flatten(2)
+        target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
+
+    def weight_grads(self, scale: float) -> None:
+        w, b = self.g.weight, self.g.bias
+        w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
+        if b is not None:
+            torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
+
+    def weights_changed(self) -> None:
+        self.cached = False
+        self.w_t.invalidate()
+        if self._y_minus_b is not None:
+            torch.sub(self.h_out, self.b_K1O, out=self._y_minus_b)

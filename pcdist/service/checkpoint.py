@@ -1,0 +1,195 @@
+"""Checkpoints keyed by global layer index: atomic, checksummed, resumable on any split.
+
+Layout of one checkpoint (``run_dir/checkpoints/step-00000200/``)::
+
+    layers-0001-0005.pt   weights and optimizer state of layers 1..4, from the rank owning them
+    layers-0005-0009.pt   ...
+    meta.pt               step, data position, scheduler state, RNG state, model shape
+    manifest.json         sha256 of every file above (written last)
+
+Every file is written to a temporary name and renamed; the checkpoint is written
+into ``step-XXXXXXXX.tmp/`` and renamed once complete, so a crash mid-write never
+damages an earlier checkpoint. Loading uses ``torch.load(weights_only=True)`` and
+checks the manifest; a damaged newest checkpoint is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..engine.network import PCNetwork, legacy_signature
+from ..distributed.parallel import collective
+
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, or from a different model)."""
+
+
+def _atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary name, fsync, rename; a failed write (disk full) leaves nothing behind."""
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {path} failed (disk full?): {e}") from e
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer) -> dict:
+    """Optimizer state sliced per global layer: {"layers.l.weight": {"exp_avg": slice k of the stacked state}}."""
+    out = {}
+    for g in net.groups:
+        for name, p in g.named_parameters():
+            state = optimizer.state.get(p, {})
+            for k, l in enumerate(g.layers):
+                out[f"layers.{l}.{name}"] = {
+                    s: (v[k].clone() if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+                    for s, v in state.items()
+                }
+    return out
+
+
+def _load_layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Rebuild the stacked optimizer state of the owned groups from per-layer slices.
+
+    Goes through ``optimizer.load_state_dict``, which puts every state tensor where this
+    optimizer keeps it (e.g. the step count on the GPU for fused AdamW, on the CPU otherwise).
+    """
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {}
+    for g in net.groups:
+        for name, p in g.named_parameters():
+            per_layer = [saved.get(f"layers.{l}.{name}", {}) for l in g.layers]
+            if not per_layer[0] or id(p) not in index:
+                continue
+            state[index[id(p)]] = {
+                s: torch.stack([pl[s] for pl in per_layer]) if torch.is_tensor(v) and v.dim() > 0 else v
+                for s, v in per_layer[0].items()
+            }
+    sd = optimizer.state_dict()
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: torch.optim.Optimizer,
+                    meta: dict, keep: int, writer: bool, leader: bool, group=None) -> Path:
+    """Write checkpoint ``step`` collectively; ``writer``: this rank writes its layers;
+    ``leader``: this rank writes meta + manifest, publishes and prunes. Returns the path."""
+    ckdir = Path(run_dir) / "checkpoints"
+    final, tmp = ckdir / f"step-{step:08d}", ckdir / f"step-{step:08d}.tmp"
+    distributed = dist.is_available() and dist.is_initialized()
+    if leader:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    if distributed:
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
+    if writer:
+        state = {"layers": net.layer_state_dict(), "optimizer": _layer_optimizer_state(net, optimizer)}
+        _atomic_save(state, tmp / f"layers-{net.first:04d}-{net.stop:04d}.pt")
+    if distributed:
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
+    if leader:
+        _atomic_save(meta, tmp / "meta.pt")
+        files = sorted(p.name for p in tmp.iterdir() if not p.name.endswith(".part"))
+        manifest = {"step": step, "files": {n: _sha256(tmp / n) for n in files}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in _checkpoints(ckdir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        with collective("the checkpoint barrier", group):
+            dist.barrier(group=group)
+    return final
+
+
+def _checkpoints(ckdir: Path) -> list[Path]:
+    if not ckdir.is_dir():
+        return []
+    return sorted(p for p in ckdir.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+
+
+def _verify(path: Path) -> None:
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no manifest.json (incomplete checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except Exception as e:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} listed in the manifest is missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted)")
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+    for path in reversed(_checkpoints(Path(run_dir) / "checkpoints")):
+        try:
+            _verify(path)
+            return path
+        except CheckpointError as e:
+            warnings.warn(f"skipping damaged checkpoint {path}: {e}", stacklevel=2)
+    return None
+
+
+def _describe(signature) -> str:
+    """A model signature in one line: "dense 64->128 gelu, 2 x dense 128->128 gelu, dense 128->10 None"."""
+    if not isinstance(signature, list) or not all(isinstance(s, dict) for s in signature):
+        return repr(signature)
+    runs: list[list] = []
+    for s in signature:
+        if runs and runs[-1][1] == s:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, s])
+    return ", ".join(("" if n == 1 else f"{n} x ") + f"{s.get('kind')} {s.get('in')}->{s.get('out')} {s.get('activation')}"
+                     for n, s in runs)
+
+
+def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load the owned layers (and their optimizer state) from any split; returns the meta dict."""
+    path = Path(path)
+    meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+    saved = meta.get("model")
+    saved = legacy_signature(saved) or saved  # checkpoints from before layer kinds: [dims, activations]
+    if saved != net.signature():
+        raise CheckpointError(f"{path} was written by a different model: {_describe(saved)}; "
+                              f"this run has {_describe(net.signature())}")
+    layers, opt_state = {}, {}
+    for f in sorted(path.glob("layers-*.pt")):
+        part = torch.load(f, weights_only=True, map_location="cpu")
+        layers.update(part["layers"])
+        opt_state.update(part["optimizer"])
+    net.load_layer_state_dict(layers)
+    if optimizer is not None:
+        _load_layer_optimizer_state(net, optimizer, opt_state)
+    return meta

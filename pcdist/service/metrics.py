@@ -1,0 +1,320 @@
+"""Metrics sinks: metrics.jsonl, wandb (offline by default), progress lines or a bar, and plots.
+
+Only the logging rank gets a ``RunLogger``; every other rank gets a ``NullLogger``
+with the same methods, so call sites never branch on the rank. wandb is imported
+lazily and only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+__all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "check_logger", "progress_line",
+           "plot_training", "plot_inference", "plot_heatmap"]
+
+
+def check_logger(logger_cfg) -> None:
+    """A logger that cannot start is a config error, found before any process group exists:
+    wandb not installed, or ``logger.mode=online`` without a wandb login (checked without a prompt)."""
+    if logger_cfg.name != "wandb" or logger_cfg.mode == "disabled":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logger=wandb needs the wandb package: pip install wandb, or use logger=none")
+    if logger_cfg.mode != "online":
+        return
+    import wandb
+
+    try:
+        logged_in = wandb.login(prompt=False, verify=False)
+    except TypeError:  # wandb < 0.22 has no prompt=; wandb.init reports a missing login itself
+        return
+    if not logged_in:
+        raise ConfigError("logger.mode=online needs a wandb login: run `wandb login` or set WANDB_API_KEY; or keep "
+                          "logger.mode=offline (the default; `wandb sync` the run's wandb/ folder later) or use "
+                          "logger=none")
+
+
+def progress_line(step: int, max_steps: int, energy: float | None = None, accuracy: float | None = None,
+                  samples_per_s: float | None = None, reconstruction: float | None = None) -> str:
+    """``step 110/660  energy 0.1234  accuracy 0.9412  1532 samples/s`` (fields that are known; the
+    generative and unsupervised modes add ``reconstruction_mse``)."""
+    parts = [f"step {step}/{max_steps}"]
+    if energy is not None:
+        parts.append(f"energy {energy:.4g}")
+    if accuracy is not None:
+        parts.append(f"accuracy {accuracy:.4f}")
+    if reconstruction is not None:
+        parts.append(f"reconstruction_mse {reconstruction:.4g}")
+    if samples_per_s is not None:
+        parts.append(f"{samples_per_s:.0f} samples/s")
+    return "  ".join(parts)
+
+
+class NullLogger:
+    """The logger of ranks that do not log: accepts everything, writes nothing."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
+                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
+        pass
+
+    def log_trace(self, trace: list[list[float]]) -> None:
+        pass
+
+    def log_images(self, images: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    """Writes every logged dict as one JSON line (with ``step``) and mirrors it to wandb.
+
+    Progress goes to ``train.log`` always, and to the terminal as a bar (``progress=on``, or
+    ``auto`` on an interactive terminal) or as the same lines on stdout (``auto`` where no
+    terminal shows a bar: SLURM, nohup, docker logs); ``off`` keeps the terminal quiet.
+    """
+
+    def __init__(self, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._train_log = open(self.run_dir / "train.log", "a", buffering=1)
+        import yaml
+
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self.config = config
+        self.max_steps = max_steps
+        self.history: list[dict] = []
+        self.trace: list[list[float]] | None = None
+        self._wandb = None
+        if logger_cfg.name == "wandb" and logger_cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, name=logger_cfg.run_name,
+                                     mode=logger_cfg.mode, dir=str(self.run_dir), config=config, resume="allow",
+                                     id=_run_id(self.run_dir))
+        tty = sys.stderr.isatty()
+        self._lines = progress == "auto" and not tty
+        self._bar = None
+        self._accuracy: float | None = None
+        if progress == "on" or (progress == "auto" and tty):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": step, **metrics}
+        self.history.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
+                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
+        """One line for a logged or evaluated step (accuracy only where evaluated); the bar shows
+        the latest accuracy throughout."""
+        line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s, reconstruction)
+        self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
+        if self._lines:
+            print(line, flush=True)
+        if self._bar is not None:
+            self._accuracy = accuracy if accuracy is not None else self._accuracy
+            fields = [f"F={energy:.4g}" if energy is not None else "",
+                      f"acc={self._accuracy:.4f}" if self._accuracy is not None else ""]
+            self._bar.n = step
+            self._bar.set_postfix_str(" ".join(f for f in fields if f), refresh=True)
+
+    def log_trace(self, trace: list[list[float]]) -> None:
+        """Per-layer energies at each inference step of one batch (for the plots)."""
+        self.trace = trace
+
+    def log_images(self, images: dict, step: int) -> None:
+        """Pictures the run drew into its directory ({name: path}), to wandb as images."""
+        if self._wandb is not None and images:
+            import wandb
+
+            self._wandb.log({f"images/{name}": wandb.Image(str(path)) for name, path in images.items()}, step=step)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()
+        self._train_log.close()
+        try:
+            self.plot()
+        finally:
+            if self._wandb is not None:
+                self._wandb.finish()
+
+    def plot(self) -> None:
+        """accuracy_energy.png (over training), inference_energy.png and inference_heatmap.png (per
+        layer over the inference steps of one batch)."""
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        what = _describe(self.config)
+        _save(plot_training(rows, what), self.run_dir / "accuracy_energy.png")
+        if self.trace:
+            _save(plot_inference(self.trace, what), self.run_dir / "inference_energy.png")
+            _save(plot_heatmap(self.trace, what), self.run_dir / "inference_heatmap.png")
+
+
+def _describe(config: dict) -> str:
+    """``digits, 64-128-128-10 gelu (3 layers), pc T=20`` from the resolved config."""
+    m, pc = config.get("model", {}), config.get("pc", {})
+    dims = m.get("dims") or []
+    return (f"{config.get('data', {}).get('name', '?')}, {'-'.join(map(str, dims))} {m.get('activation', '')} "
+            f"({len(dims) - 1} layers), {pc.get('algorithm', 'pc')} T={pc.get('T', '?')}")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def plot_training(rows: list[dict], what: str = ""):
+    """Validation accuracy (left axis, fixed [0, 1]) and training energy (right axis, log) over training."""
+    plt = _pyplot()
+    tr = [(r["step"], r["train/energy"]) for r in rows if "train/energy" in r]
+    va = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    key = "val/accuracy" if va or not any("val/reconstruction_mse" in r for r in rows) else "val/reconstruction_mse"
+    va = va or [(r["step"], r[key]) for r in rows if key in r]  # unsupervised: the reconstruction error
+    name = "validation accuracy" if key == "val/accuracy" else "validation reconstruction error (per pixel)"
+    fig, acc = plt.subplots(figsize=(7, 4.2))
+    if va:
+        acc.plot(*zip(*va), "o-", color="tab:blue", label=name)
+    if key == "val/accuracy":
+        acc.set_ylim(0.0, 1.0)
+    acc.set_xlabel("training step")
+    acc.set_ylabel(name, color="tab:blue")
+    energy = acc.twinx()
+    if tr:
+        energy.plot(*zip(*tr), color="tab:orange", label="training energy F")
+        if all(e > 0 for _, e in tr):
+            energy.set_yscale("log")
+    energy.set_ylabel("training energy F (batch mean)", color="tab:orange")
+    final = ""
+    if va:
+        value = f"accuracy {va[-1][1]:.4f}" if key == "val/accuracy" else f"reconstruction error {va[-1][1]:.4g}"
+        final = f"; final {value} at step {va[-1][0]}"
+    acc.set_title(f"Training: {what}{final}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _zero_layers(trace: list[list[float]]) -> list[int]:
+    return [l + 1 for l in range(len(trace[0])) if all(t[l] == 0 for t in trace)]
+
+
+def plot_inference(trace: list[list[float]], what: str = ""):
+    """One line per layer over the inference steps: a legend up to 10 layers, else colours from a
+    sequential map with a colour bar (layer 1 dark, layer L bright); layers that stay exactly 0
+    are named in the title (on the symlog axis they lie on 0)."""
+    plt = _pyplot()
+    import matplotlib as mpl
+
+    L, steps = len(trace[0]), range(len(trace))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    cmap = mpl.colormaps["viridis"]
+    colour = (lambda l: f"C{l}") if L <= 10 else (lambda l: cmap(l / (L - 1)))
+    for l in range(L):
+        ax.plot(steps, [t[l] for t in trace], color=colour(l), label=f"layer {l + 1}", lw=1.2)
+    ax.set_yscale("symlog", linthresh=_linthresh(trace))
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("inference step (0: after the feed-forward init)")
+    ax.set_ylabel("batch-mean layer energy")
+    if L <= 10:
+        ax.legend(fontsize=7, ncol=2)
+    else:
+        bar = fig.colorbar(mpl.cm.ScalarMappable(mpl.colors.Normalize(1, L), cmap), ax=ax)
+        bar.set_label("layer")
+    zero = _zero_layers(trace)
+    note = f"; exactly 0 throughout: layer{'s' * (len(zero) > 1)} {_ranges(zero)}" if zero else ""
+    ax.set_title(f"Energy per layer during inference (one batch, final weights)\n{what}{note}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_values(trace: list[list[float]]):
+    """[layers, steps] log10 energies with exact zeros masked (the heat map's image)."""
+    import numpy as np
+
+    e = np.asarray(trace, dtype=float).T
+    return np.ma.masked_where(e <= 0, np.log10(np.where(e > 0, e, 1.0)))
+
+
+def plot_heatmap(trace: list[list[float]], what: str = ""):
+    """Layer x inference-step heat map of log10 energy; exact zeros in grey. Readable at any depth."""
+    plt = _pyplot()
+    import matplotlib as mpl
+
+    L, T1 = len(trace[0]), len(trace)
+    cmap = mpl.colormaps["magma"].with_extremes(bad="lightgrey")
+    fig, ax = plt.subplots(figsize=(7, min(9.0, 3.0 + 0.12 * L)))
+    img = ax.imshow(heatmap_values(trace), aspect="auto", cmap=cmap, interpolation="nearest",
+                    extent=(-0.5, T1 - 0.5, L + 0.5, 0.5))
+    fig.colorbar(img, ax=ax).set_label("log10 batch-mean layer energy")
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("inference step (0: after the feed-forward init)")
+    ax.set_ylabel("layer")
+    ax.set_title(f"Energy per layer and inference step (one batch, final weights; grey: exactly 0)\n{what}",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _linthresh(trace: list[list[float]]) -> float:
+    """The symlog axis's linear range: below the smallest positive energy, so every positive value is on the log part."""
+    pos = [e for t in trace for e in t if e > 0]
+    return 10 ** math.floor(math.log10(min(pos))) if pos else 1e-6
+
+
+def _ranges(layers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out, start = [], None
+    for i, l in enumerate(layers):
+        start = l if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != l + 1:
+            out.append(f"{start}-{l}" if l > start else f"{l}")
+            start = None
+    return ", ".join(out)
+
+
+def _run_id(run_dir: Path) -> str:
+    """A wandb run id stable for a run directory, so a resumed run continues the same wandb run."""
+    f = run_dir / "wandb_run_id"
+    if f.is_file():
+        return f.read_text().strip()
+    rid = os.urandom(6).hex()
+    f.write_text(rid)
+    return rid
+
+
+def make_logger(is_logging: bool, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str):
+    return RunLogger(run_dir, config, logger_cfg, max_steps, progress) if is_logging else NullLogger()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

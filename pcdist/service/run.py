@@ -1,0 +1,524 @@
+"""``train(cfg)``: one training run, from a config to final metrics, on 1 to N ranks.
+
+The same function runs in a single process (tests call it directly) and on every
+rank of ``torchrun``: it composes and validates the config (conf/'s defaults, as the
+command line), joins the process group, places the rank in the (data, layer) mesh,
+loads the data, resumes from the newest valid checkpoint of the run directory
+(pcdist/service/rundir.py decides what changed settings mean), trains, evaluates, checkpoints
+and logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import PYTHON_DATA, Config, make_config, num_layers
+from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
+from ..errors import ConfigError
+from ..engine.layers import mupc_specs
+from ..engine.layers.prior import Prior
+from ..engine.models import cnn_specs, deconv_specs, vgg_specs
+from ..engine.modes import clamps
+from ..engine.schedules import precision_schedule
+from .loader import Streamed
+from .validate import pictures, validate
+from .metrics import check_logger, make_logger
+from ..engine.network import PCNetwork, mlp_specs
+from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
+from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
+from ..engine.trainer import PCTrainer, warmup_cosine
+
+__all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads"]
+
+
+def _device(c: Config) -> torch.device:
+    want = c.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+
+
+def _optimizer(c: Config, params, total_steps: int):
+    o = c.optim
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    warm = min(o.warmup_steps, total_steps)
+    if o.schedule == "cosine":
+        return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
+
+
+IMAGE_MODELS = ("cnn", "vgg", "deconv")
+"""Models whose data nodes stay images [C, H, W]; the others read samples flattened."""
+
+
+def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of h_0 and h_L in pc.mode: (data, label) supervised, (label, data) generative,
+    (latent, data) unsupervised; data flattened unless the model keeps images."""
+    data = tuple(sample_shape) if c.model.name in IMAGE_MODELS else (math.prod(sample_shape),)
+    bottom = {"supervised": data, "generative": (classes,), "unsupervised": (c.pc.latent_dim,)}[c.pc.mode]
+    return bottom, (data if c.pc.mode != "supervised" else (classes,))
+
+
+def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
+    """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
+    from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
+    m = c.model
+    bottom, top = end_shapes(c, sample_shape, classes)
+    if m.name == "mupc":
+        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
+    if m.name == "cnn":
+        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation)
+    if m.name == "vgg":
+        return vgg_specs(m.variant, bottom, classes, m.activation)
+    if m.name == "deconv":
+        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
+    return mlp_specs(m.dims, m.activation, m.init)
+
+
+def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:
+    """The configured network's layer slice ``layers``: its output energy, precisions and the prior of h_0."""
+    mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
+    return PCNetwork(specs, energy=c.model.energy, layers=layers, seed=c.trainer.seed, dtype=dtype, device=device,
+                     precision=c.pc.precision, prior=Prior(float(c.pc.prior_precision), mean))
+
+
+def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
+    """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
+
+    Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
+    take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
+    they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
+    """
+    if data is None:
+        d = c.data
+        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+        data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
+                            d.synthetic_val, d.path, d.num_classes)
+    elif not isinstance(data, (Dataset, StreamedData)):
+        raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
+                        f"StreamedData (torch Datasets), got {type(data).__name__}")
+    _check_data(c, data)
+    if c.data.normalize:
+        if not isinstance(data, Dataset):
+            raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
+                              "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
+        data = normalized(data)
+    if c.data.augment and len(data.sample_shape) != 3:
+        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
+                          f"samples have shape {list(data.sample_shape)}")
+    return data
+
+
+def _model_view(c: Config, data: Dataset | StreamedData) -> Dataset | StreamedData:
+    """The data as the model reads it: images kept for IMAGE_MODELS, else in-memory samples flattened."""
+    if c.model.name in IMAGE_MODELS or not isinstance(data, Dataset):
+        return data
+    return data.flat()
+
+
+def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
+    """Training samples."""
+    return len(ds.data if isinstance(ds, Streamed) else ds)
+
+
+def _check_data(c: Config, ds) -> None:
+    shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
+    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
+        raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
+                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}")
+    if c.model.name == "mlp" and c.pc.mode == "supervised":
+        if ds.num_features != c.model.dims[0]:
+            raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
+                            f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
+        if ds.num_classes != c.model.dims[-1]:
+            raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
+        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
+        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
+        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
+                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
+                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
+            if got != want:
+                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
+                                f"{list(c.model.dims)}")
+    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
+        for name, x, labels in (("train", ds.x_train, ds.labels_train), ("val", ds.x_val, ds.labels_val)):
+            if not torch.isfinite(x).all():
+                raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
+            if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
+                                                                   or int(labels.max()) >= ds.num_classes)):
+                raise DataError(f"data {c.data.name} {name} labels must be integer class ids in [0, {ds.num_classes})")
+    if _num_train(ds) < c.trainer.batch_size:
+        raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
+                        f"trainer.batch_size={c.trainer.batch_size}")
+
+
+def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
+    """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
+    per_epoch = n // B
+    epoch, i = divmod(step, per_epoch)
+    return _permutation(n, seed * 7919 + epoch)[i * B : (i + 1) * B]
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int) -> torch.Tensor:
+    """One epoch's order, drawn once per epoch (randperm of 60000 takes ~1-2 ms: a step of a small model)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
+    """Train as configured; returns the final metrics (complete on the logging rank).
+
+    ``cfg``: a dict applied on top of conf/'s defaults, as overrides on the command line are
+    (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a
+    DictConfig composed already (train.py's, ``pcdist.compose([...])``), or None (the
+    defaults). ``data``: your own data instead of ``data.name``: a ``pcdist.data.Dataset``
+    (tensors in memory) or ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader
+    worker processes). ``run_dir`` unset: a new directory (pcdist/service/rundir.py).
+    """
+    c = make_config(cfg)
+    if data is not None:
+        c.data.name = PYTHON_DATA
+    elif c.data.name == PYTHON_DATA:
+        raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
+                          f"and none was passed")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    c.run_dir = str(c.run_dir or next_run_dir())
+    mesh = check(c, world)
+    device = _device(c)
+    threads = ""
+    if device.type == "cpu":
+        n, why = cpu_threads(c.trainer.threads, os.environ)
+        torch.set_num_threads(n)
+        threads = f"; {n} torch thread{'s' * (n > 1)} per rank ({why})"
+    distributed = world > 1
+    if distributed:
+        init_distributed(device, timeout_s=c.parallel.timeout_s)
+        if dist.get_rank() == 0:
+            print(mesh + threads, flush=True)
+    try:
+        return _run(c, device, distributed, data)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check(c: Config, world: int) -> str:
+    """Everything about the user's input that can fail before any process group exists: the mesh
+    for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
+    mesh = choose_mesh(c, world)
+    if c.parallel.backend == "nccl" and _device(c).type != "cuda":
+        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    check_logger(c.logger)
+    check_files(c.data.name, c.data.root)
+    return mesh
+
+
+def choose_mesh(c: Config, world: int) -> str:
+    """Fill in ``parallel.layer`` when it is null (what the world size leaves after
+    ``parallel.data``) and check the mesh against the world size; one line says how it was chosen."""
+    p, layers = c.parallel, num_layers(c)
+    if world == 1 and p.data * (p.layer or 1) > 1:
+        n = p.data * (p.layer or 1)
+        raise ConfigError(f"parallel.data={p.data} x parallel.layer={p.layer or 1} needs {n} processes, but this is one "
+                          f"process; launch it with torchrun --nproc_per_node={n} train.py ... (or "
+                          f"NPROC={n} launch/local.sh ...)")
+    how = "as configured"
+    if p.layer is None:
+        if world % p.data:
+            raise ConfigError(f"parallel.data={p.data} does not divide the {world} processes; use a divisor of "
+                              f"{world} (parallel.layer takes the rest)")
+        p.layer, how = world // p.data, f"parallel.layer = {world} processes / parallel.data"
+        if p.layer > layers:
+            fits = [d for d in range(p.data, world + 1) if world % d == 0 and world // d <= layers]
+            raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
+                              f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
+    ParallelDims(p.data, p.layer).validate(world, layers)
+    return (f"mesh: {world} ranks = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
+            f"split into {p.layer} slices")
+
+
+def cpu_threads(configured: int, env) -> tuple[int, str]:
+    """torch threads per rank on CPU and why: ``trainer.threads`` if > 0, else OMP_NUM_THREADS if
+    set (torchrun sets it to 1 itself when it starts several processes and finds it unset), else
+    the cores this process may use / the ranks on this machine."""
+    if configured:
+        return configured, "trainer.threads"
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        first = omp.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={omp!r} is not a number of threads >= 1; unset it or set "
+                              "trainer.threads")
+        return int(first), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
+
+
+def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None) -> dict:
+    """Everything after the process group: data, mesh, model, resume, the training ``loop``
+    (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
+    dtype = getattr(torch, c.trainer.dtype)
+    ds = _load_data(c, data)
+    image_shape = tuple(ds.sample_shape)  # for the pictures of generated and reconstructed images
+    ds = _model_view(c, ds)
+    specs = model_specs(c, image_shape, ds.num_classes)
+    if distributed:
+        par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
+                                 micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
+    else:
+        par = Parallel.single(len(specs))
+    if c.trainer.epochs is not None:
+        c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
+    run_dir = Path(c.run_dir)
+    resume = find_resume(c, run_dir)  # refuses (ConfigError) before any work
+    start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
+    if resume.checkpoint is not None and start >= end:
+        if par.is_logging:
+            print(_nothing_to_train(c, run_dir, start), flush=True)
+        return {"step": start, "run_dir": str(run_dir), "finished": True}
+    net = make_network(c, specs, par.layers, dtype, device)
+    opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
+    skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
+    trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
+                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
+                        precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
+                        value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
+    trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
+    is_rank0 = not distributed or dist.get_rank() == 0
+    if resume.checkpoint is not None:
+        meta = load_checkpoint(resume.checkpoint, net, opt)
+        if resume.schedule_changed:  # this run's schedule, at the resumed step
+            position_schedule(sched, opt, start)
+        else:
+            sched.load_state_dict(meta["scheduler"])
+            for g in opt.param_groups:
+                g["lr"] = meta["lr"]
+        torch.set_rng_state(meta["rng"])
+    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
+    try:
+        if par.is_logging:
+            _announce(c, resume, run_dir, start, opt)
+        B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
+        if isinstance(ds, StreamedData):
+            ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
+                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in IMAGE_MODELS,
+                          data_at_top=c.pc.mode != "supervised")
+        batches = _batches(c, ds, par, start, end, device, dtype)
+        result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
+                                 is_rank0, image_shape=image_shape)
+        x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
+                                                                   dtype)
+        trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
+        if trace is not None:
+            logger.log_trace(trace)
+        result["run_dir"] = str(run_dir)
+        return result
+    finally:
+        logger.close()
+
+
+def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
+    """The one line for a rerun into a run that has nothing left to train."""
+    t = c.trainer
+    if step >= t.max_steps:
+        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
+                f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
+                f"directory for a new run)")
+    return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
+            f"trainer.stop_at)")
+
+
+def _announce(c: Config, resume, run_dir: Path, start: int, opt) -> None:
+    """Keep this attempt's config and say, one line each, how the run starts and what changed."""
+    attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
+    if resume.checkpoint is None:
+        print(f"new run in {run_dir} (config: {attempt})", flush=True)
+        return
+    print(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} (config: {attempt})", flush=True)
+    for line in resume.lines():
+        print(line, flush=True)
+    if resume.unknown_config:
+        print("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are not "
+              "checked", flush=True)
+    if resume.schedule_changed:
+        print(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
+              f"{opt.param_groups[0]['lr']:.4g}", flush=True)
+
+
+def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
+    """This rank's (x, y) of every step start..end-1 (``data.augment``: crops and flips drawn from
+    (seed, step) for the whole global batch, so every split of it draws alike)."""
+    B, seed = c.trainer.batch_size, c.trainer.seed
+    if isinstance(ds, Streamed):
+        steps = ds.train(start, end)
+    else:
+        steps = (_shard(c, ds, par, _batch_indices(len(ds.x_train), B, step, seed), device, dtype)
+                 for step in range(start, end))
+    rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
+    for step, (x, y) in enumerate(steps, start):
+        if c.data.augment and par.is_first:
+            x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
+        yield x, y
+
+
+def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
+    """This data rank's share of a global batch, on the device, labels one-hot."""
+    idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
+    x = ds.x_train[idx].to(device=device, dtype=dtype)
+    y = one_hot(ds.labels_train[idx], ds.num_classes, dtype).to(device)
+    return x, y
+
+
+def _val_chunks(ds, par: Parallel, device, dtype):
+    """This data rank's share of the validation set: (x on the device, labels) chunks."""
+    if isinstance(ds, Streamed):
+        yield from ds.val_chunks()
+        return
+    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
+    for chunk in torch.split(rows, 1024):
+        yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.labels_val[chunk]
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or SIGUSR1 arrived: the run checkpointed and stopped; rerunning resumes it."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _catch_stop_signals() -> dict:
+    """Record SIGTERM / SIGUSR1 instead of dying, so the current step can finish and checkpoint."""
+    got = {"signal": 0}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: got.__setitem__("signal", signum))
+    return got
+
+
+class _StopVote:
+    """Whether any rank got a stop signal, agreed by all: each step posts this rank's flag in a
+    MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by
+    then, so the vote never holds a rank up (a blocking all-reduce per step would line the ranks
+    up at every step). Every rank reads the same votes in the same steps, so all stop after the
+    same step, at most two steps after the signal."""
+
+    def __init__(self, distributed: bool, device: torch.device):
+        self.distributed, self.device = distributed, device
+        self._posted: tuple | None = None
+
+    def __call__(self, flag: bool) -> bool:
+        """The vote posted at the previous call (False at the first); posts ``flag`` for the next."""
+        stop = self.finish()
+        if not self.distributed:
+            self._posted = (None, flag)
+            return stop
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
+        return stop
+
+    def finish(self) -> bool:
+        """Wait for the vote in flight (if any) and return it."""
+        if self._posted is None:
+            return False
+        work, t = self._posted
+        self._posted = None
+        if work is None:
+            return bool(t)
+        with collective("the stop-signal all-reduce"):
+            work.wait()
+        return bool(t.item())
+
+
+def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
+          until: int | None = None, image_shape: tuple[int, ...] = ()) -> dict:
+    """Train from step ``start`` to the end of the run, taking each step's batch from ``batches``;
+    ``until``: stop after that step instead, without the end-of-run evaluation and checkpoint (for
+    benchmarks). ``image_shape``: the data's sample shape, for the pictures of the generative and
+    unsupervised modes."""
+    t_cfg = c.trainer
+    result: dict = {"step": start}
+    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
+    end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
+    got = _catch_stop_signals()
+    vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
+    for step in range(start, end if until is None else until):
+        done = step + 1
+        stop = vote(bool(got["signal"]))
+        x, y = next(batches)
+        # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
+        ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
+        log = done % t_cfg.log_every == 0 or ckpt
+        stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
+        metrics = acc = val = None
+        if log and stats:
+            stats["skipped_updates"] = trainer.skipped_updates
+            metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
+            result.update(metrics)
+        if done % t_cfg.eval_every == 0 or done == end:
+            val = validate(c, _val_chunks(ds, par, device, dtype), trainer, device)
+            images = pictures(c, next(_val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
+                              ds.num_classes, run_dir)
+            if val is not None:
+                logger.log(val, done)
+                logger.log_images(images, done)
+                result.update(val)
+                acc = val.get("val/accuracy")
+        if metrics is not None or val is not None:
+            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"],
+                            val and val.get("val/reconstruction_mse"))
+        if ckpt:
+            meta = {"step": done, "model": net.signature(),
+                    "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
+                    "config": asdict(c)}  # what pcdist/service/rundir.py compares a resumed run's settings with
+            path = save_checkpoint(run_dir, done, net, opt, meta, t_cfg.ckpt_keep, writer=par.data_rank == 0,
+                                   leader=is_rank0)
+        result["step"] = done
+        if stop:
+            vote.finish()
+            if is_rank0:
+                (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
+            raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
+                            f"hydra.run.dir={run_dir} to resume")
+    vote.finish()
+    return result
+
+
+def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict:
+    """Stop on a diverged energy (naming step, layer, value); else log the step's metrics."""
+    energy, layers = stats["energy"], stats["layer_energies"]
+    if t_cfg.on_divergence == "stop" and (not math.isfinite(energy) or energy > t_cfg.max_energy):
+        bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
+        raise FloatingPointError(
+            f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
+            f"trainer.max_energy={t_cfg.max_energy}); the last good checkpoint is in {run_dir / 'checkpoints'}. "
+            "Lower optim.lr or pc.x_lr")
+    now = time.perf_counter()
+    elapsed, steps = now - clock["t"], max(1, done - clock["step"])
+    metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
+               "train/skipped_updates": stats["skipped_updates"],
+               "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
+               "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
+               **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
+               **({"train/prior_energy": stats["prior_energy"]} if "prior_energy" in stats else {}),
+               **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
+    logger.log(metrics, done)
+    clock.update(t=now, step=done, comm=par.comm_seconds)
+    return metrics
