@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,23 @@ def fail(message: str) -> None:
     else:
         time.sleep(3)  # torchrun stops every worker once one exits: let local rank 0 print first
     sys.exit(2)
+
+
+def preempted_status() -> int:
+    """The exit status of a pre-empted run: 3, or ``$PCDIST_PREEMPTED_STATUS``. launch/slurm.sbatch sets 0,
+    so that torchrun's agent neither restarts the stopped workers nor reports them as failed (with a
+    traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
+    return int(value) if value.isdigit() and int(value) < 256 else 3
+
+
+def _ignore_stop_signals() -> None:
+    """The run is over: ignore further SIGTERM / SIGUSR1 on the way out. Python puts back their default
+    action (death) as the interpreter exits, and a launcher may repeat them until the process is gone
+    (launch/slurm_node.sh does): a pre-empted worker killed so would count as failed, and torchrun would
+    restart the group."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
@@ -185,10 +203,13 @@ def _train(cfg) -> float | None:
     try:
         result = pcdist.train(cfg)
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
-        print(f"pre-empted: {e}", flush=True)
-        sys.exit(3)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
+            print(f"pre-empted: {e}", flush=True)
+        sys.exit(preempted_status())
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         fail(str(e))
+    finally:
+        _ignore_stop_signals()
     shown = [f"{k} {result[k]:.4f}" if k == "val/accuracy" else f"{k} {result[k]:.4g}"
              for k in ("val/accuracy", "val/reconstruction_mse") if k in result]
     if shown:
