@@ -23,12 +23,19 @@ from .engine.activations import ACTIVATIONS, Activation, get_activation
 from .engine.energies import ENERGIES
 from .engine.fuse import FusedModules, fuse
 from .engine.layers import AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear, mupc_layers, mupc_specs
+from .engine.layers.prior import Prior
+from .engine.schedules import top_down
 from .engine.network import PCNetwork, mlp_specs
 from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
 from .errors import ConfigError
 from .service import data
 from .service.config import compose
-from .service.run import Preempted, train
+from .service.backprop import BackpropTrainer
+from .service.compare import compare
+from .service.evaluate import evaluate, predict
+from .service.export import export
+from .service.load import Run, RunError, load
+from .service.run import Preempted, Result, train
 
 # pcdist.layers, pcdist.data and pcdist.deeppcr stay importable by their short names.
 for _name, _module in (("layers", layers), ("data", data), ("deeppcr", deeppcr)):
@@ -39,6 +46,15 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "ALGORITHMS",
+    "BackpropTrainer",
+    "compare",
+    "evaluate",
+    "export",
+    "load",
+    "predict",
+    "Result",
+    "Run",
+    "RunError",
     "ENERGIES",
     "Activation",
     "AnyModule",
@@ -55,6 +71,7 @@ __all__ = [
     "PCNetwork",
     "PCTrainer",
     "Preempted",
+    "Prior",
     "Residual",
     "ResidualLinear",
     "fuse",
@@ -66,6 +83,7 @@ __all__ = [
     "mlp_specs",
     "mupc_layers",
     "mupc_specs",
+    "top_down",
     "train",
     "warmup_cosine",
 ]

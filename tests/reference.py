@@ -5,21 +5,29 @@ slow and simple: a Python loop over the layers of a plain ``nn.Sequential``
 (Linear, act, Linear, act, ..., Linear), and EVERY gradient comes from
 ``torch.autograd`` applied to the energy -- nothing is derived by hand.
 
-Maths (per sample; h_0 = x clamped, h_L = y clamped, hidden h_1..h_{L-1} free):
+Maths (per sample; hidden h_1..h_{L-1} free; h_0 = x and h_L = y clamped, or free when None):
     u_l = f_l(W_l h_{l-1} + b_l) for l < L,   u_L = W_L h_{L-1} + b_L
-    E   = sum_{l<L} 0.5 ||h_l - u_l||^2 + E_out
+    E   = [h_0 free] 0.5 pi_0 ||h_0 - m_0||^2 + sum_{l<L} 0.5 pi_l ||h_l - u_l||^2 + pi_L E_out
     E_out = 0.5 ||h_L - u_L||^2                  (energy="se")
     E_out = -sum_k h_L[k] log_softmax(u_L)[k]    (energy="ce")
+    E_out = sum_k softplus(u_L[k]) - h_L[k] u_L[k]   (energy="bce")
+    E_out = 0                                    (energy="zero");  or energy(u_L, h_L) for a callable
     F   = mean over the batch of E
-Value gradient  g_l = d(sum_batch E)/dh_l  (i.e. B * dF/dh_l, per-sample gradient);
-weight gradient      d(mean_batch E)/dW    (= dF/dW).
-Value optimizer: SGD with momentum reset every batch, v <- g + mu v, h <- h - x_lr v.
+pi_l(t) = precision[l] * schedule(l, t, L) at inference step t (t = T for the final evaluation).
+Value gradient  g_l = d(sum_batch E)/dh_l  (i.e. B * dF/dh_l, per-sample gradient) of every free node;
+weight gradient      d(mean_batch E)/dW    (= dF/dW), a learned m_0 included.
+Value optimizer: SGD with momentum reset every batch, v <- g + mu v, h <- h - x_lr v, then
+value noise h <- h + sqrt(2 x_lr tau) xi (xi from the documented per-node generator seed).
+Init: h_0 = x or m_0; hidden (and a free h_L) by the feed-forward pass; h_L = y if clamped.
 """
 import copy
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from pcdist.engine.values import noise_seed  # the documented seed of each node's noise (the only engine import)
 
 
 def split_layers(seq):
@@ -41,19 +49,31 @@ def sequential_predict(layers):
     return predict
 
 
-def layer_energies_from(predict, L, hs, energy):
-    """Per-sample energy of each layer l = 1..L: a list of L tensors of shape [B]."""
+def output_energy(energy, u, h):
+    """Per-sample E_out [B] of a named or callable energy."""
+    if callable(energy):
+        return energy(u, h)
+    if energy == "se":
+        return 0.5 * ((h - u) ** 2).flatten(1).sum(1)
+    if energy == "ce":
+        return -(h * torch.log_softmax(u, dim=1)).sum(1)
+    if energy == "bce":
+        return (F.softplus(u) - h * u).flatten(1).sum(1)
+    if energy == "zero":
+        return torch.zeros(u.shape[0], dtype=u.dtype)
+    raise ValueError(energy)
+
+
+def layer_energies_from(predict, L, hs, energy, pis=None):
+    """Per-sample energy of each layer l = 1..L: a list of L tensors of shape [B] (``pis``: pi_1..pi_L)."""
     out = []
     for l in range(1, L + 1):
         u = predict(l, hs[l - 1])
+        pi = 1.0 if pis is None else pis[l - 1]
         if l < L:  # hidden layer (a node of any shape: summed over all but the batch)
-            out.append(0.5 * ((hs[l] - u) ** 2).flatten(1).sum(1))
-        elif energy == "se":
-            out.append(0.5 * ((hs[l] - u) ** 2).flatten(1).sum(1))
-        elif energy == "ce":
-            out.append(-(hs[l] * torch.log_softmax(u, dim=1)).sum(1))
+            out.append(pi * 0.5 * ((hs[l] - u) ** 2).flatten(1).sum(1))
         else:
-            raise ValueError(energy)
+            out.append(pi * output_energy(energy, u, hs[l]))
     return out
 
 
@@ -62,13 +82,16 @@ def per_layer_energies(layers, hs, energy):
     return layer_energies_from(sequential_predict(layers), len(layers), hs, energy)
 
 
-def feed_forward_from(predict, L, x, y):
-    """Init of the value nodes: h_0 = x, h_l = u_l (feed-forward) for hidden l, h_L = y."""
-    hs = [x.detach().clone()]
+def feed_forward_from(predict, L, x, y, m0=None, batch_size=None):
+    """Init of the value nodes: h_0 = x (or the prior mean m0), h_l = u_l (feed-forward) for hidden l,
+    h_L = y (or u_L when y is None); ``batch_size`` where both are None."""
+    B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
+    hs = [x.detach().clone() if x is not None else m0.detach().expand(B, *m0.shape).clone()]
     with torch.no_grad():
-        for l in range(1, L):
+        for l in range(1, L if y is not None else L + 1):
             hs.append(predict(l, hs[-1]))
-    hs.append(y.detach().clone())
+    if y is not None:
+        hs.append(y.detach().clone())
     return hs
 
 
@@ -84,33 +107,61 @@ def reference_step(seq, opt, x, y, T, x_lr, x_momentum, algorithm, energy):
                    x_momentum, algorithm, energy)
 
 
-def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energy):
+def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energy, precision=None, schedule=None,
+            prior_precision=1.0, prior_mean=None, noise=0.0, noise_seed_=0, call=0, rows=None, total=None,
+            batch_size=None):
     """One training step on the batch (x, y) of the network u_l = predict(l, h_{l-1}), l = 1..L;
     updates ``params`` in place via ``opt`` (a torch.optim optimizer over them).
 
-    Returns ``(stats, hs)``: stats = {"energy": float, "layer_energies": [L floats]} of the
-    evaluation described in the API (pc: fresh evaluation at the final h, before the weight
-    update; ipc: the evaluation of the last inference step), and hs = [x, h_1, ..., h_{L-1}, y]
-    at the end of inference.
+    ``x`` / ``y`` None: h_0 / h_L free. A free h_0 has the prior 0.5 pi_0 ||h_0 - m_0||^2
+    (``prior_precision``, ``prior_mean`` [*S]: a tensor; put it in ``params`` if learned).
+    ``precision``: pi_1..pi_L (None: 1); ``schedule(l, t, L)`` scales them at step t.
+    ``noise``: tau; xi of node n at step t drawn as randn(total, *S) from a generator seeded
+    ``noise_seed(noise_seed_, call, t, n)`` and cut to ``rows`` (default the whole batch).
+    ``batch_size``: the batch when both ends are free.
+
+    Returns ``(stats, hs)``: stats = {"energy": float, "layer_energies": [L floats], "prior_energy"}
+    of the evaluation described in the API (pc: fresh evaluation at the final h, before the weight
+    update; ipc: the evaluation of the last inference step), and hs = [h_0, h_1, ..., h_L] at the
+    end of inference.
     """
     assert algorithm in ("pc", "ipc") and T >= 1
-    hs = feed_forward_from(predict, L, x, y)
-    vs = [torch.zeros_like(h) for h in hs[1:L]]  # value momentum, reset every batch
+    assert x is not None or prior_mean is not None, "a free h_0 needs prior_mean (its shape)"
+    hs = feed_forward_from(predict, L, x, y, prior_mean, batch_size)
+    free = [n for n in range(L + 1) if (n > 0 or x is None) and (n < L or y is None)]
+    vs = {n: torch.zeros_like(hs[n]) for n in free}  # value momentum, reset every batch
+    B = hs[0].shape[0]
+    total = B if total is None else total
+    rows = slice(0, B) if rows is None else rows
 
-    def evaluate():
-        """Energy at the current (h, W); autograd gradients w.r.t. hidden h and W."""
-        hidden = [h.detach().requires_grad_(True) for h in hs[1:L]]
-        energies = layer_energies_from(predict, L, [hs[0], *hidden, hs[L]], energy)
-        E = torch.stack(energies).sum(0)  # [B] per-sample energy
-        g_h = torch.autograd.grad(E.sum(), hidden, retain_graph=True) if hidden else []
-        g_w = torch.autograd.grad(E.mean(), params)
-        stats = {"energy": E.mean().item(), "layer_energies": [e.mean().item() for e in energies]}
-        return list(g_h), list(g_w), stats
+    def pis(t):
+        base = [1.0] * L if precision is None else list(precision)
+        return [base[l - 1] * (1.0 if schedule is None else schedule(l, t, L)) for l in range(1, L + 1)]
 
-    def value_step(g_h):
-        for i, g in enumerate(g_h):
-            vs[i] = g + x_momentum * vs[i]
-            hs[i + 1] = hs[i + 1] - x_lr * vs[i]
+    def evaluate(t):
+        """Energy at the current (h, W) with pi(t); autograd gradients w.r.t. the free h and W."""
+        nodes = [h.detach().requires_grad_(n in free) for n, h in enumerate(hs)]
+        energies = layer_energies_from(predict, L, nodes, energy, pis(t))
+        prior = 0.5 * prior_precision * ((nodes[0] - prior_mean) ** 2).flatten(1).sum(1) if x is None \
+            else torch.zeros(B, dtype=nodes[0].dtype)
+        E = torch.stack(energies).sum(0) + prior  # [B] per-sample energy
+        g_h = dict(zip(free, torch.autograd.grad(E.sum(), [nodes[n] for n in free], retain_graph=True,
+                                                 allow_unused=True))) if free else {}
+        g_h = {n: torch.zeros_like(hs[n]) if g is None else g for n, g in g_h.items()}
+        g_w = torch.autograd.grad(E.mean(), params, allow_unused=True)
+        g_w = [torch.zeros_like(p) if g is None else g for p, g in zip(params, g_w)]
+        stats = {"energy": E.mean().item(), "layer_energies": [e.mean().item() for e in energies],
+                 "prior_energy": prior.mean().item()}
+        return g_h, list(g_w), stats
+
+    def value_step(g_h, t):
+        for n in free:
+            vs[n] = g_h[n] + x_momentum * vs[n]
+            hs[n] = hs[n] - x_lr * vs[n]
+            if noise:
+                gen = torch.Generator().manual_seed(noise_seed(noise_seed_, call, t, n))
+                xi = torch.randn(total, *hs[n].shape[1:], generator=gen, dtype=hs[n].dtype)[rows]
+                hs[n] = hs[n] + math.sqrt(2 * x_lr * noise) * xi
 
     def weight_step(g_w):
         opt.zero_grad()
@@ -118,13 +169,13 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
             p.grad = g.detach().clone()
         opt.step()
 
-    for _ in range(T):
-        g_h, g_w, stats = evaluate()  # h-step and (ipc) W-step from the same state
-        value_step(g_h)
+    for t in range(T):
+        g_h, g_w, stats = evaluate(t)  # h-step and (ipc) W-step from the same state
+        value_step(g_h, t)
         if algorithm == "ipc":
             weight_step(g_w)
     if algorithm == "pc":
-        _, g_w, stats = evaluate()  # fresh evaluation at the final value nodes
+        _, g_w, stats = evaluate(T)  # fresh evaluation at the final value nodes
         weight_step(g_w)
     return stats, [h.detach().clone() for h in hs]
 

@@ -148,3 +148,45 @@ def test_activations_benchmark_times_every_activation_with_and_without_the_kerne
         for act in shape.values():
             kernel, ops = act["rounds"]["kernel"], act["rounds"]["torch_ops"]
             assert act["gain"] == statistics.median(o / k for o, k in zip(ops, kernel))
+
+
+def test_modes_benchmark_writes_ratios_learning_figures_and_pictures(tmp_path):
+    """benchmarks/modes.py --tiny: every mode timed in every round, ratios recomputed from the samples, the
+    learning figures' ratios to PCA consistent, the two pictures written."""
+    stdout = run("modes.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "modes_tiny.json").read_text())
+    for name in ("A", "M"):
+        shape = res["speed"][name]
+        samples = shape["samples"]
+        assert set(samples) == {"supervised", "generative", "unsupervised", "precision"}
+        assert len({len(v) for v in samples.values()}) == 1, "every variant is timed in every round"
+        for k, v in samples.items():
+            assert shape["step_s"][k] == statistics.median(v)
+            if k != "supervised":
+                assert shape["ratios"][f"{k}/supervised"] == statistics.median(
+                    a / b for a, b in zip(v, samples["supervised"]))
+        assert f"shape {name}:" in stdout
+    learn = res["learning"]
+    for k in ("unsupervised_linear", "unsupervised_hidden_value_nodes", "unsupervised_mlp_in_one_layer"):
+        assert learn[k]["ratio_to_pca"] == learn[k]["mse"] / learn["pca_k10"]
+    assert 0 <= learn["generative_hidden"]["accuracy"] <= 1 and 0.85 < learn["lda"] <= 1
+    for png in ("modes_tiny_samples.png", "modes_tiny_reconstructions.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_backprop_benchmark_runs_both_twins_and_times_them_interleaved(tmp_path):
+    """benchmarks/backprop.py: a PC and a backprop service run per preset, and the step-time ratio is the
+    ratio of the medians of the interleaved samples it saved."""
+    out = tmp_path / "backprop.json"
+    stdout = run("backprop.py", "--tiny", "--presets", "default", "pcx_mnist", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert [r["preset"] for r in res["rows"]] == ["default", "pcx_mnist"] and res["tiny"]
+    assert "shared" in res["machine"]
+    for row in res["rows"]:
+        assert 0.0 <= row["pc_accuracy"] <= 1.0 and 0.0 <= row["bp_accuracy"] <= 1.0
+        assert len(row["pc_samples_s"]) == len(row["bp_samples_s"]) == row["timing_rounds"]
+        ratio = statistics.median(row["pc_samples_s"]) / statistics.median(row["bp_samples_s"])
+        assert row["pc_over_bp"] == pytest.approx(ratio, rel=1e-12)
+        assert row["preset"] in stdout
+    assert res["rows"][1]["data"].startswith("digits resized to 1x28x28") or res["rows"][1]["data"] == "mnist"

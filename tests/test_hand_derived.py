@@ -260,3 +260,76 @@ def test_case_d_mupc_relu_T2(impl):
     assert stats["energy"] == pytest.approx(0.369140625, abs=TOL)
     assert stats["layer_energies"] == pytest.approx([0.0, 0.0078125, 0.236328125, 0.125], abs=TOL)
     assert weights == pytest.approx([1.0, 0.9875, -1.098828125, 1.9625], abs=TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Case G: a generative step. h_0 = a label (clamped), h_L = data (clamped); identity hidden layer
+# with precision pi_1 = 2. dims [2, 1, 2], B = 1, T = 1, x_lr = 0.25, SGD lr = 0.1.
+# W1 = [[1, -1]], b1 = [0], W2 = [[2], [1]], b2 = [0, 0];  x = [1, 0] (the label), y = [3, 1] (the data).
+#
+# Energy: E = 0.5 pi_1 ||h_1 - u_1||^2 + 0.5 ||y - u_2||^2, u_1 = W1 h_0 + b1, u_2 = W2 h_1 + b2.
+# Init (feed-forward): u1 = 1 - 0 = 1 -> h1 = 1;  u2 = [2, 1];  e2 = y - u2 = [1, 0].
+#   E = 0 + 0.5 (1 + 0) = 0.5.
+# Inference step: g1 = pi_1 e1 - W2^T e2 = 0 - (2 * 1 + 1 * 0) = -2;  h1 <- 1 - 0.25 (-2) = 1.5.
+# pc, fresh evaluation at h1 = 1.5: e1 = 1.5 - 1 = 0.5, pi_1 e1 = 1;  layer-1 energy 0.5 * 2 * 0.25 = 0.25.
+#   u2 = [3, 1.5], e2 = [0, -0.5];  layer-2 energy 0.125.   F = 0.375 (< 0.5).
+# Weight gradients: dF/dW1 = -(pi_1 e1) h_0^T = [-1, 0];  dF/db1 = -1;
+#   dF/dW2 = -e2 h1^T = [[0], [0.75]];  dF/db2 = -e2 = [0, 0.5].
+# SGD(0.1): W1 = [1.1, -1], b1 = 0.1;  W2 = [[2], [0.925]], b2 = [0, -0.05].
+# ---------------------------------------------------------------------------------------------
+CASE_G = dict(layers=[([[1.0, -1.0]], [0.0], nn.Identity()), ([[2.0], [1.0]], [0.0, 0.0], None)],
+              x=[[1.0, 0.0]], y=[[3.0, 1.0]])
+
+
+def _generative_step(impl):
+    seq = build(CASE_G["layers"])
+    x, y = torch.tensor(CASE_G["x"], dtype=DT), torch.tensor(CASE_G["y"], dtype=DT)
+    if impl == "reference":
+        from reference import pc_step, split_layers, sequential_predict
+        opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+        stats, hs = pc_step(sequential_predict(split_layers(seq)), 2, list(seq.parameters()), opt, x, y, 1, 0.25, 0.0,
+                            "pc", "se", precision=[2.0, 1.0])
+        new = seq
+    else:
+        import pcdist
+        net = pcdist.PCNetwork.from_sequential(seq, precision=[2.0, 1.0])
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=1, x_lr=0.25)
+        stats, hs, new = tr.step(x, y), tr.value_nodes(), net.to_sequential()
+    lins = [m for m in new if isinstance(m, nn.Linear)]
+    return stats, [h.detach() for h in hs], [(l.weight.detach(), l.bias.detach()) for l in lins]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_case_g_generative_step_with_a_precision(impl):
+    check(_generative_step(impl), hidden=[[[1.5]]], energy=0.375, layer_energies=[0.25, 0.125],
+          params=[([[1.1, -1.0]], [0.1]), ([[2.0], [0.925]], [0.0, -0.05])])
+
+
+# ---------------------------------------------------------------------------------------------
+# Case G, at test time: classification by inference with Case G's initial weights. h_2 = y = [3, 1]
+# clamped, h_0 free with the prior 0.5 pi_0 ||h_0 - m_0||^2, pi_0 = 1, m_0 = uniform [0.5, 0.5];
+# T = 2, x_lr = 0.5.
+# Init: h0 = m0 = [0.5, 0.5];  u1 = 0.5 - 0.5 = 0 -> h1 = 0;  u2 = [0, 0];  e2 = [3, 1].
+# Step 1: g0 = pi_0 (h0 - m0) - W1^T (pi_1 e1) = 0 - 0 = [0, 0];  g1 = pi_1 * 0 - W2^T e2 = -(6 + 1) = -7.
+#   h0 = [0.5, 0.5];  h1 = 0 + 0.5 * 7 = 3.5.
+# Step 2: e1 = h1 - u1 = 3.5 (u1 = 0 still), pi_1 e1 = 7;  g0 = 0 - W1^T 7 = [-7, 7];
+#   u2 = W2 h1 = [7, 3.5], e2 = [-4, -2.5], W2^T e2 = -8 - 2.5 = -10.5;  g1 = 7 + 10.5 = 17.5.
+#   h0 = [0.5 + 3.5, 0.5 - 3.5] = [4, -3] (argmax: class 0);  h1 = 3.5 - 8.75 = -5.25.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_case_g_classification_by_inference(impl):
+    seq = build(CASE_G["layers"])
+    y = torch.tensor(CASE_G["y"], dtype=DT)
+    m0 = torch.tensor([0.5, 0.5], dtype=DT)
+    if impl == "reference":
+        from reference import pc_step, split_layers, sequential_predict
+        _, hs = pc_step(sequential_predict(split_layers(seq)), 2, list(seq.parameters()),
+                        torch.optim.SGD(seq.parameters(), lr=0.0), None, y, 2, 0.5, 0.0, "pc", "se",
+                        precision=[2.0, 1.0], prior_precision=1.0, prior_mean=m0)
+    else:
+        import pcdist
+        net = pcdist.PCNetwork.from_sequential(seq, precision=[2.0, 1.0], prior=pcdist.Prior(1.0, "uniform"))
+        hs = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2, x_lr=0.5).infer(y=y)
+    assert_close(hs[0], torch.tensor([[4.0, -3.0]], dtype=DT), atol=TOL, rtol=0)
+    assert_close(hs[1], torch.tensor([[-5.25]], dtype=DT), atol=TOL, rtol=0)
+    assert_close(hs[2], y, atol=0, rtol=0)

@@ -6,7 +6,8 @@ bit-for-bit equal to the original); the data axis splits the batch. The maths mu
 nodes, weights and energies after several steps must equal one process to 1e-9
 (float64), for P in {2, 3, 4}, a 2 x 2 data x layer mesh and uneven splits, for MLPs (dense
 layers), μPC networks (residual layers), a conv network ([C, H, W] boundary messages) and a
-network mixing every kind.
+network mixing every kind; and in every mode of PC (generative, unsupervised with a learned
+prior, a free top node), with precisions, a precision schedule, the bce energy and value noise.
 """
 
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ import torch
 from torch import nn
 
 import pcdist
+from pcdist.engine.layers.prior import Prior
 from pcdist.engine.network import split_sequential
+from pcdist.engine.schedules import top_down
 from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
 from reference import Gate
 from spawn import run
@@ -41,6 +44,20 @@ class Case:
     prepost: bool = True  # gloo's early receives; False: one batch_isend_irecv per step (NCCL's way)
     mupc: str | None = None  # the activation of a μPC network with dims = (d_in, width, depth, d_out)
     net: str | None = None  # "conv" or "mixed": the network of ``layers_of`` (dims unused)
+    bottom: str = "clamped"  # "free" (h_0 inferred, with its prior) or "onehot" (a label at h_0: generative)
+    top: str = "clamped"  # "free": h_L inferred
+    prior: tuple = (1.0, "zero")  # (precision, mean) of a free h_0
+    precision: float | tuple | None = None
+    schedule: float | None = None  # the decay of a top_down precision schedule
+    noise: float = 0.0
+
+
+def pc_kwargs(case):
+    """The network's energy and the trainer's schedule and noise of a case."""
+    net = dict(energy=case.energy, precision=case.precision, prior=Prior(*case.prior))
+    trainer = dict(precision_schedule=None if case.schedule is None else top_down(case.schedule),
+                   value_noise=case.noise, noise_seed=3)
+    return net, trainer
 
 
 CASES = {
@@ -64,6 +81,25 @@ CASES = {
     "conv-D2xP2-pc-ce": Case((), layer=2, data=2, net="conv", energy="ce", micro_batches=2),
     "mixed-P2-pc-se-momentum": Case((), layer=2, net="mixed", x_momentum=0.5),
     "mixed-P3-ipc-ce": Case((), layer=3, net="mixed", algorithm="ipc", energy="ce", micro_batches=3),
+    # The modes of PC: which ends are free, priors, precisions, energies, noise.
+    "generative-P2-pc-momentum": Case((6, 8, 8, 8, 5), layer=2, bottom="onehot", x_momentum=0.5, micro_batches=2),
+    "generative-P3-ipc-precision": Case((6, 8, 8, 8, 8, 5), layer=3, bottom="onehot", algorithm="ipc",
+                                        precision=2.0, optimizer="adamw"),
+    "generative-D2xP2-bce-noise": Case((6, 8, 8, 8, 5), layer=2, data=2, bottom="onehot", energy="bce", noise=0.05),
+    "unsupervised-P2-learned-prior-noise": Case((6, 8, 8, 8, 5), layer=2, bottom="free", prior=(0.5, "learned"),
+                                                noise=0.05, micro_batches=2),
+    "unsupervised-P3-ipc-schedule": Case((6, 8, 8, 8, 8, 5), layer=3, bottom="free", algorithm="ipc",
+                                         schedule=0.3, x_momentum=0.5),
+    "unsupervised-D2xP2-learned-prior": Case((6, 8, 8, 8, 5), layer=2, data=2, bottom="free",
+                                             prior=(1.0, "learned"), optimizer="adamw", noise=0.02),
+    "free-top-P2-precision-schedule": Case((6, 8, 8, 8, 5), layer=2, top="free", precision=(0.5, 2.0, 1.5, 1.0),
+                                           schedule=0.5, noise=0.05),
+    "mupc-unsupervised-P3": Case((6, 8, 7, 4), layer=3, mupc="tanh", bottom="free", prior=(1.0, "learned"),
+                                 noise=0.02, micro_batches=2),
+    "conv-unsupervised-P3-image-prior": Case((), layer=3, net="conv", bottom="free", prior=(0.5, "uniform"),
+                                             x_momentum=0.5),
+    "mixed-unsupervised-D2xP2-bce": Case((), layer=2, data=2, net="mixed", bottom="free", energy="bce",
+                                         prior=(1.0, "learned"), noise=0.02),
 }
 
 
@@ -106,23 +142,33 @@ def batches(case):
         d_in, d_out = specs[0].in_shape, specs[-1].out_features
         x = torch.randn(case.B, *d_in, generator=g, dtype=DT)
         y = torch.eye(d_out, dtype=DT)[torch.randint(0, d_out, (case.B,), generator=g)]
-        out.append((x, y))
+        if case.bottom == "onehot":  # generative: a label at h_0, data at h_L
+            x = torch.eye(d_in[0], dtype=DT)[torch.randint(0, d_in[0], (case.B,), generator=g)]
+            y = torch.rand(case.B, d_out, generator=g, dtype=DT)
+        elif case.bottom == "free" or case.energy == "bce":  # unsupervised: data in [0, 1] at h_L
+            y = torch.rand(case.B, d_out, generator=g, dtype=DT)
+        out.append((None if case.bottom == "free" else x, None if case.top == "free" else y))
     return out
+
+
+def rows_of(t, rows):
+    return None if t is None else t[rows]
 
 
 def initial_state(case):
     if case.net is not None:
         layers, shape = layers_of(case.net)
-        return pcdist.PCNetwork.from_layers(layers, input_shape=shape).layer_state_dict()
-    net = pcdist.PCNetwork(specs_of(case), energy=case.energy, dtype=DT, seed=7)
+        return pcdist.PCNetwork.from_layers(layers, input_shape=shape, **pc_kwargs(case)[0]).layer_state_dict()
+    net = pcdist.PCNetwork(specs_of(case), dtype=DT, seed=7, **pc_kwargs(case)[0])
     return net.layer_state_dict()
 
 
 def single_process(case):
-    net = pcdist.PCNetwork(specs_of(case), energy=case.energy, dtype=DT, init=False)
+    net_kw, tr_kw = pc_kwargs(case)
+    net = pcdist.PCNetwork(specs_of(case), dtype=DT, init=False, **net_kw)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
-                          x_momentum=case.x_momentum, algorithm=case.algorithm, init=case.init)
+                          x_momentum=case.x_momentum, algorithm=case.algorithm, init=case.init, **tr_kw)
     stats, nodes = [], []
     for x, y in batches(case):
         stats.append(tr.step(x, y))
@@ -136,15 +182,16 @@ def worker(rank, world, case, out_dir):
     par = Parallel.from_mesh(ParallelDims(case.data, case.layer), specs, micro_batches=case.micro_batches, timeout_s=60)
     assert par.prepost, "gloo (CPU) runs post receives a step ahead by default"
     par.prepost = case.prepost
-    net = pcdist.PCNetwork(specs, energy=case.energy, layers=par.layers, dtype=DT, init=False)
+    net_kw, tr_kw = pc_kwargs(case)
+    net = pcdist.PCNetwork(specs, layers=par.layers, dtype=DT, init=False, **net_kw)
     net.load_layer_state_dict(initial_state(case))
     tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
-                          x_momentum=case.x_momentum, algorithm=case.algorithm, parallel=par, init=case.init)
+                          x_momentum=case.x_momentum, algorithm=case.algorithm, parallel=par, init=case.init, **tr_kw)
     rows = torch.tensor_split(torch.arange(case.B), case.data)[par.data_rank]
     stats, nodes = [], []
     for x, y in batches(case):
         tr.optimizer.zero_grad()  # grads set to None between steps must not detach them from the buckets
-        stats.append(tr.step(x[rows], y[rows]))
+        stats.append(tr.step(rows_of(x, rows), rows_of(y, rows), global_batch=case.B))
         nodes.append(tr.value_nodes())
     torch.save({"layers": par.layers, "rows": rows, "state": net.layer_state_dict(), "stats": stats,
                 "nodes": nodes, "logging": par.is_logging}, f"{out_dir}/rank{rank}.pt")
@@ -163,7 +210,7 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         for key, val in res["state"].items():  # weights: every rank holds its layers, equal to one process
             torch.testing.assert_close(val, ref_state[key], atol=1e-9, rtol=0, msg=key)
             covered.add(key)
-        for step in range(case.steps):  # value nodes h_{a-1} .. h_{b-1} of this rank's rows (h_{a-1}: x or the replica)
+        for step in range(case.steps):  # value nodes h_{a-1} .. h_{b-1} of this rank's rows (h_{a-1}: h_0 or the replica)
             for i, n in enumerate(range(a - 1, b)):
                 torch.testing.assert_close(res["nodes"][step][i], ref_nodes[step][n][res["rows"]], atol=1e-9, rtol=0,
                                            msg=f"step {step} node {n}")
@@ -180,6 +227,7 @@ def test_parallel_run_equals_single_process(name, tmp_path):
     assert len(logging) == 1, "exactly one rank gathers the stats"
     for got, want in zip(logging[0]["stats"], ref_stats):
         assert abs(got["energy"] - want["energy"]) < 1e-9
+        assert abs(got.get("prior_energy", 0.0) - want.get("prior_energy", 0.0)) < 1e-9
         torch.testing.assert_close(torch.tensor(got["layer_energies"]), torch.tensor(want["layer_energies"]), atol=1e-9, rtol=0)
     others = [res for res in results if not res["logging"]]
     assert all(s == {} for res in others for s in res["stats"])
@@ -190,3 +238,49 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         assert kinds >= ({"conv", "dense"} if case.net == "conv" else {"conv", "module", "dense", "residual"}), kinds
     if name.startswith("mupc-uneven"):
         assert len({res["layers"][1] - res["layers"][0] for res in results}) > 1, "the split is uneven"
+
+
+INFER_CASES = {"P2": (2, 1), "P3": (3, 1), "D2xP2": (2, 2)}
+
+
+def infer_worker(rank, world, layer, data, out_dir):
+    """Inference at test time on a layer split: infer (gathered), classify, reconstruct, generate."""
+    from pcdist.engine.modes import classify, generate, reconstruct
+
+    init_distributed(timeout_s=60)
+    specs = pcdist.mlp_specs([5, 8, 8, 8, 6], "tanh")
+    par = Parallel.from_mesh(ParallelDims(data, layer), specs, timeout_s=60)
+    net = pcdist.PCNetwork(specs, layers=par.layers, dtype=DT, seed=4, prior=Prior(0.5, "uniform"))
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, parallel=par, noise_seed=2)
+    g = torch.Generator().manual_seed(9)
+    y = torch.rand(8, 6, generator=g, dtype=DT)
+    rows = torch.tensor_split(torch.arange(8), data)[par.data_rank]
+    got = {"nodes": tr.infer(None, y[rows], noise=0.1, global_batch=8), "labels": classify(tr, y[rows]),
+           "recon": reconstruct(tr, y[rows]), "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]][rows])}
+    if par.is_logging:
+        torch.save(got, f"{out_dir}/logging.pt")
+    else:
+        assert all(v is None for v in got.values()), "only the logging rank gets the results"
+
+
+@pytest.mark.parametrize("name", list(INFER_CASES))
+def test_inference_at_test_time_on_a_layer_split_equals_one_process(name, tmp_path):
+    """trainer.infer (nodes gathered onto the logging rank, value noise included) and the modes' tests
+    (classify, reconstruct, generate) on P layer ranks and a 2 x 2 mesh give one process's results."""
+    from pcdist.engine.modes import classify, generate, reconstruct
+
+    layer, data = INFER_CASES[name]
+    run(infer_worker, layer * data, layer, data, str(tmp_path), timeout=180)
+    got = torch.load(tmp_path / "logging.pt", weights_only=True)
+    specs = pcdist.mlp_specs([5, 8, 8, 8, 6], "tanh")
+    net = pcdist.PCNetwork(specs, dtype=DT, seed=4, prior=Prior(0.5, "uniform"))
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, noise_seed=2)
+    y = torch.rand(8, 6, generator=torch.Generator().manual_seed(9), dtype=DT)
+    want = {"nodes": tr.infer(None, y, noise=0.1), "labels": classify(tr, y), "recon": reconstruct(tr, y),
+            "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]])}
+    assert len(got["nodes"]) == len(want["nodes"]) == 5
+    for a, b in zip(got["nodes"], want["nodes"]):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    assert torch.equal(got["labels"], want["labels"])
+    torch.testing.assert_close(got["recon"], want["recon"], atol=1e-9, rtol=0)
+    torch.testing.assert_close(got["gen"], want["gen"], atol=1e-9, rtol=0)

@@ -32,11 +32,11 @@ def test_kernel_builds_where_a_compiler_exists():
     assert native.library() is not None
 
 
-def torch_ops(act, a, bias, h, lr, stepped):
-    """What the kernel computes, as separate torch ops: u = f(a + b); e = h - u; d = e f'(a); h[:stepped] -= lr e."""
+def torch_ops(act, a, bias, h, lr, stepped, prec=None):
+    """What the kernel computes, as separate torch ops: u = f(a + b); e = pi (h - u); d = e f'(a); h[:stepped] -= lr e."""
     pre = a + bias.unsqueeze(1)
     u = act.forward(pre.clone())
-    e = h - u
+    e = h - u if prec is None else (h - u) * prec.view(-1, 1, 1)
     d = torch.empty_like(e)
     act.grad(e, pre, u, out=d)
     h = h.clone()
@@ -59,29 +59,29 @@ def test_kernel_equals_torch_ops(act, dtype):
     bias[0, :6] = 0
     h0 = torch.randn(K, B, O, generator=gen, dtype=dtype)
     ulp = torch.finfo(dtype).eps
-    for fresh in (True, False):
-        for with_d in (True, False):
-            for lr, stepped in ((None, None), (0.3, K), (0.3, K - 2)):
-                ref_u, ref_e, ref_d, ref_h = torch_ops(act, a0, bias, h0, lr, stepped if lr else K)
-                # Not fresh: au holds u, or for gelu (f' needs a) the pre-activation a + b.
-                held = (a0 + bias.unsqueeze(1)) if act.needs_input else ref_u
-                au = a0.clone() if fresh else held.clone()
-                h, e, d = h0.clone(), torch.full_like(h0, 7.0), torch.full_like(h0, 7.0)
-                native.Kernel(act, au, h, e, d, bias, u=ref_u.clone()).run(fresh, with_d, lr, stepped)
-                tol = dict(atol=16 * ulp, rtol=8 * ulp)  # libm/libmvec vs Sleef tanh, exp: a few ulp
-                if act.name == "gelu":  # f' sums nearly cancelling terms: torch and the kernel are each
-                    tol = dict(atol=128 * ulp, rtol=128 * ulp)  # ~25 ulp from exact, up to ~70 apart
-                assert torch.equal(au, a0 if fresh else held), "au is read, never written"
-                n = stepped if lr is not None else 0  # the stepped layers do not store e
-                assert bool((e[:n] == 7.0).all())
-                torch.testing.assert_close(e[n:], ref_e[n:], **tol)
-                if not fresh:  # e = h - u from the u it is given, exactly: zero errors stay zero
-                    assert torch.equal(e[n:], (h0 - ref_u)[n:])
-                torch.testing.assert_close(h, ref_h, **tol)
-                if with_d:
-                    torch.testing.assert_close(d, ref_d, **tol)
-                else:
-                    assert bool((d == 7.0).all()), "d must be left alone when not asked for"
+    pis = torch.tensor([0.5, 2.0, 0.0, 1.0, 3.0], dtype=dtype)  # a zero precision switches a layer off
+    for fresh, with_d, (lr, stepped), prec in [(f, w, ls, p) for f in (True, False) for w in (True, False)
+                                               for ls in ((None, None), (0.3, K), (0.3, K - 2)) for p in (None, pis)]:
+        ref_u, ref_e, ref_d, ref_h = torch_ops(act, a0, bias, h0, lr, stepped if lr else K, prec)
+        # Not fresh: au holds u, or for gelu (f' needs a) the pre-activation a + b.
+        held = (a0 + bias.unsqueeze(1)) if act.needs_input else ref_u
+        au = a0.clone() if fresh else held.clone()
+        h, e, d = h0.clone(), torch.full_like(h0, 7.0), torch.full_like(h0, 7.0)
+        native.Kernel(act, au, h, e, d, bias, u=ref_u.clone(), prec=prec).run(fresh, with_d, lr, stepped)
+        tol = dict(atol=16 * ulp, rtol=8 * ulp)  # libm/libmvec vs Sleef tanh, exp: a few ulp
+        if act.name == "gelu":  # f' sums nearly cancelling terms: torch and the kernel are each
+            tol = dict(atol=128 * ulp, rtol=128 * ulp)  # ~25 ulp from exact, up to ~70 apart
+        assert torch.equal(au, a0 if fresh else held), "au is read, never written"
+        n = stepped if lr is not None else 0  # the stepped layers do not store e
+        assert bool((e[:n] == 7.0).all())
+        torch.testing.assert_close(e[n:], ref_e[n:], **tol)
+        if not fresh and prec is None:  # e = h - u from the u it is given, exactly: zero errors stay zero
+            assert torch.equal(e[n:], (h0 - ref_u)[n:])
+        torch.testing.assert_close(h, ref_h, **tol)
+        if with_d:
+            torch.testing.assert_close(d, ref_d, **tol)
+        else:
+            assert bool((d == 7.0).all()), "d must be left alone when not asked for"
 
 
 def test_kernel_rejects_mismatched_buffers():
@@ -104,20 +104,21 @@ def group_acts(acts):
     return runs
 
 
-def run_training(make_net, algorithm, x_momentum, native_on, monkeypatch, steps=3):
+def run_training(make_net, algorithm, x_momentum, native_on, monkeypatch, steps=3, free_bottom=False, **kw):
     """3 steps of the net ``make_net()`` builds, with the kernel on or off: energies, value nodes,
-    weights, and for each bound group whether it runs the kernel."""
+    weights, and for each bound group whether it runs the kernel. ``free_bottom``: h_0 inferred
+    (unsupervised); ``kw`` goes to the trainer (a precision schedule)."""
     monkeypatch.setenv("PCDIST_NATIVE", "1" if native_on else "0")
     net = make_net()
     trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), T=6, x_lr=0.2,
-                               x_momentum=x_momentum, algorithm=algorithm)
+                               x_momentum=x_momentum, algorithm=algorithm, **kw)
     gen = torch.Generator().manual_seed(5)
     energies = []
     for _ in range(steps):
         x, y = make_batch(8, 6, 4, gen)
-        energies.append(trainer.step(x, y)["energy"])
-    st = trainer.stage(8)
-    used = {gr: gr.kernel is not None for gr in st.groups}
+        energies.append(trainer.step(None if free_bottom else x, y)["energy"])
+    st = trainer.stage(8, free_bottom)
+    used = {gr: getattr(gr, "kernel", None) is not None for gr in st.groups if gr.first > 0}
     return energies, trainer.value_nodes(), [p.detach().clone() for p in net.parameters()], used, st
 
 
@@ -142,6 +143,26 @@ def test_training_with_kernel_equals_torch_ops(acts, algorithm, x_momentum, ener
     assert not any(hidden(off)), "PCDIST_NATIVE=0 must select the torch ops"
     assert len(hidden(on)) == len(group_acts(acts)) and all(hidden(on)), "the kernel runs every hidden group"
     assert_same_training(on, off)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("kind", ["dense", "mupc"])
+@pytest.mark.parametrize("algorithm,x_momentum", [("pc", 0.0), ("pc", 0.5), ("ipc", 0.0)])
+def test_precisions_and_a_free_bottom_with_kernel_equal_torch_ops(kind, algorithm, x_momentum, monkeypatch):
+    """float64: per-layer precisions (fused into the kernels), a top-down schedule changing them per step
+    and a free h_0 with a learned prior train alike with the kernels and with torch ops."""
+    prior, precision = pcdist.Prior(0.5, "learned"), [0.5, 2.0, 1.5, 0.0, 1.0, 1.2]
+    if kind == "dense":
+        make_net = lambda: pcdist.PCNetwork.from_sequential(  # noqa: E731
+            make_seq([6, 9, 9, 9, 9, 9, 4], ["tanh", "gelu", "gelu", "relu", "relu"], seed=4), precision=precision,
+            prior=prior)
+    else:
+        make_net = lambda: pcdist.PCNetwork(pcdist.mupc_specs(6, 9, 6, 4, "tanh"), dtype=torch.float64,  # noqa: E731
+                                            seed=2, precision=precision, prior=prior)
+    runs = [run_training(make_net, algorithm, x_momentum, native, monkeypatch, free_bottom=True,
+                         precision_schedule=pcdist.top_down(0.4)) for native in (True, False)]
+    assert any(runs[0][3].values()) and not any(runs[1][3].values())
+    assert_same_training(*runs)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -174,6 +195,18 @@ def test_residual_kernel_equals_torch_ops(act, dtype):
         want = h0.clone()
         if lr is not None:
             want[:stepped] -= lr * (h0 - u)[:stepped]
+        torch.testing.assert_close(h_out, want, **tol)
+    # With per-layer precisions (one of them 0): e = pi (h - u), and the step takes the weighted error.
+    pis = torch.tensor([0.5, 0.0, 2.0, 1.5], dtype=dtype)
+    kp = native.ResidualKernel(act, h_in, s, x, u, h_out, e, t, pis)
+    for lr, stepped in ((None, K), (0.3, K), (0.3, K - 2)):
+        h_out.copy_(h0)
+        kp.errors(lr, stepped)
+        weighted = (h0 - u) * pis.view(-1, 1, 1)
+        torch.testing.assert_close(e, weighted, **tol)
+        want = h0.clone()
+        if lr is not None:
+            want[:stepped] -= lr * weighted[:stepped]
         torch.testing.assert_close(h_out, want, **tol)
     phi_t = act.grad(t, h_in, act.forward(h_in.clone()), out=torch.empty_like(t))  # t * phi'(h_in)
     for beta in (0.0, 1.0, 0.5):

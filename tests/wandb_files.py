@@ -9,6 +9,7 @@ shorter than a header is zero padding.
 import glob
 import json
 import struct
+import time
 
 from wandb.proto import wandb_internal_pb2
 
@@ -39,8 +40,20 @@ def records(path):
             pending = b""
 
 
-def offline_run(run_dir):
-    """(config dict, list of history dicts) of the single offline wandb run under run_dir."""
+def offline_run(run_dir, until_step=None, timeout=120.0):
+    """(config dict, list of history dicts) of the single offline wandb run under run_dir.
+
+    ``until_step``: wait (up to ``timeout`` seconds) until the history holds that step: wandb's service
+    process may still be writing the file after ``wandb.finish()`` returns in the training process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        config, history = _read(run_dir)
+        if until_step is None or any(h.get("_step") == until_step for h in history) or time.monotonic() > deadline:
+            return config, history
+        time.sleep(0.2)
+
+
+def _read(run_dir):
     files = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
     assert len(files) == 1, f"expected one offline wandb run under {run_dir}, found {files}"
     config, history = {}, []

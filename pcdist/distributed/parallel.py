@@ -244,15 +244,49 @@ class Parallel(LayerExchange):
         self.comm_seconds += time.perf_counter() - t0
         self._grads.average()
 
-    def gather_layer_energies(self, local: Tensor, local_batch: int) -> Tensor | None:
-        """Per-layer batch-mean energies of the whole network on the logging rank (None elsewhere)."""
+    def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:
+        """The whole network's batch-mean energies [L + 1] on the logging rank (None elsewhere): entry 0
+        the prior of a free h_0 (0 when clamped), entry l layer l. ``local`` holds this rank's
+        entries from global index ``first_index`` on (default: its first layer)."""
+        lo = self.layers[0] if first_index is None else first_index
+        vec = torch.zeros(self.num_layers + 1 + (self.logging_rank is not None), dtype=local.dtype if
+                          self.logging_rank is None else torch.float64, device=local.device)
         if self.logging_rank is None:
-            return local
-        vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=local.device)
-        a, b = self.layers
-        vec[a - 1 : b - 1] = local.to(torch.float64) * local_batch
+            vec[lo : lo + len(local)] = local
+            return vec
+        vec[lo : lo + len(local)] = local.to(torch.float64) * local_batch
         if self.layer_rank == 0:
             vec[-1] = local_batch
         with collective("the energy reduce"):
             dist.reduce(vec, dst=self.logging_rank)
         return vec[:-1] / vec[-1] if self.is_logging else None
+
+    def gather_nodes(self, own: dict[int, Tensor], num_layers: int) -> list[Tensor] | None:
+        """Value nodes h_0 .. h_L of the whole batch on the logging rank (None elsewhere), from every
+        rank's own {node: [B_local, ...]} (data shards joined in data-rank order)."""
+        if self.logging_rank is None:
+            return [own[n] for n in range(num_layers + 1)]
+        parts = [None] * dist.get_world_size() if self.is_logging else None
+        with collective("the value-node gather"):
+            dist.gather_object(({n: t.cpu() for n, t in own.items()}, self.data_rank), parts, dst=self.logging_rank)
+        if not self.is_logging:
+            return None
+        device = next(iter(own.values())).device
+        out = []
+        for n in range(num_layers + 1):
+            shards = sorted((rank, nodes[n]) for nodes, rank in parts if n in nodes)
+            out.append(torch.cat([t for _, t in shards]).to(device))
+        return out
+
+    def gather_batch(self, t: Tensor | None) -> Tensor | None:
+        """Rows held by some ranks (``t``; None on the others) joined over the data axis in data-rank order,
+        on the logging rank (None elsewhere): e.g. predictions the last layer slice of each data replica made."""
+        if self.logging_rank is None:
+            return t
+        parts = [None] * dist.get_world_size() if self.is_logging else None
+        with collective("the batch gather"):
+            dist.gather_object(None if t is None else (self.data_rank, t.cpu()), parts, dst=self.logging_rank)
+        if not self.is_logging:
+            return None
+        shards = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+        return torch.cat([t for _, t in shards]).to(t.device if t is not None else "cpu") if shards else None

@@ -4,7 +4,8 @@
  *     u = f(a + bias)       (if `fresh`: au holds a = h_in @ w, bias is the layer's [O] row, and u
  *                            is not stored; else u is read from `u`, and au holds u too, or,
  *                            for gelu, whose f' needs its input, a + bias)
- *     e = h - u             (stored unless `update`: then nothing reads it before the next pass)
+ *     e = pi * (h - u)      (pi: the layer's precision, prec[r / B], only if `prec` is given;
+ *                            stored unless `update`: then nothing reads it before the next pass)
  *     d = e * f'(a)         (only if wanted; f' is read from u, as aten's *_backward ops do,
  *                            except gelu's, computed from its input a + bias)
  *     h = h - lr * e        (only if `update`: the value step's own-error term, in place)
@@ -44,6 +45,7 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
             long r1 = (c + 1) * per < rows ? (c + 1) * per : rows;                        \
             for (long r = c * per; r < r1; r++) {                                         \
                 const T *restrict b = bias + (r / B) * O;                                 \
+                const T pk = PREC ? prec[r / B] : (T)1;                                   \
                 T *restrict au_ = au + r * O, *restrict h_ = h + r * O, *restrict e_ = e + r * O; \
                 T *restrict d_ = d + r * O;                                               \
                 const T *restrict u_ = ur + r * O;                                        \
@@ -53,6 +55,7 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
                     T x = FRESH ? au_[o] + b[o] : au_[o];                                 \
                     if (FRESH) { u = (FWD); } else { u = u_[o]; }                         \
                     T ei = h_[o] - u;                                                     \
+                    if (PREC) ei *= pk;                                                   \
                     if (!UPDATE) e_[o] = ei;                                              \
                     if (HAS_D) d_[o] = ei * (DER);                                        \
                     if (UPDATE) h_[o] = h_[o] - lr * ei;                                  \
@@ -61,21 +64,22 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
         }                                                                                 \
     }
 
-/* One specialised kernel per (type, activation, mode). */
+/* One specialised kernel per (type, activation, mode); mode = fresh + 2 * (d wanted) + 4 * update + 8 * prec. */
+#define PCD_CASE(T, FWD, DER, M, P)                                                       \
+    case M + 8 * P: { enum { FRESH = M & 1, HAS_D = (M >> 1) & 1, UPDATE = (M >> 2) & 1, PREC = P }; \
+                      PCD_BODY(T, FWD, DER) } break;
+#define PCD_CASES(T, FWD, DER, P)                                                         \
+    PCD_CASE(T, FWD, DER, 0, P) PCD_CASE(T, FWD, DER, 1, P) PCD_CASE(T, FWD, DER, 2, P)  \
+    PCD_CASE(T, FWD, DER, 3, P) PCD_CASE(T, FWD, DER, 4, P) PCD_CASE(T, FWD, DER, 5, P)  \
+    PCD_CASE(T, FWD, DER, 6, P) PCD_CASE(T, FWD, DER, 7, P)
 #define PCD_ACT(T, SUFFIX, ACTNAME, FWD, DER)                                   \
     static void SUFFIX##_##ACTNAME(int mode, int nthreads, T lo, T hi, T *au, const T *ur, T *h, T *e, \
-                                   T *d, const T *bias, long n, long B, long O, T lr) {   \
+                                   T *d, const T *bias, const T *prec, long n, long B, long O, T lr) { \
         const T one = (T)1, zero = (T)0;                                                  \
-        (void)nthreads; (void)lo; (void)hi; (void)one; (void)zero; (void)d; (void)lr; (void)bias;                     \
+        (void)nthreads; (void)lo; (void)hi; (void)one; (void)zero; (void)d; (void)lr; (void)bias; (void)prec; \
         switch (mode) {                                                                   \
-        case 0: { enum { FRESH = 0, HAS_D = 0, UPDATE = 0 }; PCD_BODY(T, FWD, DER) } break; \
-        case 1: { enum { FRESH = 1, HAS_D = 0, UPDATE = 0 }; PCD_BODY(T, FWD, DER) } break; \
-        case 2: { enum { FRESH = 0, HAS_D = 1, UPDATE = 0 }; PCD_BODY(T, FWD, DER) } break; \
-        case 3: { enum { FRESH = 1, HAS_D = 1, UPDATE = 0 }; PCD_BODY(T, FWD, DER) } break; \
-        case 4: { enum { FRESH = 0, HAS_D = 0, UPDATE = 1 }; PCD_BODY(T, FWD, DER) } break; \
-        case 5: { enum { FRESH = 1, HAS_D = 0, UPDATE = 1 }; PCD_BODY(T, FWD, DER) } break; \
-        case 6: { enum { FRESH = 0, HAS_D = 1, UPDATE = 1 }; PCD_BODY(T, FWD, DER) } break; \
-        default: { enum { FRESH = 1, HAS_D = 1, UPDATE = 1 }; PCD_BODY(T, FWD, DER) } break; \
+        PCD_CASES(T, FWD, DER, 0)                                                         \
+        PCD_CASES(T, FWD, DER, 1)                                                         \
         }                                                                                 \
     }
 
@@ -172,12 +176,12 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
 #define PCD_TYPE(T, SUFFIX, TANHF, EXPF, ERFF)                                            \
     PCD_EACH(PCD_ACT, T, SUFFIX, TANHF, EXPF, ERFF)                                       \
     PCD_EACH(PCD_RES, T, SUFFIX, TANHF, EXPF, ERFF)                                       \
-    /* mode = fresh + 2 * (d wanted) + 4 * update; lo, hi: leaky slope / hard_tanh bounds */ \
+    /* mode = fresh + 2 * (d wanted) + 4 * update + 8 * (prec given); lo, hi: leaky slope / hard_tanh bounds */ \
     void pcd_errors_##SUFFIX(int act, int mode, int nthreads, double lo, double hi, T *au, const T *ur, \
-                             T *h, T *e, T *d, const T *bias, long n, long B, long O, double lr) { \
-        void (*k)(int, int, T, T, T *, const T *, T *, T *, T *, const T *, long, long, long, T); \
+                             T *h, T *e, T *d, const T *bias, const T *prec, long n, long B, long O, double lr) { \
+        void (*k)(int, int, T, T, T *, const T *, T *, T *, T *, const T *, const T *, long, long, long, T); \
         PCD_PICK(k, SUFFIX, _, act)                                                       \
-        k(mode, nthreads, (T)lo, (T)hi, au, ur, h, e, d, bias, n, B, O, (T)lr);           \
+        k(mode, nthreads, (T)lo, (T)hi, au, ur, h, e, d, bias, prec, n, B, O, (T)lr);     \
     }                                                                                     \
     /* which = 0: s = phi(src), x = src if x; 1: the back-projection (see PCD_RES) */    \
     void pcd_res_act_##SUFFIX(int act, int which, int nthreads, double lo, double hi, const T *src, T *s, \
@@ -187,8 +191,9 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
         PCD_PICK(k, SUFFIX, _res_, act)                                                   \
         k(which, nthreads, (T)lo, (T)hi, src, s, x, t, e, target, n, (T)beta, (T)alpha_a, (T)alpha_e); \
     }                                                                                     \
-    /* e = h - u; then h -= lr * e on the first `stepped` elements (lr != 0) */          \
-    void pcd_res_errors_##SUFFIX(int nthreads, const T *u, T *h, T *e, long n, long stepped, double lr) { \
+    /* e = h - u (times prec[i / per] if prec); then h -= lr * e on the first `stepped` elements */ \
+    void pcd_res_errors_##SUFFIX(int nthreads, const T *u, T *h, T *e, long n, long stepped, double lr, \
+                                 const T *prec, long per) {                               \
         const T l = (T)lr;                                                                \
         long nchunks = (n + CHUNK - 1) / CHUNK;                                           \
         (void)nthreads;                                                                   \
@@ -196,6 +201,23 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
         for (long c = 0; c < nchunks; c++) {                                              \
             long i0 = c * CHUNK, i1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;          \
             long j1 = i1 < stepped ? i1 : stepped;                                        \
+            if (prec) { /* one precision per layer of `per` elements: runs of one layer within the chunk */ \
+                for (long a = i0; a < i1;) {                                              \
+                    long z = (a / per + 1) * per < i1 ? (a / per + 1) * per : i1;         \
+                    long zs = z < j1 ? z : (a > j1 ? a : j1);                              \
+                    const T pk = prec[a / per];                                           \
+                    _Pragma("omp simd")                                                   \
+                    for (long i = a; i < zs; i++) {                                       \
+                        T ei = (h[i] - u[i]) * pk;                                        \
+                        e[i] = ei;                                                        \
+                        h[i] = h[i] - l * ei;                                             \
+                    }                                                                     \
+                    _Pragma("omp simd")                                                   \
+                    for (long i = zs; i < z; i++) e[i] = (h[i] - u[i]) * pk;              \
+                    a = z;                                                                \
+                }                                                                         \
+                continue;                                                                 \
+            }                                                                             \
             _Pragma("omp simd")                                                           \
             for (long i = i0; i < j1; i++) {                                              \
                 T ei = h[i] - u[i];                                                       \

@@ -1,4 +1,5 @@
-"""Convolutional PC networks: a user-listed conv stack (``cnn``) and PCX's VGG-5 / VGG-7.
+"""Convolutional PC networks: a user-listed conv stack (``cnn``), PCX's VGG-5 / VGG-7, and a conv
+decoder (``deconv``) that puts images at the top node for generative and unsupervised PC.
 
 Each conv layer is one PC layer (a value node after its activation and pooling); the
 network ends with nn.Flatten and dense layers, the last of which is the output layer.
@@ -17,10 +18,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .activations import Activation, get_activation
-from .layers import Conv, Dense, LayerKind
+from torch import nn
 
-__all__ = ["VGG", "conv_specs", "vgg_specs", "cnn_specs"]
+from .activations import Activation, get_activation
+from .layers import Conv, Dense, LayerKind, ModuleKind
+
+__all__ = ["VGG", "conv_specs", "vgg_specs", "cnn_specs", "deconv_specs"]
 
 # (out channels, padding, pooling) of each 3 x 3 conv layer
 VGG = {
@@ -69,3 +72,32 @@ def cnn_specs(in_shape: Sequence[int], channels: Sequence[int], kernel_size: int
         raise ValueError(f"model.pool has {len(pool)} entries but model.channels {len(channels)}: one per conv layer")
     convs = [(c, kernel_size, kernel_size // 2, None if p == "none" else p) for c, p in zip(channels, pool)]
     return conv_specs(in_shape, convs, head, d_out, activation)
+
+
+def deconv_specs(d_in: int, out_shape: Sequence[int], channels: Sequence[int], kernel_size: int,
+                 activation: str | Activation) -> list[LayerKind]:
+    """A conv decoder from a vector h_0 of ``d_in`` to images of ``out_shape`` [C, H, W] at h_L: a dense layer
+    to ``channels[0]`` x H/2^n x W/2^n (n = len(channels)), then n layers of 2x nearest upsampling + a
+    ``kernel_size`` conv ("same" padding) + activation, each doubling the size (the last one's output has
+    ``channels[-1]`` channels at H x W), then the output conv to C channels (no activation: the output
+    energy reads u_L). The upsampling layers and the output run as the module kind (pcdist.layers)."""
+    act = activation if isinstance(activation, Activation) else get_activation(activation)
+    C, H, W = (int(d) for d in out_shape) if len(out_shape) == 3 else (0, 0, 0)
+    n = len(channels)
+    if len(out_shape) != 3 or H % 2**n or W % 2**n:
+        raise ValueError(f"model.name=deconv makes images [C, H, W] with H and W divisible by 2^{n} "
+                         f"(len(model.channels) = {n} upsamplings), got samples of shape {list(out_shape)}")
+    if kernel_size % 2 == 0:
+        raise ValueError(f"model.kernel_size={kernel_size}: deconv needs an odd kernel ('same' padding)")
+    h, w, pad = H // 2**n, W // 2**n, kernel_size // 2
+    specs: list[LayerKind] = [Dense(int(d_in), channels[0] * h * w, act)]
+    shape: tuple[int, ...] = (channels[0] * h * w,)
+    c_in = channels[0]
+    for i, c_out in enumerate(channels):
+        mods = [nn.Unflatten(1, (c_in, h, w))] if i == 0 else []
+        mods += [nn.Upsample(scale_factor=2.0, mode="nearest"), nn.Conv2d(c_in, int(c_out), kernel_size, padding=pad),
+                 act.to_module()]
+        specs.append(ModuleKind.of(nn.Sequential(*mods), shape, len(specs) + 1))
+        shape, c_in, h, w = specs[-1].out_shape, int(c_out), h * 2, w * 2
+    specs.append(ModuleKind.of(nn.Conv2d(c_in, C, kernel_size, padding=pad), shape, len(specs) + 1))
+    return specs

@@ -116,9 +116,9 @@ def library() -> ctypes.CDLL | None:
         return None
     i, d, p, n = ctypes.c_int, ctypes.c_double, ctypes.c_void_p, ctypes.c_long
     for suffix in ("f32", "f64"):
-        for name, args in ((f"pcd_errors_{suffix}", [i, i, i, d, d, *[p] * 6, n, n, n, d]),
+        for name, args in ((f"pcd_errors_{suffix}", [i, i, i, d, d, *[p] * 7, n, n, n, d]),
                            (f"pcd_res_act_{suffix}", [i, i, i, d, d, *[p] * 6, n, d, d, d]),
-                           (f"pcd_res_errors_{suffix}", [i, p, p, p, n, n, d])):
+                           (f"pcd_res_errors_{suffix}", [i, p, p, p, n, n, d, p, n])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
     _lib = lib
@@ -154,12 +154,15 @@ class Kernel:
     ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
     computed on the fly and not stored), or else u is read from ``u`` (default: ``au``
     itself) and ``au`` holds what f' is computed from: u, or for gelu a + bias. ``h``
-    holds the predicted nodes; ``e`` receives h - u; ``d`` e * f'(a) if wanted. ``run(fresh, with_d, lr)`` instead takes the step
-    h -= lr * e when ``lr`` is given (e is then not stored: nothing reads it), on all K
-    layers or, with ``stepped=K'``, on the first K' only (the rest store e).
+    holds the predicted nodes; ``e`` receives pi (h - u) (``prec``: the K layers' precisions pi, a
+    tensor the caller may change between calls; None: pi = 1 with no extra multiply); ``d`` e * f'(a)
+    if wanted. ``run(fresh, with_d, lr)`` instead takes the step h -= lr * e when ``lr`` is given (e
+    is then not stored: nothing reads it), on all K layers or, with ``stepped=K'``, on the first K'
+    only (the rest store e).
     """
 
-    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None):
+    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None,
+                 prec: Tensor | None = None):
         u = au if u is None else u
         for name, t in (("a", au), ("u", u), ("h", h), ("e", e), ("d", d)):
             if not t.is_contiguous() or t.shape != au.shape or t.dtype != au.dtype:
@@ -167,13 +170,16 @@ class Kernel:
         K, B, O = au.shape
         if not bias.is_contiguous() or bias.shape != (K, O) or bias.dtype != au.dtype:
             raise ValueError(f"native kernel: bias must be contiguous with shape {[K, O]}")
+        if prec is not None and (not prec.is_contiguous() or prec.shape != (K,) or prec.dtype != au.dtype):
+            raise ValueError(f"native kernel: prec must be contiguous with shape {[K]}")
         lib = library()
         self._fn = lib.pcd_errors_f32 if au.dtype == torch.float32 else lib.pcd_errors_f64
         self._code, self._bounds = act_code(act), _bounds(act)
         self._ptrs = [t.data_ptr() for t in (au, u, h, e, d)]
         self._bias = bias.data_ptr()
+        self._prec = None if prec is None else prec.data_ptr()
         self._K, self._B, self._O, self._size = K, B, O, au.element_size()
-        self._keep = (au, u, h, e, d, bias)  # the buffers outlive the pointers
+        self._keep = (au, u, h, e, d, bias, prec)  # the buffers outlive the pointers
         self._args: dict[tuple, tuple] = {}
 
     def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
@@ -187,7 +193,7 @@ class Kernel:
         """The pass over layers [k0, k1) of the group."""
         if k1 <= k0:
             return
-        mode = int(fresh) + 2 * int(with_d) + 4 * int(lr is not None)
+        mode = int(fresh) + 2 * int(with_d) + 4 * int(lr is not None) + 8 * int(self._prec is not None)
         key = (mode, k0, k1, lr, torch.get_num_threads())
         args = self._args.get(key)
         if args is None:  # converted to ctypes once: a call then costs ~2 us instead of ~6
@@ -195,8 +201,9 @@ class Kernel:
                 self._args.clear()
             B, O = self._B, self._O
             au, u, h, e, d = (p + k0 * B * O * self._size for p in self._ptrs)
+            prec = None if self._prec is None else self._prec + k0 * self._size
             vals = (self._code, mode, key[-1], *self._bounds, au, u, h, e, d, self._bias + k0 * O * self._size,
-                    (k1 - k0) * B * O, B, O, 0.0 if lr is None else lr)
+                    prec, (k1 - k0) * B * O, B, O, 0.0 if lr is None else lr)
             args = self._args[key] = tuple(t(v) for t, v in zip(self._fn.argtypes, vals))
         self._fn(*args)
 
@@ -204,15 +211,15 @@ class Kernel:
 class ResidualKernel:
     """The residual kind's elementwise passes over one group's buffers (pcdist/engine/layers/residual.py).
 
-    ``activate``: s = phi(h_in) (and x = h_in where phi' needs its input); ``errors``: e = h_out - u
-    and the value step's own-error term h_out -= lr * e; ``backproject``: target = beta * target
+    ``activate``: s = phi(h_in) (and x = h_in where phi' needs its input); ``errors``: e = pi (h_out - u)
+    (``prec``: the K layers' precisions, None for 1) and the value step's own-error term h_out -= lr * e; ``backproject``: target = beta * target
     + alpha_a * t * phi'(h_in) + alpha_e * e, phi' read from s (or x). One pass each, where
     torch ops take two or three.
     """
 
     def __init__(self, act, h_in: Tensor, s: Tensor, x: Tensor | None, u: Tensor, h_out: Tensor, e: Tensor,
-                 t: Tensor | None):
-        like = [b for b in (h_in, s, x, u, h_out, e, t) if b is not None]
+                 t: Tensor | None, prec: Tensor | None = None):
+        like = [b for b in (h_in, s, x, u, h_out, e, t, prec) if b is not None]
         if any(not b.is_contiguous() or b.dtype != u.dtype for b in like):
             raise ValueError("native residual kernel: every buffer must be contiguous and of one dtype")
         lib = library()
@@ -222,7 +229,7 @@ class ResidualKernel:
         self._head = (act_code(act), *_bounds(act))
         self._keep = like  # the buffers outlive the pointers
         self._h_in, self._s, self._x = h_in, s, x
-        self._u, self._h_out, self._e, self._t = u, h_out, e, t
+        self._u, self._h_out, self._e, self._t, self._prec = u, h_out, e, t, prec
         self._per_layer = u[0].numel()
         self._cache: dict[tuple, tuple] = {}
 
@@ -244,8 +251,9 @@ class ResidualKernel:
         u, h, e = self._u, self._h_out, self._e
         n_step = 0 if lr is None else stepped * self._per_layer
         threads = torch.get_num_threads()
+        prec = None if self._prec is None else self._prec.data_ptr()
         self._call(self._err_fn, ("err", threads, lr, n_step), lambda: (threads, u.data_ptr(), h.data_ptr(),
-                   e.data_ptr(), u.numel(), n_step, 0.0 if lr is None else lr))
+                   e.data_ptr(), u.numel(), n_step, 0.0 if lr is None else lr, prec, self._per_layer))
 
     def backproject(self, target: Tensor, skip: Tensor | None, beta: float, alpha_a: float, alpha_e: float) -> None:
         """target = beta * target + alpha_a * t * phi'(h_in) (+ alpha_e * skip, the skip term's errors)."""

@@ -34,9 +34,15 @@ class NodeBlock:
 
 
 class ValueNodes:
-    """Nodes first-1 .. stop-1 of a slice of a network with node shapes ``shapes`` (h_0 .. h_L)."""
+    """Nodes first-1 .. stop-1 of a slice of a network with node shapes ``shapes`` (h_0 .. h_L).
 
-    def __init__(self, shapes: list[tuple[int, ...]], first: int, stop: int, B: int, separate_errors: bool, **kw):
+    ``free``: the nodes this slice updates, (index of the first, h, v, e) per run of one block: the
+    owned hidden nodes, h_0 if ``free_bottom`` (on the first slice) and h_L if ``free_top`` (on the
+    last); the replica of the upstream neighbour's node is not among them.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], first: int, stop: int, B: int, separate_errors: bool,
+                 free_bottom: bool = False, free_top: bool = False, **kw):
         L = len(shapes) - 1
         self.blocks: list[NodeBlock] = []
         n = first - 1
@@ -46,14 +52,15 @@ class ValueNodes:
                 m += 1
             self.blocks.append(NodeBlock(n, m - n + 1, B, tuple(shapes[n]), separate_errors, **kw))
             n = m + 1
-        # Owned hidden nodes: first .. min(stop - 1, L - 1); one contiguous slot range per block.
-        hi_node = min(stop - 1, L - 1)
-        self.hidden: list[tuple[Tensor, Tensor, Tensor]] = []
+        # Free nodes: (0 or) first .. min(stop - 1, L - 1 (or L)); one contiguous slot range per block.
+        lo_node = 0 if free_bottom and first == 1 else first
+        hi_node = min(stop - 1, L if free_top else L - 1)
+        self.free: list[tuple[int, Tensor, Tensor, Tensor]] = []
         for blk in self.blocks:
-            lo, hi = max(blk.lo, first), min(blk.lo + blk.N - 1, hi_node)
+            lo, hi = max(blk.lo, lo_node), min(blk.lo + blk.N - 1, hi_node)
             if lo <= hi:
                 sl = slice(lo - blk.lo, hi - blk.lo + 1)
-                self.hidden.append((blk.h[sl], blk.v[sl], blk.e[sl]))
+                self.free.append((lo, blk.h[sl], blk.v[sl], blk.e[sl]))
         first_blk, last_blk = self.blocks[0], self.blocks[-1]
         is_last = stop == L + 1
         self.has_replica = first > 1

@@ -5,14 +5,22 @@ batch size (pcdist.nodes: runs of equal-shape nodes in one tensor, so a group's 
 and outputs are two shifted views) and runs the phases of the PC schedule over every
 group of stacked equal layers, each group bound by its kind (pcdist.layers):
 
-    feedforward    h_l <- u_l for the hidden nodes, layer by layer (a chain)
-    errors         e = h - u and each layer's error signal
+    feedforward    h_l <- u_l for the hidden nodes, layer by layer (a chain); a free h_0
+                   starts at its prior's mean, a free h_L at u_L
+    errors         e = pi (h - u) and each layer's error signal
     backproject    v_{l-1} <- beta * v_{l-1} - P_l,  P_l = -dE_l/dh_{l-1}
-    update_values  v += e (unless v is e already);  h -= x_lr * v
+    update_values  v += e (unless v is e already);  h -= x_lr * v  (pcdist/engine/values.py)
     weight_grads   dF/dtheta of every layer into .grad
 
 With momentum mu the value optimizer is v <- g + mu v, h <- h - x_lr v, reset every
-batch (g_l = e_l - P_{l+1} is the per-sample gradient of the energy).
+batch (g_l = pi_l e_l - P_{l+1} is the per-sample gradient of the energy).
+
+The end nodes are clamped or free per Stage (``free_bottom``, ``free_top``): a free h_0 is
+updated like a hidden node, its own error the prior's e_0 = pi_0 (h_0 - m_0) (the prior is
+bound as a "layer 0" group, pcdist/engine/layers/prior.py) and its back-projection layer 1's;
+a free h_L follows its output energy's gradient pi_L dE_out/dh_L. Precisions pi_l are one
+tensor per Stage (``precision``), read by every group's error pass, so a schedule may change
+them between inference steps.
 
 For pc without momentum the weights and predictions stay fixed until the value step, so
 the step is fused into the phases: each group's error pass also takes h_out -= x_lr * e,
@@ -31,20 +39,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layers import BoundGroup
+from .energies import OutputEnergy
+from .layers import Binding, BoundGroup
 from .network import PCNetwork
 from .nodes import ValueNodes
+from .values import ValueOptimizer
 
 __all__ = ["Stage", "INITS"]
 
 INITS = ("ff", "deeppcr")
-
-
-def _scale(v: Tensor, beta: float) -> Tensor:
-    """v *= beta in place; beta 0 clears v (as a GEMM with beta 0 ignores its old contents)."""
-    if beta == 0.0:
-        return v.zero_()
-    return v if beta == 1.0 else v.mul_(beta)
 
 
 class Stage:
@@ -53,35 +56,60 @@ class Stage:
     ``static_weights``: the weights stay fixed through a batch's inference (pc), so kinds may
     keep weight-derived copies per weight change (dense and residual layers: a row-major
     w^T for the back-projection GEMM, which reads it 20-30% faster than the transposed view).
+    ``free_bottom`` / ``free_top``: h_0 / h_L are free (inferred) instead of clamped.
+    ``dynamic_precision``: keep a precision per layer even when the network's are all 1 (a
+    schedule will change them); otherwise only networks with precisions pay for them.
     """
 
     def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0, init: str = "ff",
-                 static_weights: bool = False):
+                 static_weights: bool = False, free_bottom: bool = False, free_top: bool = False,
+                 dynamic_precision: bool = False):
         if init not in INITS:
             raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
-        self.net, self.B, self.mu, self.init = net, batch_size, float(x_momentum), init
+        self.net, self.B, self.init = net, batch_size, init
+        self.free_bottom, self.free_top = free_bottom, free_top
         p = next(net.parameters())
         L, first, stop = net.num_layers, net.first, net.stop
+        mu = float(x_momentum)
         # v and e are one tensor unless momentum keeps v, or a kind's back-projection reads e.
-        separate = self.mu != 0.0 or any(g.reads_errors for g in net.groups)
-        self._aliased = not separate
-        self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, dtype=p.dtype, device=p.device)
+        separate = mu != 0.0 or any(g.reads_errors for g in net.groups)
+        self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, free_bottom, free_top,
+                                dtype=p.dtype, device=p.device)
+        # pi_first .. pi_{stop-1}; None when all are 1 and no schedule changes them (no extra pass).
+        pis = net.precision or (1.0,) * L
+        self.precision = torch.tensor(pis[first - 1 : stop - 1], dtype=p.dtype, device=p.device) \
+            if net.precision is not None or dynamic_precision else None
+        groups = list(net.groups)
+        if free_bottom and first == 1 and not (groups and groups[0].first == 0):
+            groups.insert(0, net.prior_group())  # a fixed prior: a constant group of this Stage's own
         self.groups: list[BoundGroup] = []
-        for g in net.groups:
-            h_in, v_in, _ = self.nodes.views(g.first - 1, g.K)
-            h_out, _, e_out = self.nodes.views(g.first, g.K)
-            energy = net.energy if g.first + g.K - 1 == L else None
-            gr = g.bind(h_in, h_out, e_out, batch_size, static_weights, energy, init)
-            gr.v_in = v_in  # where the group's back-projection accumulates (the value gradient)
-            self.groups.append(gr)
+        for g in groups:
+            if g.first == 0 and not free_bottom:
+                continue  # a learned prior's group, idle while h_0 is clamped
+            self.groups.append(self._bind(g, static_weights, free_top))
         self.output = self.groups[-1] if stop == L + 1 else None
         nd = self.nodes
         self.recv_input, self.send_node = nd.recv_input, nd.send_node
         self.has_replica, self.recv_error, self.send_backproj = nd.has_replica, nd.recv_error, nd.send_backproj
         self.send_error, self.recv_backproj = nd.send_error, nd.recv_backproj
-        self._step = 0
-        # This step's fused value step (see ``errors``): its x_lr, the groups done, those deferred.
-        self._step_lr, self._done, self._deferred = None, [], []
+        self.values = ValueOptimizer(nd, mu, not separate)
+        self.energy_index = 0 if self.groups[0].first == 0 else first  # global index of layer_energies()[0]
+
+    def _bind(self, g, static_weights: bool, free_top: bool) -> BoundGroup:
+        net, L = self.net, self.net.num_layers
+        h_in, v_in, _ = self.nodes.views(g.first - 1, g.K) if g.first > 0 else (None, None, None)
+        h_out, _, e_out = self.nodes.views(g.first, g.K)
+        prec = None
+        if self.precision is not None and g.first > 0:
+            prec = self.precision[g.first - net.first : g.first - net.first + g.K]
+        is_output = g.first + g.K - 1 == L
+        energy = OutputEnergy(net.energy, prec) if is_output else None
+        if is_output and free_top:
+            energy.check_free_top()
+        gr = g.bind(h_in, h_out, e_out, Binding(self.B, static_weights, self.init, g.first > 1 or self.free_bottom,
+                                                energy, is_output and free_top, prec))
+        gr.v_in = v_in  # where the group's back-projection accumulates (the value gradient)
+        return gr
 
     def node(self, n: int) -> Tensor:
         """The value node h_n [B, *shape] (a view)."""
@@ -89,14 +117,13 @@ class Stage:
 
     # -- phases -------------------------------------------------------------------
     def begin(self, x: Tensor | None, y: Tensor | None) -> None:
-        """Start a batch: clamp the input (first slice) and the target (last slice)."""
-        if x is not None:
+        """Start a batch: clamp the input (first slice) and the target (last slice), where clamped."""
+        if x is not None and not (self.free_bottom and self.net.first == 1):
             self.recv_input.copy_(x)
-        if y is not None and self.output is not None:
+        if y is not None and self.output is not None and not self.free_top:
             self.output.h_out[0].copy_(y)
         self.weights_changed()
-        self._step = 0
-        self._step_lr, self._done, self._deferred = None, [], []
+        self.values.reset()
 
     def feedforward(self, rows: slice | None = None) -> None:
         """h_l <- u_l for every hidden node of the slice, layer by layer (a chain).
@@ -112,8 +139,8 @@ class Stage:
                step_lr: float | None = None) -> None:
         """Predictions (where stale), errors e and error signals of the groups (default all).
 
-        The first global layer's signal only feeds its weight gradient, so it is skipped
-        unless ``need_all_deltas``.
+        Layer 1's signal under a clamped h_0 only feeds its weight gradient, so it is skipped
+        unless ``need_all_deltas``. A free h_L's gradient goes into its value gradient.
 
         ``step_lr`` (pc without momentum: the weights and every prediction stay fixed
         until the value step) fuses the value step into this phase and the next: each
@@ -122,31 +149,25 @@ class Stage:
         step is taken here only once that group has read it (groups run last first);
         otherwise it waits for ``update_values``.
         """
-        fused = step_lr is not None and self.mu == 0.0
-        self._step_lr = step_lr if fused else None
+        vo = self.values
+        fused = vo.begin_step(step_lr)
         for gr in reversed(self.groups if groups is None else groups):
             if gr is self.output:
                 gr.errors(True, None)
+                if self.free_top:
+                    gr.energy.value_grad(gr.u[0], gr.h_out[0], gr.d[0], gr.e_out[0])
+                    if fused:
+                        gr.h_out.add_(gr.e_out, alpha=-step_lr)
             else:
                 i = self.groups.index(gr)
                 last = i == len(self.groups) - 1
-                now = fused and (last or self.groups[i + 1] in self._done)
+                now = fused and (last or self.groups[i + 1] in vo.done)
                 # The node sent downstream steps in update_values, exactly as its replica there.
-                gr.errors(need_all_deltas or gr.first > 1, step_lr if now else None,
+                gr.errors(need_all_deltas or gr.free_input, step_lr if now else None,
                           hold_last=last and self.send_error is not None)
                 if fused and not now:
-                    self._deferred.append(gr)
-            self._done.append(gr)
-
-    @property
-    def _beta(self) -> float:
-        """Weight of the old v in the back-projection.
-
-        Every hidden node receives exactly one back-projection (from the layer above
-        it), so beta applies the momentum exactly once: 1 when v holds e (no momentum),
-        mu with momentum, 0 on the first step of a batch.
-        """
-        return 1.0 if self._aliased else (self.mu if self._step > 0 else 0.0)
+                    vo.deferred.append(gr)
+            vo.done.append(gr)
 
     def backproject(self, groups: list[BoundGroup] | None = None) -> None:
         """v_in <- beta * v_in - P for the groups (default all) whose input node is free.
@@ -154,54 +175,24 @@ class Stage:
         The first group of a slice that starts past layer 1 writes ``send_backproj``
         instead: its input node is the upstream neighbour's (replicated here).
         """
-        beta = self._beta
+        beta, step_lr = self.values.beta, self.values.step_lr
         for gr in self.groups if groups is None else groups:
-            if gr.first == 1:
+            if not gr.free_input:
                 continue
-            if gr is self.groups[0]:  # has_replica: the slice's first layer is a group of its own
+            if gr is self.groups[0] and self.has_replica:  # the slice's first layer is a group of its own
                 gr.backproject(self.send_backproj.unsqueeze(0), beta=0.0, alpha=-1.0)
-            elif self._step_lr is not None:  # fused value step: h += x_lr * P
-                gr.backproject(gr.h_in, beta=1.0, alpha=self._step_lr)
+            elif step_lr is not None:  # fused value step: h += x_lr * P
+                gr.backproject(gr.h_in, beta=1.0, alpha=step_lr)
             else:
                 gr.backproject(gr.v_in, beta=beta, alpha=-1.0)
 
     def update_values(self, x_lr: float) -> None:
-        """v += e (unless v is e); h -= x_lr * v on the owned hidden nodes and the replica.
-
-        A layer slice first folds in the boundary messages (which must have arrived):
-        v_{stop-1} gets the downstream back-projection ``recv_backproj``, and the replica
-        h_{first-1} takes the update its owner takes, from ``recv_error`` and ``send_backproj``,
-        in the same floating-point order.
-        """
-        beta = self._beta
-        fused = self._step_lr is not None  # errors and backproject took the rest of the step
-        blocks = self.nodes.blocks
-        if fused:
-            for gr in self._deferred:
-                gr.h_out.add_(gr.e_out, alpha=-x_lr)
-            if self.send_error is not None:  # the boundary node, stepped as its replica downstream is
-                blocks[-1].h[-1].add_(blocks[-1].e[-1], alpha=-x_lr).add_(self.recv_backproj, alpha=-x_lr)
-        else:
-            if self.recv_backproj is not None:
-                _scale(blocks[-1].v[-1], beta).add_(self.recv_backproj)
-            for h, v, e in self.nodes.hidden:
-                if not self._aliased:
-                    v.add_(e)
-                h.add_(v, alpha=-x_lr)
-        if self.has_replica:
-            h, v, e = blocks[0].h[0], blocks[0].v[0], blocks[0].e[0]
-            if fused:
-                h.add_(e, alpha=-x_lr).add_(self.send_backproj, alpha=-x_lr)
-            else:
-                _scale(v, beta).add_(self.send_backproj)
-                if not self._aliased:
-                    v.add_(e)
-                h.add_(v, alpha=-x_lr)
+        """The value step on every free node this slice updates (``ValueOptimizer.update``); then
+        every prediction that reads a moved node is stale."""
+        self.values.update(x_lr, self.send_error is not None, self.free_top and self.output is not None)
         for gr in self.groups:
-            if gr.first > 1:
+            if gr.free_input:
                 gr.cached = False
-        self._step += 1
-        self._step_lr, self._done, self._deferred = None, [], []
 
     def weight_grads(self, groups: list[BoundGroup] | None = None, scale: float | None = None) -> None:
         """Write dF/dtheta of the groups' layers (default all) into .grad.
@@ -221,5 +212,6 @@ class Stage:
             gr.weights_changed()
 
     def layer_energies(self) -> Tensor:
-        """Batch-mean energy of each owned layer [L_owned], from the last ``errors``."""
+        """Batch-mean energy of each owned group's layers, from the last ``errors``: the global layers
+        ``energy_index`` .. stop - 1, where index 0 is the prior of a free h_0."""
         return torch.cat([gr.energies() for gr in self.groups]) / self.B

@@ -1,4 +1,14 @@
-"""Training steps of predictive coding (PC and incremental PC) on a PCNetwork."""
+"""Training steps and inference of predictive coding (PC and incremental PC) on a PCNetwork.
+
+Which end nodes are clamped is a property of each call: ``step(x, y)`` and ``infer(x, y)``
+clamp h_0 to x and h_L to y, and a None leaves that node free (h_0 then starts at its
+prior's mean, h_L at the feed-forward prediction). The three modes of PC are three ways to
+call the same engine (pcdist/engine/modes.py):
+
+    supervised     step(x=data,  y=one-hot)      test: feed-forward
+    generative     step(x=one-hot, y=data)       test: infer(y=data), argmax h_0
+    unsupervised   step(x=None,  y=data)         test: infer(y=data), feed h_0 forward
+"""
 
 from __future__ import annotations
 
@@ -8,9 +18,11 @@ import time
 import torch
 from torch import Tensor
 
-from .stage import INITS, Stage
-from .network import PCNetwork
 from ..distributed.parallel import Parallel
+from .network import PCNetwork
+from .schedules import PrecisionSchedule, warmup_cosine
+from .stage import INITS, Stage
+from .values import value_noise
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
 
@@ -35,6 +47,11 @@ class PCTrainer:
     ``skip_above``: check the energy before every weight update and skip the update
     (counted in ``skipped_updates``) when it is not finite or exceeds this value on
     any rank. It costs one synchronisation per update, so it is off by default.
+
+    ``precision_schedule``: ``factor(layer, t, num_layers)`` scaling each layer's precision at
+    inference step t (pcdist.engine.schedules.top_down). ``value_noise``: the temperature tau of
+    MCPC's Langevin term h += sqrt(2 x_lr tau) xi in every training step's inference, xi drawn per
+    (``noise_seed``, step, inference step, node) so any layer or data split draws alike.
     """
 
     def __init__(
@@ -49,60 +66,60 @@ class PCTrainer:
         parallel: Parallel | None = None,
         skip_above: float | None = None,
         init: str = "ff",
+        precision_schedule: PrecisionSchedule | None = None,
+        value_noise: float = 0.0,
+        noise_seed: int = 0,
     ):
-        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
-            raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
-        if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
-            raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
-        if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
-            raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
+        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
         if (net.first, net.stop) != tuple(parallel.layers):
             raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is {parallel.layers}")
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
+        self.init, self.skip_above, self.skipped_updates = init, skip_above, 0
+        self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
+        self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
+        self._inferred = 0  # infer calls made (their noise is drawn from their own count)
+        self._stages: dict[tuple, tuple[tuple, Stage]] = {}
         self._stage: Stage | None = None
-        if init not in INITS:
-            raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
-        self.init = init
-        self.skip_above = skip_above
-        self.skipped_updates = 0
 
-    def stage(self, batch_size: int) -> Stage:
-        """The preallocated Stage for this batch size, rebuilt when the batch size or a
-        parameter's storage changes (e.g. after ``net.to(...)``)."""
-        key = (batch_size, *(p.data_ptr() for p in self.net.parameters()))
-        if self._stage is None or self._stage_key != key:
+    def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
+        """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
+        storage changes (e.g. after ``net.to(...)``)."""
+        ptrs = tuple(p.data_ptr() for p in self.net.parameters())
+        key = (batch_size, free_bottom, free_top)
+        cached = self._stages.get(key)
+        if cached is None or cached[0] != ptrs:
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
-            self._stage = Stage(self.net, batch_size, self.x_momentum, self.init,
-                                static_weights=self.algorithm == "pc")
-            self._stage_key = key
+            st = Stage(self.net, batch_size, self.x_momentum, self.init, static_weights=self.algorithm == "pc",
+                       free_bottom=free_bottom, free_top=free_top,
+                       dynamic_precision=self.precision_schedule is not None)
+            cached = self._stages[key] = (ptrs, st)
+        self._stage = cached[1]
         return self._stage
 
     @torch.no_grad()
-    def step(self, x: Tensor, y: Tensor, log: bool = True) -> dict:
-        """One training step on a batch; returns the batch-mean energy F and its per-layer terms.
+    def step(self, x: Tensor | None, y: Tensor | None, log: bool = True, global_batch: int | None = None) -> dict:
+        """One training step on a batch: h_0 clamped to ``x`` and h_L to ``y`` (None: free); returns the
+        batch-mean energy F, its per-layer terms and, with a free h_0, its prior's term.
 
         With ``log=False`` no energy is computed or gathered (nothing to synchronise
         on); in a parallel run only the logging rank gets the stats, others get {}.
         ``stats["phase_s"]`` holds this rank's host seconds per phase (feed-forward
         init, inference, weight update; on GPUs kernels may still be in flight).
+        ``global_batch``: the batch size over the data axis (value noise draws the global batch).
         """
-        B = self._check_batch(x, y)
-        st, par = self.stage(B), self.parallel
+        st, par = self._begin(x, y, None, global_batch)
         clock = [time.perf_counter()]
-        st.begin(x if par.is_first else None, y if par.is_last else None)
         par.feedforward(st)
         clock.append(time.perf_counter())
         energies = None
+        noise = value_noise(st, self.parallel, self.x_lr, self.value_noise, self.noise_seed, self.steps_done, global_batch)
         if self.algorithm == "pc":
             for t in range(self.T):
-                par.errors(st, step_lr=self.x_lr)
-                par.backproject(st)
-                par.update_values(st, self.x_lr, more=t < self.T - 1)
+                self._relax(st, t, noise, more=t < self.T - 1)
             clock.append(time.perf_counter())
+            self._set_precision(st, self.T)
             par.errors(st, need_all_deltas=True, exchange=False)
             if log or self.skip_above is not None:
                 energies = st.layer_energies()
@@ -110,44 +127,100 @@ class PCTrainer:
             self._optimizer_step(st, energies)
         else:
             for t in range(self.T):
+                self._set_precision(st, t)
                 par.errors(st, need_all_deltas=True)
                 if (log and t == self.T - 1) or self.skip_above is not None:
                     energies = st.layer_energies()
                 par.backproject(st)
                 par.weight_grads(st)
                 par.update_values(st, self.x_lr, more=t < self.T - 1)
+                if noise is not None:
+                    noise(t)
                 self._optimizer_step(st, energies)
             clock.append(time.perf_counter())
         clock.append(time.perf_counter())
+        self.steps_done += 1
         if energies is None or not log:
             return {}
-        full = par.gather_layer_energies(energies, B)
+        full = par.gather_layer_energies(energies, st.B, st.energy_index)
         if full is None:
             return {}
-        layer = full.tolist()
-        phases = dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))
-        return {"energy": math.fsum(layer), "layer_energies": layer, "phase_s": phases}
+        stats = {"energy": math.fsum(full.tolist()), "layer_energies": full[1:].tolist(),
+                 "phase_s": dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))}
+        if st.free_bottom:
+            stats["prior_energy"] = float(full[0])
+        return stats
 
     @torch.no_grad()
-    def trace(self, x: Tensor, y: Tensor) -> list[list[float]] | None:
-        """Per-layer energies at the init and after each of the T inference steps, weights untouched.
+    def infer(self, x: Tensor | None = None, y: Tensor | None = None, T: int | None = None, noise: float = 0.0,
+              batch_size: int | None = None, gather: bool = True, global_batch: int | None = None):
+        """Inference with the weights untouched: clamp what is given (``x`` at h_0, ``y`` at h_L; None
+        leaves that end free), run ``T`` steps (default the trainer's), and return the value nodes
+        h_0 .. h_L. ``noise``: a Langevin temperature tau (MCPC: sampling). ``batch_size``: for a call
+        that clamps nothing.
+
+        Every rank of a parallel run calls it alike; the nodes are gathered onto the logging rank (the
+        whole batch of every data rank), None elsewhere. ``gather=False`` returns this rank's own
+        nodes instead, as {node index: [B_local, ...]}.
+        """
+        T = self.T if T is None else _check_T(T)
+        _check_noise(noise)
+        st, par = self._begin(x, y, batch_size, global_batch)
+        par.feedforward(st)
+        draw = value_noise(st, par, self.x_lr, noise, self.noise_seed, -1 - self._inferred, global_batch)
+        self._inferred += 1
+        for t in range(T):
+            self._relax(st, t, draw, more=t < T - 1)
+        own = {n: st.node(n).clone() for n in range(0 if self.net.first == 1 else self.net.first, self.net.stop)}
+        return own if not gather else par.gather_nodes(own, self.net.num_layers)
+
+    @torch.no_grad()
+    def trace(self, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
+        """Per-layer energies at the init and after each of the T inference steps, weights untouched
+        (with a free h_0 each row starts with its prior's energy).
 
         Every rank must call it; the logging rank gets the list, others None.
         """
-        B = self._check_batch(x, y)
-        st, par = self.stage(B), self.parallel
-        st.begin(x if par.is_first else None, y if par.is_last else None)
+        st, par = self._begin(x, y, None, None)
         par.feedforward(st)
         out = []
         for t in range(self.T + 1):
+            self._set_precision(st, t)
             par.errors(st, exchange=t < self.T)
-            full = par.gather_layer_energies(st.layer_energies(), B)
+            full = par.gather_layer_energies(st.layer_energies(), st.B, st.energy_index)
             if full is not None:
-                out.append(full.tolist())
+                out.append(full.tolist()[0 if st.free_bottom else 1:])
             if t < self.T:
                 par.backproject(st)
                 par.update_values(st, self.x_lr, more=t < self.T - 1)
         return out if par.is_logging else None
+
+    # -- the pieces ------------------------------------------------------------------
+    def _begin(self, x: Tensor | None, y: Tensor | None, batch_size: int | None, global_batch: int | None):
+        B = check_batch(self.net, x, y, batch_size)
+        st = self.stage(B, x is None, y is None)
+        st.begin(x if self.parallel.is_first else None, y if self.parallel.is_last else None)
+        return st, self.parallel
+
+    def _relax(self, st: Stage, t: int, noise, more: bool) -> None:
+        """Inference step t: errors with the fused value step, back-projections, the value step (+ noise)."""
+        par = self.parallel
+        self._set_precision(st, t)
+        par.errors(st, step_lr=self.x_lr)
+        par.backproject(st)
+        par.update_values(st, self.x_lr, more=more)
+        if noise is not None:
+            noise(t)
+
+    def _set_precision(self, st: Stage, t: int) -> None:
+        """pi_l(t) = pi_l * factor(l, t, L) on this slice's layers (the schedule's step t)."""
+        sched = self.precision_schedule
+        if sched is None:
+            return
+        net = self.net
+        base = net.precision or (1.0,) * net.num_layers
+        st.precision.copy_(torch.tensor([base[l - 1] * sched(l, t, net.num_layers) for l in range(net.first, net.stop)],
+                                        dtype=st.precision.dtype))
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
         """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
@@ -163,20 +236,8 @@ class PCTrainer:
             self.scheduler.step()
         st.weights_changed()
 
-    def _check_batch(self, x: Tensor, y: Tensor) -> int:
-        s_in, s_out = self.net.node_shapes[0], self.net.node_shapes[-1]
-        if x.ndim != 1 + len(s_in) or tuple(x.shape[1:]) != s_in:
-            raise ValueError(f"x must have shape [batch, {', '.join(map(str, s_in))}] (the model's input "
-                             f"{'width' if len(s_in) == 1 else 'shape'}), got {list(x.shape)}")
-        if y.ndim != 1 + len(s_out) or tuple(y.shape[1:]) != s_out or y.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"y must have shape [{x.shape[0]}, {', '.join(map(str, s_out))}] (batch, the model's output width; "
-                f"one-hot labels), got {list(y.shape)}"
-            )
-        return x.shape[0]
-
     def value_nodes(self) -> list[Tensor]:
-        """Copies of the value nodes h_0 .. h_L at the end of the last step's inference.
+        """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference.
 
         On a layer slice [a, b): h_{a-1} .. h_{b-1}, where h_{a-1} (for a > 1) is the
         copy last received from the upstream rank, not a node this rank owns.
@@ -187,17 +248,41 @@ class PCTrainer:
         return [st.node(n).clone() for n in range(self.net.first - 1, self.net.stop)]
 
 
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_ratio: float = 0.0
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up from 0 to the base LR over ``warmup_steps``, then cosine decay to final_ratio x base."""
-    if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps:
-        raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}")
+def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:
+    _check_T(T)
+    if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
+        raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
+    if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
+        raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
+    if init not in INITS:
+        raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+    _check_noise(value_noise)
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def _check_T(T) -> int:
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
+    return T
+
+
+def _check_noise(tau) -> None:
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"value noise (the temperature tau) must be a finite number >= 0, got {tau!r}")
+
+
+def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: int | None = None) -> int:
+    """The batch size of a step clamping h_0 to ``x`` and h_L to ``y`` (``batch_size`` where both are None);
+    a ValueError naming the expected shape otherwise."""
+    s_in, s_out = net.node_shapes[0], net.node_shapes[-1]
+    B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
+    if B is None:
+        raise ValueError("with both ends free (x=None, y=None) give batch_size=")
+    for name, t, shape, node, side in (("x", x, s_in, "h_0", "input"), ("y", y, s_out, "h_L", "output")):
+        if t is not None and (t.ndim != 1 + len(shape) or tuple(t.shape[1:]) != shape or t.shape[0] != B):
+            what = "width" if len(shape) == 1 else "shape"
+            raise ValueError(f"{name} must have shape [{'batch' if name == 'x' else B}, "
+                             f"{', '.join(map(str, shape))}] ({node}: the model's {side} {what}), got "
+                             f"{list(t.shape)}")
+    return B

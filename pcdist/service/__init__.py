@@ -7,4 +7,10 @@
 * ``checkpoint.py``  atomic checkpoints keyed by global layer
 * ``data.py``, ``loader.py``  datasets (bundled digits, standard files, your arrays) and streamed loading
 * ``metrics.py``     metrics.jsonl, wandb, progress, plots
+* ``userlayers.py``  ``train(cfg, layers=...)``: the user's own modules through the service
+* ``backprop.py``    ``pc.algorithm=bp``: the backprop twin of a run
+* ``modelfile.py``   model.json: the layers and input preparation a run records
+* after training: ``load.py`` (``pcdist.load``), ``evaluate.py`` (evaluate, predict; each PC mode's
+  test in ``EVALUATORS``), ``export.py`` (torch.export), ``compare.py`` (runs and sweeps side by side),
+  ``commands.py`` (``python -m pcdist evaluate | predict | export | compare``)
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ usage: python train.py [group=option ...] [key=value ...]           one process 
        torchrun --nproc_per_node=N train.py [...]                    N processes (launch/local.sh does this)
        WORLD_SIZE=N python train.py --check [...]                    check the overrides for N processes, run nothing
        python train.py --help [...]                                  this text, with the values those overrides give
+       python train.py --multirun optim.lr=1e-3,2e-3                 one run directory per job (runs/multirun/...)
+       python -m pcdist evaluate|predict|export|compare ...          after training (python -m pcdist evaluate -h)
 """
 
 
@@ -51,6 +54,23 @@ def fail(message: str, status: int = 2) -> None:
     else:
         time.sleep(3)  # torchrun stops every worker once one exits: let local rank 0 print first
     sys.exit(status)
+
+
+def preempted_status() -> int:
+    """The exit status of a pre-empted run: 3, or ``$PCDIST_PREEMPTED_STATUS``. launch/slurm.sbatch sets 0,
+    so that torchrun's agent neither restarts the stopped workers nor reports them as failed (with a
+    traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
+    return int(value) if value.isdigit() and int(value) < 256 else 3
+
+
+def _ignore_stop_signals() -> None:
+    """The run is over: ignore further SIGTERM / SIGUSR1 on the way out. Python puts back their default
+    action (death) as the interpreter exits, and a launcher may repeat them until the process is gone
+    (launch/slurm_node.sh does): a pre-empted worker killed so would count as failed, and torchrun would
+    restart the group."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
@@ -72,8 +92,9 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     from .config import composition_error
 
-    try:  # a value of the wrong type for its key: one line, not Hydra's report
-        _compose(conf_dir, args.overrides)
+    try:  # a value of the wrong type for its key: one line, not Hydra's report (each job of a sweep is
+        # checked as Hydra launches it: pcdist.train validates its config)
+        _compose(conf_dir, _fixed(args.overrides) if args.multirun else args.overrides)
     except HydraException as e:
         fail(str(composition_error(e)))
     if not (args.help or check):
@@ -94,6 +115,14 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     except (ConfigError, DataError) as e:
         fail(str(e))
     sys.exit(0)
+
+
+def _fixed(overrides: list[str]) -> list[str]:
+    """The overrides of a --multirun that are not sweeps (``optim.lr=1e-3,2e-3``, ``x=interval(0,1)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()]
 
 
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
@@ -128,7 +157,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _train(cfg) -> None:
+def _train(cfg) -> float | None:
     import pcdist
     from hydra.core.hydra_config import HydraConfig
 
@@ -140,15 +169,19 @@ def _train(cfg) -> None:
     try:
         c = load_config(cfg)
         c.run_dir = HydraConfig.get().runtime.output_dir
-        run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
+        result = run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
-        print(f"pre-empted: {e}", flush=True)
-        sys.exit(3)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
+            print(f"pre-empted: {e}", flush=True)
+        sys.exit(preempted_status())
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
+    finally:
+        _ignore_stop_signals()
+    return result.get("val/accuracy")  # the objective of a sweeper (Optuna: direction maximize)
 
 
 _new_dirs: list[Path] = []
@@ -177,8 +210,11 @@ def _main() -> None:
     import hydra
 
     from ..errors import ConfigError
+    from .commands import COMMANDS, main as command
     from .rundir import launch_run_dir
 
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
+        sys.exit(command(sys.argv[1:]))
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.

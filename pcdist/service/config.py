@@ -27,6 +27,9 @@ from ..engine.activations import ACTIVATIONS
 from ..errors import ConfigError
 from ..engine.energies import ENERGIES
 from ..engine.layers.dense import INITS as DENSE_INITS
+from ..engine.layers.prior import PRIOR_MEANS, Prior
+from ..engine.modes import MODES
+from ..engine.schedules import PRECISION_SCHEDULES
 from ..engine.trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
@@ -39,7 +42,11 @@ ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
 """The data sets read from the standard files in data.root."""
 PYTHON_DATA = "python"
 """data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
+PYTHON_MODEL = "python"
+"""model.name of a run whose layers were passed to ``pcdist.train(cfg, layers=...)``."""
 RESUME = ("auto", "never", "require")
+BP = "bp"
+"""pc.algorithm of the backprop twin (pcdist/service/backprop.py)."""
 
 
 def _conf_dir() -> Path:
@@ -51,7 +58,7 @@ def _conf_dir() -> Path:
 CONF_DIR = _conf_dir()
 
 
-MODELS = ("mlp", "mupc", "cnn", "vgg")
+MODELS = ("mlp", "mupc", "cnn", "vgg", "deconv")
 
 
 @dataclass
@@ -59,23 +66,27 @@ class ModelConfig:
     name: str = "mlp"
     """mlp (Linear + activation layers of widths model.dims), mupc (a μPC residual network of
     model.depth layers of width model.width), cnn (conv layers of model.channels, then dense
-    model.head) or vgg (PCX's VGG-5 / VGG-7, model.variant); mupc, cnn and vgg take their input
-    shape and number of classes from the data."""
+    model.head), vgg (PCX's VGG-5 / VGG-7, model.variant) or deconv (a conv decoder for images at
+    h_L: a dense layer, then upsampling + conv layers of model.channels, for pc.mode=generative or
+    unsupervised); mupc, cnn, vgg and deconv take their input and output shapes from the data."""
     dims: list[int] = field(default_factory=lambda: [64, 128, 128, 10])
     """mlp: widths input, hidden..., output. Must match the data (input features, classes)."""
     width: int = 128
     """mupc: width N of the hidden layers."""
     depth: int = 32
-    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer."""
+    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer.
+    python (layers passed to pcdist.train(cfg, layers=...)): their number, set by pcdist.train."""
     activation: str = "gelu"
     """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
     gelu, hard_tanh, sigmoid, identity, silu, softplus, elu, mish."""
     energy: str = "ce"
-    """Output energy: se (squared error) or ce (cross-entropy)."""
+    """Output energy: se (squared error), ce (cross-entropy), bce (Bernoulli with logits: data in [0, 1]) or
+    zero (no output energy, PCX's zero_energy)."""
     init: str = "default"
     """mlp: weight init, default (nn.Linear's) or orthogonal (orthogonal W, zero bias; for deep plain MLPs)."""
     channels: list[int] = field(default_factory=lambda: [32, 64])
-    """cnn: output channels of each conv layer (one PC layer each: conv, activation, pooling)."""
+    """cnn: output channels of each conv layer (one PC layer each: conv, activation, pooling); deconv: of each
+    upsampling conv layer (each doubles the height and width)."""
     kernel_size: int = 3
     """cnn: kernel size of every conv layer (stride 1, "same" padding for odd sizes)."""
     pool: list[str] = field(default_factory=lambda: ["max", "max"])
@@ -126,9 +137,35 @@ class PCConfig:
     x_momentum: float = 0.0
     """Value-node SGD momentum in [0, 1), reset every batch."""
     algorithm: str = "pc"
-    """pc (one weight step per batch) or ipc (a weight step at every inference step)."""
+    """pc (one weight step per batch), ipc (a weight step at every inference step) or bp (the backprop
+    twin: the same network, data, optimizer, schedule and seed trained by autograd on the output energy
+    of the feed-forward pass; one process)."""
     init: str = "ff"
     """Value-node init: ff (feed-forward pass) or deeppcr (fused groups solved by DeepPCR)."""
+    mode: str = "supervised"
+    """supervised (h_0 = data, h_L = label; test: feed-forward), generative (h_0 = label, h_L = data; test:
+    classification by inference, val/accuracy, and reconstruction) or unsupervised (h_0 = a free latent of
+    pc.latent_dim with its prior, h_L = data; test: reconstruction, val/reconstruction_mse)."""
+    latent_dim: int = 10
+    """unsupervised: width of the free latent h_0."""
+    prior_precision: float = 1.0
+    """pi_0 of a free h_0's prior 0.5 pi_0 ||h_0 - m_0||^2 (>= 0; 0 only where something else fixes the scale:
+    weight decay in unsupervised training)."""
+    prior_mean: str = "auto"
+    """m_0: zero, uniform (1/width, a label node's init), learned (a parameter) or auto (uniform for generative,
+    zero for unsupervised)."""
+    precision: Any = None
+    """Layers' precisions pi_l weighing their errors: null (all 1), a number (every hidden layer) or a list of
+    one number >= 0 per layer."""
+    precision_schedule: str = "none"
+    """none or top_down (layers switched on from the top over the inference steps, pcdist.top_down)."""
+    precision_decay: float = 0.1
+    """top_down: a layer's precision factor per layer below the error front, in [0, 1]."""
+    eval_T: Optional[int] = None
+    """Inference steps of the generative and unsupervised tests (null: pc.T)."""
+    value_noise: float = 0.0
+    """MCPC: the temperature tau of the Langevin noise h += sqrt(2 x_lr tau) xi in every training step's
+    inference (>= 0; 0: none)."""
 
 
 @dataclass
@@ -388,15 +425,24 @@ def load_config(cfg: Any) -> Config:
     return conf
 
 
+def network_options(c: Config) -> dict:
+    """The network's energy beyond its output energy, as PCNetwork takes it: the precisions and the prior
+    of a free h_0 (pc.prior_mean auto: uniform for a label node in generative mode, else zero)."""
+    mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
+    return {"precision": c.pc.precision, "prior": Prior(float(c.pc.prior_precision), mean)}
+
+
 def num_layers(c: Config) -> int:
     """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
     m = c.model
-    if m.name == "mupc":
+    if m.name in ("mupc", PYTHON_MODEL):
         return m.depth
     if m.name == "cnn":
         return len(m.channels) + len(m.head) + 1
     if m.name == "vgg":
         return {"vgg5": 5, "vgg7": 7}[m.variant]
+    if m.name == "deconv":
+        return len(m.channels) + 2
     return len(m.dims) - 1
 
 
@@ -412,7 +458,7 @@ def _finite(x: Any) -> bool:
 def validate(c: Config) -> None:
     """Raise ValueError naming the first key whose value is out of range."""
     m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
-    _check(m.name in MODELS, "model.name", m.name, ", ".join(MODELS))
+    _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
     _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
     _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
     _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
@@ -445,8 +491,35 @@ def validate(c: Config) -> None:
     _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
     _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
     _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
-    _check(pc.algorithm in ALGORITHMS, "pc.algorithm", pc.algorithm, ", ".join(ALGORITHMS))
+    _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
     _check(pc.init in ("ff", "deeppcr"), "pc.init", pc.init, "ff (feed-forward), deeppcr")
+    _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
+    _check(pc.mode == "supervised" or pc.algorithm != BP, "pc.algorithm", pc.algorithm,
+           f"pc or ipc with pc.mode={pc.mode} (the backprop twin trains the supervised feed-forward map)")
+    _check(pc.latent_dim >= 1, "pc.latent_dim", pc.latent_dim, "an integer >= 1")
+    _check(_finite(pc.prior_precision) and pc.prior_precision >= 0, "pc.prior_precision", pc.prior_precision,
+           "a finite number >= 0")
+    _check(pc.prior_mean in PRIOR_MEANS + ("auto",), "pc.prior_mean", pc.prior_mean, ", ".join(PRIOR_MEANS + ("auto",)))
+    _check(pc.precision is None or _finite(pc.precision) and pc.precision >= 0
+           or isinstance(pc.precision, list) and all(_finite(v) and v >= 0 for v in pc.precision),
+           "pc.precision", pc.precision, "null, a number >= 0 or a list of numbers >= 0 (one per layer)")
+    _check(not isinstance(pc.precision, list) or len(pc.precision) == num_layers(c), "pc.precision", pc.precision,
+           f"a number or one number per layer ({num_layers(c)})")
+    _check(pc.precision_schedule in PRECISION_SCHEDULES, "pc.precision_schedule", pc.precision_schedule,
+           ", ".join(PRECISION_SCHEDULES))
+    _check(_finite(pc.precision_decay) and 0 <= pc.precision_decay <= 1, "pc.precision_decay", pc.precision_decay,
+           "a number in [0, 1]")
+    _check(pc.eval_T is None or pc.eval_T >= 1, "pc.eval_T", pc.eval_T, "null or an integer >= 1")
+    _check(_finite(pc.value_noise) and pc.value_noise >= 0, "pc.value_noise", pc.value_noise, "a finite number >= 0")
+    _check(pc.mode == "supervised" or m.name not in ("cnn", "vgg"), "model.name", m.name,
+           f"mlp, mupc or deconv with pc.mode={pc.mode} (cnn and vgg are conv encoders: data in, label out)")
+    _check(pc.mode != "supervised" or m.name != "deconv", "model.name", m.name,
+           "mlp, mupc, cnn or vgg with pc.mode=supervised (deconv is a decoder: use pc.mode=generative or unsupervised)")
+    _check(pc.mode != "unsupervised" or pc.prior_precision > 0 or o.weight_decay > 0, "pc.prior_precision",
+           pc.prior_precision, "> 0 in unsupervised training without optim.weight_decay (nothing else fixes the scale "
+           "of the latent: W grows while h_0 shrinks)")
+    _check(pc.mode == "supervised" or m.energy != "ce", "model.energy", m.energy,
+           f"se, bce or zero with pc.mode={pc.mode}: data sit at h_L (ce is for labels there)")
     _check(o.name in ("adamw", "sgd"), "optim.name", o.name, "adamw, sgd")
     _check(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a finite number > 0")
     _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
@@ -459,7 +532,7 @@ def validate(c: Config) -> None:
     _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
     _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
            f"at most the number of layers ({num_layers(c)}, from "
-           f"{ {'mlp': 'model.dims', 'mupc': 'model.depth', 'cnn': 'model.channels and model.head'}.get(m.name, 'model.variant') })")
+           f"{ {'mlp': 'model.dims', 'mupc': 'model.depth', 'cnn': 'model.channels and model.head', 'deconv': 'model.channels'}.get(m.name, 'model.variant') })")
     _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
     _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
     _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")

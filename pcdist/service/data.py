@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx",
-           "check_files", "FILES", "augment", "normalized"]
+           "check_files", "FILES", "augment", "normalized", "normalization_stats"]
 
 ARRAYS = ("x_train", "y_train", "x_val", "y_val")
 
@@ -358,12 +358,19 @@ def load_arrays(path: str, num_classes: int | None = None) -> Dataset | Streamed
                    torch.from_numpy(a["y_val"].astype(np.int64)), classes)
 
 
-def normalized(ds: Dataset) -> Dataset:
-    """``ds`` with every input channel standardised by the training set's mean and standard deviation
-    (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs)."""
+def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:
+    """The training set's per-channel mean and standard deviation, shaped to broadcast over one sample
+    ([C, 1, 1] for images [N, C, H, W]; [F] for [N, F] inputs)."""
     dims = [0, *range(2, ds.x_train.dim())]
     mean = ds.x_train.mean(dims, keepdim=True)[0]
     std = ds.x_train.std(dims, keepdim=True)[0].clamp_min(1e-8)
+    return mean, std
+
+
+def normalized(ds: Dataset, stats: tuple[Tensor, Tensor] | None = None) -> Dataset:
+    """``ds`` with every input channel standardised by the training set's mean and standard deviation
+    (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs), or by ``stats``."""
+    mean, std = stats if stats is not None else normalization_stats(ds)
     return Dataset((ds.x_train - mean) / std, ds.y_train, (ds.x_val - mean) / std, ds.y_val, ds.num_classes)
 
 

@@ -85,13 +85,18 @@ def _one_line(e: DataError) -> DataError:
 class Streamed:
     """This rank's reader of StreamedData: the batches of steps start..end-1 and the validation chunks,
     as (x on the device, one-hot y) and (x, labels); x flat [b, features], as vector models take it,
-    or with ``flatten=False`` shaped [b, *sample_shape] (conv models)."""
+    or with ``flatten=False`` shaped [b, *sample_shape] (conv models). ``data_at_top``: the data sit at
+    h_L and the labels at h_0 (the generative and unsupervised modes), so the last layer slice reads x
+    and the first the labels; otherwise the first reads x and the last the labels."""
 
     def __init__(self, data: StreamedData, batch_of: Callable[[int], Tensor], par, batch_size: int,
                  num_workers: int, prefetch_factor: int, device: torch.device, dtype: torch.dtype,
-                 flatten: bool = True):
+                 flatten: bool = True, data_at_top: bool = False):
         self.data, self.batch_of, self.par, self.batch_size = data, batch_of, par, batch_size
+        self.num_classes = data.num_classes
         self.device, self.dtype, self.flatten = device, dtype, flatten
+        self.x_here = par.is_last if data_at_top else par.is_first
+        self.labels_here = par.is_first if data_at_top else par.is_last
         self.reads = par.is_first or par.is_last
         self.options = dict(num_workers=num_workers, collate_fn=_batch, pin_memory=device.type == "cuda")
         if num_workers > 0:
@@ -108,7 +113,7 @@ class Streamed:
         """x on the device, flattened unless the model takes it shaped (a placeholder of the right
         shape where this slice takes no inputs)."""
         shape = (self.num_features,) if self.flatten else tuple(self.data.sample_shape)
-        if x is None or not self.par.is_first:
+        if x is None or not self.x_here:
             x = torch.zeros((), dtype=self.dtype, device=self.device).expand(n, *shape)
         else:
             x = x.to(device=self.device, dtype=self.dtype, non_blocking=True)
@@ -116,7 +121,7 @@ class Streamed:
         return x, labels
 
     def _y(self, labels: Tensor | None, n: int) -> Tensor:
-        if labels is None or not self.par.is_last:
+        if labels is None or not self.labels_here:
             return torch.zeros((), dtype=self.dtype, device=self.device).expand(n, self.data.num_classes)
         labels = labels.to(self.device, non_blocking=True)  # checked in the worker: no range check (no sync) here
         return torch.nn.functional.one_hot(labels, self.data.num_classes).to(self.dtype)

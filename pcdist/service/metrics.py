@@ -43,13 +43,16 @@ def check_logger(logger_cfg) -> None:
 
 
 def progress_line(step: int, max_steps: int, energy: float | None = None, accuracy: float | None = None,
-                  samples_per_s: float | None = None) -> str:
-    """``step 110/660  energy 0.1234  accuracy 0.9412  1532 samples/s`` (fields that are known)."""
+                  samples_per_s: float | None = None, reconstruction: float | None = None) -> str:
+    """``step 110/660  energy 0.1234  accuracy 0.9412  1532 samples/s`` (fields that are known; the
+    generative and unsupervised modes add ``reconstruction_mse``)."""
     parts = [f"step {step}/{max_steps}"]
     if energy is not None:
         parts.append(f"energy {energy:.4g}")
     if accuracy is not None:
         parts.append(f"accuracy {accuracy:.4f}")
+    if reconstruction is not None:
+        parts.append(f"reconstruction_mse {reconstruction:.4g}")
     if samples_per_s is not None:
         parts.append(f"{samples_per_s:.0f} samples/s")
     return "  ".join(parts)
@@ -62,13 +65,16 @@ class NullLogger:
         pass
 
     def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
-                 samples_per_s: float | None = None) -> None:
+                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
         pass
 
     def log_trace(self, trace: list[list[float]]) -> None:
         pass
 
     def say(self, line: str) -> None:
+        pass
+
+    def log_images(self, images: dict, step: int) -> None:
         pass
 
     def close(self) -> None:
@@ -121,10 +127,10 @@ class RunLogger(NullLogger):
             self._wandb.log(metrics, step=step)
 
     def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
-                 samples_per_s: float | None = None) -> None:
+                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
         """One line for a logged or evaluated step (accuracy only where evaluated); the bar shows
         the latest accuracy throughout."""
-        line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s)
+        line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s, reconstruction)
         self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
         if self._lines:
             print(line, flush=True)
@@ -146,6 +152,13 @@ class RunLogger(NullLogger):
     def log_trace(self, trace: list[list[float]]) -> None:
         """Per-layer energies at each inference step of one batch (for the plots)."""
         self.trace = trace
+
+    def log_images(self, images: dict, step: int) -> None:
+        """Pictures the run drew into its directory ({name: path}), to wandb as images."""
+        if self._wandb is not None and images:
+            import wandb
+
+            self._wandb.log({f"images/{name}": wandb.Image(str(path)) for name, path in images.items()}, step=step)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -196,19 +209,26 @@ def plot_training(rows: list[dict], what: str = ""):
     plt = _pyplot()
     tr = [(r["step"], r["train/energy"]) for r in rows if "train/energy" in r]
     va = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    key = "val/accuracy" if va or not any("val/reconstruction_mse" in r for r in rows) else "val/reconstruction_mse"
+    va = va or [(r["step"], r[key]) for r in rows if key in r]  # unsupervised: the reconstruction error
+    name = "validation accuracy" if key == "val/accuracy" else "validation reconstruction error (per pixel)"
     fig, acc = plt.subplots(figsize=(7, 4.2))
     if va:
-        acc.plot(*zip(*va), "o-", color="tab:blue", label="validation accuracy")
-    acc.set_ylim(0.0, 1.0)
+        acc.plot(*zip(*va), "o-", color="tab:blue", label=name)
+    if key == "val/accuracy":
+        acc.set_ylim(0.0, 1.0)
     acc.set_xlabel("training step")
-    acc.set_ylabel("validation accuracy", color="tab:blue")
+    acc.set_ylabel(name, color="tab:blue")
     energy = acc.twinx()
     if tr:
         energy.plot(*zip(*tr), color="tab:orange", label="training energy F")
         if all(e > 0 for _, e in tr):
             energy.set_yscale("log")
     energy.set_ylabel("training energy F (batch mean)", color="tab:orange")
-    final = f"; final accuracy {va[-1][1]:.4f} at step {va[-1][0]}" if va else ""
+    final = ""
+    if va:
+        value = f"accuracy {va[-1][1]:.4f}" if key == "val/accuracy" else f"reconstruction error {va[-1][1]:.4g}"
+        final = f"; final {value} at step {va[-1][0]}"
     acc.set_title(f"Training: {what}{final}", fontsize=9)
     fig.tight_layout()
     return fig

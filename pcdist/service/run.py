@@ -22,21 +22,35 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PYTHON_DATA, Config, make_config, num_layers, passed_settings
-from .data import DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalized, one_hot
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers, passed_settings
+from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
+                   normalized, one_hot)
+from .modelfile import Inputs, write_model_file
+from .userlayers import UserLayers
 from ..errors import ConfigError
 from ..engine.layers import mupc_specs
-from ..engine.models import cnn_specs, vgg_specs
+from ..engine.models import cnn_specs, deconv_specs, vgg_specs
+from ..engine.modes import clamps
+from ..engine.schedules import precision_schedule
 from .loader import Streamed
+from .validate import pictures, validate
 from .metrics import check_logger, make_logger
-from ..engine.energies import output_energy
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import Resume, find_resume, next_run_dir, position_schedule, write_attempt
 from ..engine.trainer import PCTrainer, warmup_cosine
 
-__all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads"]
+__all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
+
+
+class Result(dict):
+    """The final metrics of a run (``result["val/accuracy"]``, ``result["run_dir"]``), with the trained
+    network beside them: ``result.network`` (this rank's layer slice in a layer-parallel run; the
+    whole network from ``pcdist.load(result["run_dir"])``)."""
+
+    network = None
 
 
 def _device(c: Config) -> torch.device:
@@ -60,28 +74,48 @@ def _optimizer(c: Config, params, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
 
 
-CONV_MODELS = ("cnn", "vgg")
+IMAGE_MODELS = ("cnn", "vgg", "deconv")
+"""Models whose data nodes stay images [C, H, W]; the others read samples flattened."""
 
 
-def model_specs(c: Config, in_shape: tuple[int, ...], d_out: int) -> list:
-    """The layer kinds of the configured model. mupc, cnn and vgg take their input shape (a sample's,
-    ``in_shape``) and number of classes (``d_out``) from the data."""
+def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of h_0 and h_L in pc.mode: (data, label) supervised, (label, data) generative,
+    (latent, data) unsupervised; data flattened unless the model keeps images."""
+    data = tuple(sample_shape) if c.model.name in IMAGE_MODELS else (math.prod(sample_shape),)
+    bottom = {"supervised": data, "generative": (classes,), "unsupervised": (c.pc.latent_dim,)}[c.pc.mode]
+    return bottom, (data if c.pc.mode != "supervised" else (classes,))
+
+
+def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
+    """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
+    from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
     m = c.model
+    bottom, top = end_shapes(c, sample_shape, classes)
     if m.name == "mupc":
-        return mupc_specs(math.prod(in_shape), m.width, m.depth, d_out, m.activation)
+        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
     if m.name == "cnn":
-        return cnn_specs(in_shape, m.channels, m.kernel_size, m.pool, m.head, d_out, m.activation)
+        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation)
     if m.name == "vgg":
-        return vgg_specs(m.variant, in_shape, d_out, m.activation)
+        return vgg_specs(m.variant, bottom, classes, m.activation)
+    if m.name == "deconv":
+        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
     return mlp_specs(m.dims, m.activation, m.init)
 
 
-def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | StreamedData:
+def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:
+    """The configured network's layer slice ``layers``: its output energy, precisions and the prior of h_0."""
+    return PCNetwork(specs, energy=c.model.energy, layers=layers, seed=c.trainer.seed, dtype=dtype, device=device,
+                     **network_options(c))
+
+
+def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
+               ) -> tuple[Dataset | StreamedData, Inputs]:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
     Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
     take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
     they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
+    Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
     if data is None:
         d = c.data
@@ -92,17 +126,29 @@ def _load_data(c: Config, data: Dataset | StreamedData | None) -> Dataset | Stre
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
     _check_data(c, data)
+    shape = tuple(data.sample_shape)
+    flatten = _flattens(c, shape, user)
+    inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
     if c.data.normalize:
         if not isinstance(data, Dataset):
             raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
                               "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
-        data = normalized(data)
+        inputs.mean, inputs.std = normalization_stats(data)
+        data = normalized(data, (inputs.mean, inputs.std))
     if c.data.augment and len(data.sample_shape) != 3:
         raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
                           f"samples have shape {list(data.sample_shape)}")
-    if c.model.name in CONV_MODELS:
-        return data
-    return data.flat() if isinstance(data, Dataset) else data
+    if not flatten:
+        return data, inputs
+    return (data.flat() if isinstance(data, Dataset) else data), inputs
+
+
+def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
+    """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
+    when the first one starts with an nn.Linear."""
+    if user is not None:
+        return user.flattens(sample_shape)
+    return c.model.name not in IMAGE_MODELS
 
 
 def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
@@ -112,14 +158,24 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
 
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
-    if c.model.name in CONV_MODELS and len(ds.sample_shape) not in (2, 3):
+    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}")
-    if c.model.name == "mlp" and ds.num_features != c.model.dims[0]:
-        raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
-                        f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
-    if c.model.name == "mlp" and ds.num_classes != c.model.dims[-1]:
-        raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    if c.model.name == "mlp" and c.pc.mode == "supervised":
+        if ds.num_features != c.model.dims[0]:
+            raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
+                            f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
+        if ds.num_classes != c.model.dims[-1]:
+            raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
+        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
+        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
+        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
+                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
+                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
+            if got != want:
+                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
+                                f"{list(c.model.dims)}")
     if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
         for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
             if not torch.isfinite(x).all():
@@ -145,8 +201,9 @@ def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
-    """Train as configured; returns the final metrics (complete on the logging rank).
+def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> Result:
+    """Train as configured; returns the final metrics (complete on the logging rank) and, as
+    ``result.network``, the trained network (this rank's layer slice under torchrun).
 
     ``cfg``: a dict applied on top of conf/'s defaults, as overrides on the command line are
     (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a list
@@ -154,15 +211,26 @@ def train(cfg=None, data: Dataset | StreamedData | None = None) -> dict:
     already (``pcdist.compose([...])``), or None (the defaults). ``data``: your own data instead
     of ``data.name``: a ``pcdist.data.Dataset`` (tensors in memory) or
     ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader worker processes).
+    ``layers``: your own model instead of ``model``: one torch module per PC layer (or an
+    nn.Sequential, or a function returning either; an importable function is recorded in the run
+    so that ``pcdist.load`` rebuilds the exact modules). Their weights are the initial weights.
     ``run_dir`` unset: a new directory (pcdist/service/rundir.py). A ``run_dir`` that holds a
     checkpoint is resumed with the run's own settings, changed only where ``cfg`` sets a key.
     """
-    return run(make_config(cfg), passed_settings(cfg), data)
+    return run(make_config(cfg), passed_settings(cfg), data, layers)
 
 
-def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData | None = None) -> dict:
+def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData | None = None,
+        layers=None) -> Result:
     """``train`` of a validated Config; ``passed``: the keys the user set now, each with its override
     (``passed_settings``; None: every key), which a resume applies to the run's saved settings."""
+    user = None
+    if layers is not None:
+        user = UserLayers.of(layers)
+        c.model.name, c.model.depth = PYTHON_MODEL, len(user.modules)
+    elif c.model.name == PYTHON_MODEL:
+        raise ConfigError(f"config model.name={PYTHON_MODEL!r} stands for layers passed to pcdist.train(cfg, "
+                          f"layers=...), and none were passed")
     if data is not None:
         c.data.name = PYTHON_DATA
         if passed is not None:
@@ -185,7 +253,8 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)
     try:
-        return _run(c, device, distributed, data, resume=resume, mesh=mesh + threads if distributed else None)
+        return _run(c, device, distributed, data, user=user, resume=resume,
+                    mesh=mesh + threads if distributed else None)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -195,6 +264,9 @@ def check(c: Config, world: int) -> str:
     """Everything about the user's input that can fail before any process group exists: the mesh
     for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
     mesh = choose_mesh(c, world)
+    if c.pc.algorithm == "bp" and world > 1:
+        raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
+                          "run it without torchrun")
     if c.parallel.backend == "nccl" and _device(c).type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
     check_logger(c.logger)
@@ -244,14 +316,18 @@ def cpu_threads(configured: int, env) -> tuple[int, str]:
     return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
 
 
-def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, resume: Resume | None = None,
-         mesh: str | None = None) -> dict:
+def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, user: UserLayers | None = None,
+         resume: Resume | None = None, mesh: str | None = None) -> Result:
     """Everything after the process group: data, mesh, model, resume (``find_resume``'s), the
     training ``loop`` (``_loop``; benchmarks/service.py passes one that times it beside the bare
     engine step); ``mesh``: the line that says how the mesh was chosen (the logging rank says it)."""
     dtype = getattr(torch, c.trainer.dtype)
-    ds = _load_data(c, data)
-    specs = model_specs(c, tuple(ds.sample_shape), ds.num_classes)
+    ds, inputs = _load_data(c, data, user)
+    image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
+    if user is not None:
+        specs = user.specs(inputs.node_shape())
+    else:
+        specs = model_specs(c, image_shape, ds.num_classes)
     if distributed:
         par = Parallel.from_mesh(ParallelDims(c.parallel.data, c.parallel.layer), specs, device=device,
                                  micro_batches=c.parallel.micro_batches, timeout_s=c.parallel.timeout_s)
@@ -262,16 +338,30 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     run_dir = Path(c.run_dir)
     resume = resume or find_resume(c, run_dir, None)
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
+    if user is not None:
+        net = user.network(c.model.energy, par.layers, inputs.node_shape(), dtype, device, **network_options(c))
+    else:
+        net = make_network(c, specs, par.layers, dtype, device)
+    is_rank0 = not distributed or dist.get_rank() == 0
+    if is_rank0:
+        _record_model(c, run_dir, specs, net, inputs, user)
     if resume.checkpoint is not None and start >= end:
         if par.is_logging:
             print(_nothing_to_train(c, run_dir, start), flush=True)
-        return {"step": start, "run_dir": str(run_dir), "finished": True}
-    net = PCNetwork(specs, energy=c.model.energy, layers=par.layers, seed=c.trainer.seed, dtype=dtype, device=device)
+        done = Result(step=start, run_dir=str(run_dir), finished=True)
+        load_checkpoint(resume.checkpoint, net, None)
+        done.network = net
+        return done
     opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
-    trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                        scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init)
-    is_rank0 = not distributed or dist.get_rank() == 0
+    if c.pc.algorithm == "bp":
+        trainer = BackpropTrainer(net, opt, scheduler=sched, skip_above=skip)
+    else:
+        trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
+                            scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
+                            precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
+                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
+        trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
     if resume.checkpoint is not None:
         meta = load_checkpoint(resume.checkpoint, net, opt)
         if resume.schedule_changed:  # this run's schedule, at the resumed step
@@ -290,22 +380,35 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
-                          c.data.prefetch_factor, device, dtype, flatten=c.model.name not in CONV_MODELS)
+                          c.data.prefetch_factor, device, dtype, flatten=inputs.flatten,
+                          data_at_top=c.pc.mode != "supervised")
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
-                                 is_rank0)
+                                 is_rank0, image_shape=image_shape)
         x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
                                                                    dtype)
-        trace = trainer.trace(x, y)  # collective: every rank takes part
+        trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
-        result["run_dir"] = str(run_dir)
-        result["finished"] = result["step"] >= c.trainer.max_steps
+        result = Result(result, run_dir=str(run_dir), finished=result["step"] >= c.trainer.max_steps)
+        result.network = net
         if par.is_logging:
             logger.say(_end_line(c, result))
         return result
     finally:
         logger.close()
+
+
+def _record_model(c: Config, run_dir: Path, specs, net: PCNetwork, inputs: Inputs, user: UserLayers | None) -> None:
+    """run_dir/model.json: the layers, their nesting and the input preparation, so that ``pcdist.load``
+    rebuilds the network and its inputs without the data (pcdist/service/modelfile.py)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    structure = user.structure() if user is not None else {}
+    write_model_file(run_dir, specs, c.model.energy, structure, inputs, user.factory if user is not None else None)
+    if user is not None and user.unbuildable(specs):
+        print(f"model.json: layers {user.unbuildable(specs)} are modules that only code can rebuild and no importable "
+              f"function made them; pcdist.load({str(run_dir)!r}, layers=...) needs them (or pass "
+              f"pcdist.train(cfg, layers=<an importable function>))", flush=True)
 
 
 def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
@@ -338,8 +441,10 @@ def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger) -> None
 
 
 def _end_line(c: Config, result: dict) -> str:
-    """The run's last line: where it ended, the accuracy, the directory; after trainer.stop_at, how to go on."""
-    acc = f"val/accuracy {result['val/accuracy']:.4f}; " if "val/accuracy" in result else ""
+    """The run's last line: where it ended, the validation metrics, the directory; after trainer.stop_at, how
+    to go on."""
+    acc = "".join(f"{k} {result[k]:.4f}; " if k == "val/accuracy" else f"{k} {result[k]:.4g}; "
+                  for k in ("val/accuracy", "val/reconstruction_mse") if k in result)
     if result["finished"]:
         return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
@@ -379,27 +484,6 @@ def _val_chunks(ds, par: Parallel, device, dtype):
     rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
     for chunk in torch.split(rows, 1024):
         yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.y_val[chunk]
-
-
-def _scores(c: Config, net: PCNetwork, par: Parallel, chunks, device) -> dict | None:
-    """Accuracy (one feed-forward pass, argmax) and energy of (x, labels) chunks, summed over the
-    data axis on the logging rank (None elsewhere). The energy is that of the feed-forward init
-    with the output clamped to the labels: the hidden errors are zero there, so it is the output
-    energy (the se or ce loss of the prediction), a batch mean."""
-    correct = total = energy = 0.0
-    with torch.no_grad():
-        for x, labels in chunks:
-            logits = par.predict(net, x)
-            if logits is not None:
-                labels = labels.to(logits.device)
-                y = one_hot(labels, logits.shape[1], logits.dtype)
-                correct += int((logits.argmax(1) == labels).sum())
-                total += len(labels)
-                energy += float(output_energy(c.model.energy, logits, y, y - logits))
-    summed = par.sum_to_logging([correct, total, energy], device)  # NCCL reduces device tensors only
-    if summed is None:
-        return None
-    return {"accuracy": summed[0] / max(1.0, summed[1]), "energy": summed[2] / max(1.0, summed[1])}
 
 
 class Preempted(RuntimeError):
@@ -453,10 +537,11 @@ class _StopVote:
 
 
 def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
-          until: int | None = None) -> dict:
+          until: int | None = None, image_shape: tuple[int, ...] = ()) -> dict:
     """Train from step ``start`` to the end of the run, taking each step's batch from ``batches``;
     ``until``: stop after that step instead, without the end-of-run evaluation and checkpoint (for
-    benchmarks)."""
+    benchmarks). ``image_shape``: the data's sample shape, for the pictures of the generative and
+    unsupervised modes."""
     t_cfg = c.trainer
     result: dict = {"step": start}
     clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
@@ -470,22 +555,28 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
-        stats = trainer.step(x, y, log=log)
-        metrics = acc = None
-        train_scores = _scores(c, net, par, [(x, y.argmax(1))], device) if log else None  # collective
+        stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
+        metrics = acc = val = None
+        if log and c.pc.mode == "supervised":  # the batch's accuracy after its update (collective)
+            batch = validate(c, [(x, None if y is None else y.argmax(1).cpu())], trainer, device)
+            if stats and batch is not None:
+                stats["accuracy"] = batch["val/accuracy"]
         if log and stats:
             stats["skipped_updates"] = trainer.skipped_updates
-            stats["accuracy"] = train_scores["accuracy"]
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
             result.update(metrics)
         if done % t_cfg.eval_every == 0 or done == end:
-            val = _scores(c, net, par, _val_chunks(ds, par, device, dtype), device)
+            val = validate(c, _val_chunks(ds, par, device, dtype), trainer, device)
+            images = pictures(c, next(_val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
+                              ds.num_classes, run_dir)
             if val is not None:
-                acc = val["accuracy"]
-                logger.log({"val/accuracy": acc, "val/energy": val["energy"]}, done)
-                result.update({"val/accuracy": acc, "val/energy": val["energy"]})
-        if metrics is not None or acc is not None:
-            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"])
+                logger.log(val, done)
+                logger.log_images(images, done)
+                result.update(val)
+                acc = val.get("val/accuracy")
+        if metrics is not None or val is not None:
+            logger.progress(done, metrics and metrics["train/energy"], acc, metrics and metrics["perf/samples_per_s"],
+                            val and val.get("val/reconstruction_mse"))
         if ckpt:
             meta = {"step": done, "model": net.signature(),
                     "scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
@@ -514,11 +605,13 @@ def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict
             "Lower optim.lr or pc.x_lr")
     now = time.perf_counter()
     elapsed, steps = now - clock["t"], max(1, done - clock["step"])
-    metrics = {"train/energy": energy, "train/accuracy": stats["accuracy"], "train/lr": opt.param_groups[0]["lr"],
+    metrics = {"train/energy": energy, **({"train/accuracy": stats["accuracy"]} if "accuracy" in stats else {}),
+               "train/lr": opt.param_groups[0]["lr"],
                "train/skipped_updates": stats["skipped_updates"],
                "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
                "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
                **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
+               **({"train/prior_energy": stats["prior_energy"]} if "prior_energy" in stats else {}),
                **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
     logger.log(metrics, done)
     clock.update(t=now, step=done, comm=par.comm_seconds)

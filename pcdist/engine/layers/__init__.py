@@ -7,7 +7,8 @@
 * ``conv`` (``Conv``): Conv1d / Conv2d + activation + optional max / average pooling on
   [C, (H,) W] nodes (pcdist/engine/layers/conv.py);
 * ``module`` (``ModuleKind``): any other nn.Module, K identical modules vmapped, VJPs by
-  autograd, traced once into aten graphs (pcdist/engine/layers/module.py, graph.py).
+  autograd, traced once into aten graphs (pcdist/engine/layers/module.py, graph.py);
+* ``prior.py``: the prior of a free bottom node h_0, bound as a "layer 0" group.
 
 ``base.py`` defines the interface a kind implements; ``group_layers`` stacks runs of
 equal layers into groups; ``kind_from_module`` picks the fastest kind for a torch module.
@@ -20,7 +21,7 @@ from typing import Sequence
 from torch import Tensor, nn
 
 from ..activations import Activation, activation_from_module
-from .base import BoundGroup, LayerGroup, LayerKind, seeded_generator
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, seeded_generator
 from .conv import Conv, ConvGroup
 from .dense import Dense, DenseGroup
 from .module import AnyModule, ModuleGroup, ModuleKind
@@ -28,7 +29,7 @@ from .residual import Residual, ResidualGroup, ResidualLinear, mupc_layers, mupc
 
 LayerSpec = Dense  # the name of the dense kind before there were other kinds
 
-__all__ = ["AnyModule", "LayerKind", "LayerGroup", "BoundGroup", "Conv", "ModuleGroup", "ModuleKind", "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual",
+__all__ = ["AnyModule", "Binding", "LayerKind", "LayerGroup", "BoundGroup", "Conv", "ModuleGroup", "ModuleKind", "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual",
            "ResidualGroup",
            "ResidualLinear", "group_layers", "kind_from_module", "mupc_layers", "mupc_specs", "seeded_generator"]
 

@@ -15,16 +15,18 @@ through three objects:
   parameter init, public per-layer layout (checkpoints, ``to_layers``) and the plain
   feed-forward chain used for evaluation.
 * ``BoundGroup`` is a group bound to a Stage's preallocated value nodes for one batch
-  size: the phases of the PC schedule as a few batched kernels.
+  size (and one ``Binding``: which end nodes are free, the precisions, the output energy):
+  the phases of the PC schedule as a few batched kernels.
 
 The phases (per group, all K layers at once):
 
     predict       u = layer(h_in)                                   (stale only after h or W moved)
-    errors        e = h_out - u and the layer's error signal; optionally the value step's
-                  own-error term h_out -= lr * e (pc without momentum, see Stage.errors)
+    errors        e = pi (h_out - u) and the layer's error signal (pi: the layer's precision, 1
+                  unless given); optionally the value step's own-error term h_out -= lr * e
+                  (pc without momentum, see Stage.errors)
     backproject   target <- beta * target + alpha * P,   P = -dE_l/dh_{l-1} per sample
     weight_grads  dF/dtheta into .grad (F the batch mean of E; ``scale`` = -1/B)
-    energies      batch-sum energy of each layer (hidden: 1/2 ||e||^2; output: the energy)
+    energies      batch-sum energy of each layer (hidden: 1/2 pi ||h_out - u||^2; output: pi E_out)
 
 Everything a phase needs is local to a layer and its two nodes, so the layer-parallel
 schedule (pcdist.parallel) is the same for every kind.
@@ -38,9 +40,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..energies import output_energy
+from ..energies import OutputEnergy
 
-__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "TransposedWeight", "accumulate", "seeded_generator"]
+__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "seeded_generator"]
 
 
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
@@ -117,29 +119,52 @@ class LayerGroup(nn.Module):
         """Feed-forward through the K layers in order (a chain: sequential by nature)."""
         raise NotImplementedError
 
-    def bind(self, h_in: Tensor, h_out: Tensor, e_out: Tensor, batch_size: int, static_weights: bool,
-             energy: str | None, init: str) -> "BoundGroup":
+    def bind(self, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: "Binding") -> "BoundGroup":
         """The group's phases over a Stage's views: ``h_in`` [K, B, *I] and ``h_out`` / ``e_out``
-        [K, B, *O] (for the output layer h_out holds the clamped target). ``static_weights``: the
-        weights stay fixed through a batch's inference (pc), so weight-derived copies may be cached
-        per weight change. ``energy``: the output energy ("se", "ce"), None for hidden layers."""
+        [K, B, *O] (for the output layer h_out holds the top node: the clamped target, or a free
+        node); ``b`` says how (see ``Binding``)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"layers {self.first}..{self.first + self.K - 1}: {self.K} x ({self.kind})"
 
 
+@dataclass(frozen=True)
+class Binding:
+    """How a group is bound to a Stage for one batch size.
+
+    ``static_weights``: the weights stay fixed through a batch's inference (pc), so weight-derived
+    copies may be cached per weight change. ``init``: the value-node init ("ff", "deeppcr").
+    ``free_input``: the group's input node is free (a hidden node, or a free h_0), so its
+    back-projection is needed and its prediction moves with every value step; False only for
+    layer 1 under a clamped h_0. ``energy``: the output group's energy (None for hidden groups);
+    ``free_output``: the output group's top node h_L is free (the feed-forward sets it; it then
+    follows its energy's gradient). ``prec``: the K layers' precisions [K] (a view of the Stage's,
+    which a schedule may change between steps), None when every precision is 1.
+    """
+
+    batch_size: int
+    static_weights: bool = False
+    init: str = "ff"
+    free_input: bool = True
+    energy: OutputEnergy | None = None
+    free_output: bool = False
+    prec: Tensor | None = None
+
+
 class BoundGroup:
     """A LayerGroup's phases over preallocated buffers (see the module docstring).
 
     Attributes the Stage reads: ``g`` (the LayerGroup), ``K``, ``first``, ``h_in``, ``h_out``,
-    ``e_out``, ``is_output`` and ``cached`` (u is current for the present inputs and weights).
+    ``e_out``, ``is_output``, ``free_input`` and ``cached`` (u is current for the present inputs and
+    weights); an output group also keeps ``u``, ``d`` (its signal) and ``energy``.
     """
 
-    def __init__(self, g: LayerGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, energy: str | None):
+    def __init__(self, g: LayerGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: Binding):
         self.g, self.K, self.first = g, g.K, g.first
         self.h_in, self.h_out, self.e_out = h_in, h_out, e_out
-        self.energy, self.is_output = energy, energy is not None
+        self.energy, self.is_output = b.energy, b.energy is not None
+        self.free_input, self.free_output, self.prec = b.free_input, b.free_output, b.prec
         self.cached = False
 
     def feedforward(self, rows: slice | None, init: str) -> None:
@@ -168,13 +193,21 @@ class BoundGroup:
         raise NotImplementedError
 
     def energies(self) -> Tensor:
-        """Batch-sum energy of each of the K layers [K], from the last ``errors``; the output
-        group's from its prediction ``u``, target ``h_out`` and signal ``d`` (a kind that can be the
-        output layer keeps those three)."""
+        """Batch-sum energy of each of the K layers [K], from the last ``errors``: 1/2 pi ||h - u||^2 =
+        1/2 ||e||^2 / pi (0 where pi is 0); the output group's from its prediction ``u``, top node
+        ``h_out`` and signal ``d`` (a kind that can be the output layer keeps those three)."""
         if self.is_output:
-            flat = lambda t: t[0].flatten(1)  # noqa: E731
-            return output_energy(self.energy, flat(self.u), flat(self.h_out), flat(self.d)).reshape(1)
-        return 0.5 * torch.linalg.vector_norm(self.e_out.flatten(1), dim=1).square()
+            return self.energy.value(self.u[0], self.h_out[0], self.d[0]).reshape(1)
+        sq = 0.5 * torch.linalg.vector_norm(self.e_out.flatten(1), dim=1).square()
+        if self.prec is None:
+            return sq
+        return torch.where(self.prec > 0, sq / self.prec.clamp_min(torch.finfo(sq.dtype).tiny), 0.0)
+
+    def weigh(self, e: Tensor) -> Tensor:
+        """e *= pi per layer, in place (nothing without precisions): the torch-ops error pass's weighting."""
+        if self.prec is None:
+            return e
+        return e.mul_(self.prec.view(-1, *[1] * (e.dim() - 1)))
 
     def weights_changed(self) -> None:
         """The weights moved (optimizer step) or a new batch began."""

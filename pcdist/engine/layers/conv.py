@@ -4,7 +4,7 @@ Shape letters: K layers in a group, B batch, C channels, H, W spatial sizes (a 1
 run as 2-D with H = 1, so every op below is the 2-D one).
 
     predict    a = conv(h_in, W) + b;  z = f(a);  u = pool(z)    (u = z without pooling)
-    error      e = h_out - u;  d = pool'(e) * f'(a)                (d = -dE/da; max pooling
+    error      e = pi (h_out - u);  d = pool'(e) * f'(a)                (d = -dE/da; max pooling
                routes e to the saved argmax positions, average pooling spreads it)
     backproj   target <- beta * target + alpha * conv_input_grad(d, W)    (P = -dE/dh_in)
     weights    dF/dW = -(1/B) conv_weight_grad(h_in, d);  dF/db = -(1/B) sum d
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..activations import Activation
-from .base import BoundGroup, LayerGroup, LayerKind, accumulate
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, accumulate
 
 __all__ = ["Conv", "ConvGroup", "POOLS"]
 
@@ -187,15 +187,16 @@ class ConvGroup(LayerGroup):
             h = pool(h, s.pool_kernel, s.pool_stride, s.pool_padding)
         return h
 
-    def bind(self, h_in, h_out, e_out, batch_size, static_weights, energy, init) -> "ConvBound":
-        return ConvBound(self, h_in, h_out, e_out, batch_size)
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "ConvBound":
+        return ConvBound(self, h_in, h_out, e_out, b)
 
 
 class ConvBound(BoundGroup):
     """A ConvGroup's phases over a Stage's buffers, everything in 2-D form."""
 
-    def __init__(self, g: ConvGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, B: int):
-        super().__init__(g, h_in, h_out, e_out, None)
+    def __init__(self, g: ConvGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: Binding):
+        super().__init__(g, h_in, h_out, e_out, b)
+        B = b.batch_size
         s: Conv = g.kind
         K, self.one_d = self.K, len(s.spatial) == 1
         to2 = (lambda t: t.unsqueeze(-2)) if self.one_d else (lambda t: t)
@@ -255,7 +256,7 @@ class ConvBound(BoundGroup):
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         if not self.cached:
             self.predict()
-        torch.sub(self.h2, self.u, out=self.e2)
+        self.weigh(torch.sub(self.h2, self.u, out=self.e2))
         if with_signal:
             f = self._flat
             dz = self.e2

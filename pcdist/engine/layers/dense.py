@@ -6,15 +6,15 @@ K equal layers store w_KIO [K, I, O] (W_l^T stacked, so the prediction of all K 
 ``baddbmm(b, h_KBI, w_KIO)``) and b_KO [K, O]. Per inference step a hidden group is
 
     predict    a = baddbmm(b, h_in, w_KIO);  u = f(a)
-    error      e = h_out - u;  d = e * f'(a)          (d = -dE/da; output: y - u or y - softmax(u))
+    error      e = pi (h_out - u);  d = e * f'(a)     (d = -dE/da; output: the energy's signal)
     backproj   target <- beta * target + alpha * d @ w_KOI        (one GEMM, P = W^T d)
     weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
 
 On CPUs the elementwise work between the GEMMs is one pass per group (pcdist.native):
-a = bmm(h_in, w) and then b, f, e, f' and (pc without momentum) the value step's own-error
-term h_out -= x_lr * e in a single kernel (u is never stored). The output layer (no
-activation) with the squared-error energy computes d = y - b - h W as one GEMM on the
-precomputed y - b.
+a = bmm(h_in, w) and then b, f, e (with the layers' precisions pi), f' and (pc without
+momentum) the value step's own-error term h_out -= x_lr * e in a single kernel (u is never
+stored). The output layer (no activation) with the squared-error energy and a clamped target
+computes d = y - b - h W as one GEMM on the precomputed y - b.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from torch import Tensor, nn
 
 from .. import native
 from ..activations import Activation
-from ..energies import output_signal
-from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
 
@@ -163,8 +162,8 @@ class DenseGroup(LayerGroup):
                 h_BI = act(h_BI)
         return h_BI
 
-    def bind(self, h_in, h_out, e_out, batch_size, static_weights, energy, init) -> "DenseBound":
-        return DenseBound(self, h_in, h_out, e_out, batch_size, static_weights, energy)
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "DenseBound":
+        return DenseBound(self, h_in, h_out, e_out, b)
 
 
 class DenseBound(BoundGroup):
@@ -174,14 +173,14 @@ class DenseBound(BoundGroup):
     trainer rebuilds its Stage if a parameter's storage is replaced.
     """
 
-    def __init__(self, g: DenseGroup, h_in, h_out, e_out, B: int, static_weights: bool, energy: str | None):
+    def __init__(self, g: DenseGroup, h_in, h_out, e_out, b: Binding):
         if g.kind.input_shape is not None:  # an image node, read flattened (a free view of the block)
             h_in = h_in.flatten(2)
-        super().__init__(g, h_in, h_out, e_out, energy)
-        K = self.K
+        super().__init__(g, h_in, h_out, e_out, b)
+        K, B = self.K, b.batch_size
         self.act = g.kind.activation
         self.w_KIO = g.weight
-        self.w_t = TransposedWeight(g.weight, copy=static_weights)
+        self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
         self.b_K1O = g.b_KO.unsqueeze(1)
         kw = dict(dtype=g.weight.dtype, device=g.weight.device)
         self.a = torch.empty(K, B, g.kind.out_features, **kw)
@@ -189,11 +188,13 @@ class DenseBound(BoundGroup):
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
         self.d = torch.empty_like(self.a)
         self.layers = [(g.b_KO[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
-        # Squared-error output: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
-        self._y_minus_b = torch.empty_like(self.a) if energy == "se" else None
+        # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
+        se = self.is_output and self.energy.name == "se" and not self.free_output
+        self._y_minus_b = torch.empty_like(self.a) if se else None
         # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
         # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
-        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u) \
+        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u,
+                                    prec=self.prec) \
             if not self.is_output and native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
 
     # -- feed-forward init ----------------------------------------------------------
@@ -208,7 +209,7 @@ class DenseBound(BoundGroup):
                 a, u = a[rows], u[rows]
             torch.addmm(b, h, w, out=a)
             h = a if act is None else act.forward(a, out=u)
-        if not self.is_output:
+        if not self.is_output or self.free_output:
             if rows is None:
                 self.h_out.copy_(self.u)
             else:
@@ -243,19 +244,20 @@ class DenseBound(BoundGroup):
         """e = h_out - u and d = e * f'(a) (if ``with_signal``), predicting first if stale; with
         ``step_lr`` also h_out -= step_lr * e (``hold_last``: on all nodes but the last), and e
         is then left unwritten where the kernel takes that step (only the held node's e is read,
-        as the boundary message). The output layer writes its energy's signal d = -dE_out/du."""
+        as the boundary message). The output layer writes its energy's signal d = -pi dE_out/du."""
         if self.is_output:
             if self._y_minus_b is not None:
                 torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
+                self.energy.scale_signal(self.d)
             else:
                 if not self.cached:
                     self.predict()
-                output_signal(self.energy, self.u[0], self.h_out[0], self.d[0])
+                self.energy.signal(self.u[0], self.h_out[0], self.d[0])
             return
         stepped = self.K - 1 if hold_last else self.K
         if self.kernel is not None:
-            # The kernel does not store u: only layer 1 (clamped input) reuses it, for the whole batch.
-            fresh = not self.cached and self.first > 1
+            # The kernel does not store u: only layer 1 under a clamped input reuses it, for the whole batch.
+            fresh = not self.cached and self.free_input
             if fresh:
                 self.predict(activate=False)
             elif not self.cached:
@@ -264,7 +266,7 @@ class DenseBound(BoundGroup):
             return
         if not self.cached:
             self.predict()
-        torch.sub(self.h_out, self.u, out=self.e_out)
+        self.weigh(torch.sub(self.h_out, self.u, out=self.e_out))
         if with_signal:
             self.act.grad(self.e_out, self.a, self.u, out=self.d)
         if step_lr is not None:

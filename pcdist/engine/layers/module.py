@@ -31,8 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from ..energies import output_signal
-from .base import BoundGroup, LayerGroup, LayerKind, accumulate
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, accumulate
 from .graph import Call, trace
 
 __all__ = ["ModuleKind", "ModuleGroup", "AnyModule", "check_module"]
@@ -196,16 +195,17 @@ class ModuleGroup(LayerGroup):
             h = self.call(k, h)
         return h
 
-    def bind(self, h_in, h_out, e_out, batch_size, static_weights, energy, init) -> "ModuleBound":
-        return ModuleBound(self, h_in, h_out, e_out, batch_size, energy)
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "ModuleBound":
+        return ModuleBound(self, h_in, h_out, e_out, b)
 
 
 class ModuleBound(BoundGroup):
     """A ModuleGroup's phases: the K stacked modules as one vmapped call (or a loop where vmap cannot
     run them), traced once into aten graphs where that works (pcdist/engine/layers/graph.py)."""
 
-    def __init__(self, g: ModuleGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, B: int, energy: str | None):
-        super().__init__(g, h_in, h_out, e_out, energy)
+    def __init__(self, g: ModuleGroup, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: Binding):
+        super().__init__(g, h_in, h_out, e_out, b)
+        B = b.batch_size
         kw = dict(dtype=h_in.dtype, device=h_in.device)
         self._u = self.u = torch.empty(self.K, B, *g.kind.out_shape, **kw)  # u: this buffer or a call's output
         self.d = torch.empty_like(self.u) if self.is_output else e_out  # -dE/du
@@ -277,14 +277,14 @@ class ModuleBound(BoundGroup):
             with torch.no_grad():
                 for k in range(self.K):
                     self.u[k][rows] = h = g.call(k, h, params, buffers)
-        if not self.is_output:
+        if not self.is_output or self.free_output:
             sel = slice(None) if rows is None else rows
             self.h_out[:, sel].copy_(self.u[:, sel])
         self.cached = True
         self._saved = None
 
     def predict(self) -> None:
-        if self.first == 1:  # a clamped input: no back-projection, so no linearisation
+        if not self.free_input:  # a clamped input: no back-projection, so no linearisation
             self.u = self._by_input.forward(self.g.detached_params(), self.g.buffers_(), self.h_in)[0]
         else:
             self.u = self._linearise()  # the call's own output, not a copy (nothing else views self.u)
@@ -293,13 +293,12 @@ class ModuleBound(BoundGroup):
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         if not self.cached:
             self.predict()
-        elif self._saved is None and self.first > 1:  # u from the feed-forward init: linearise here,
+        elif self._saved is None and self.free_input:  # u from the feed-forward init: linearise here,
             self._linearise()  # before the step moves h
         if self.is_output:
-            flat = lambda t: t[0].flatten(1)  # noqa: E731
-            output_signal(self.energy, flat(self.u), flat(self.h_out), flat(self.d))
+            self.energy.signal(self.u[0], self.h_out[0], self.d[0])
             return
-        torch.sub(self.h_out, self.u, out=self.e_out)
+        self.weigh(torch.sub(self.h_out, self.u, out=self.e_out))
         if step_lr is not None:
             stepped = self.K - 1 if hold_last else self.K
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)

@@ -16,7 +16,7 @@ global N and L when the network is described, so every rank of a layer split use
 Per inference step a group of K equal layers is
 
     predict    s = phi(h_in);  u = skip * h_in + a (s @ w_KIO + b)        (one GEMM)
-    error      e = h_out - u   (output: d = -dE_out/du)
+    error      e = pi (h_out - u)   (output: d = -pi dE_out/du)
     backproj   t = d @ w_KOI;  P = a t * phi'(h_in) + skip * d;  target <- beta target + alpha P
     weights    dF/dw_KIO = -(a/B) s^T @ d;  dF/db = -(a/B) sum_B d
 
@@ -36,8 +36,7 @@ from torch import Tensor, nn
 
 from .. import native
 from ..activations import Activation, get_activation
-from ..energies import output_signal
-from .base import BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
 
@@ -175,32 +174,33 @@ class ResidualGroup(LayerGroup):
             h = u + h if s.skip else u
         return h
 
-    def bind(self, h_in, h_out, e_out, batch_size, static_weights, energy, init) -> "ResidualBound":
-        return ResidualBound(self, h_in, h_out, e_out, batch_size, static_weights, energy)
+    def bind(self, h_in, h_out, e_out, b: Binding) -> "ResidualBound":
+        return ResidualBound(self, h_in, h_out, e_out, b)
 
 
 class ResidualBound(BoundGroup):
     """A ResidualGroup's phases over a Stage's buffers (see the module docstring)."""
 
-    def __init__(self, g: ResidualGroup, h_in, h_out, e_out, B: int, static_weights: bool, energy: str | None):
-        super().__init__(g, h_in, h_out, e_out, energy)
+    def __init__(self, g: ResidualGroup, h_in, h_out, e_out, b: Binding):
+        super().__init__(g, h_in, h_out, e_out, b)
+        B = b.batch_size
         kind: Residual = g.kind
         self.act, self.a, self.skip = kind.activation, float(kind.scale), kind.skip
         self.identity = self.act.name == "identity"
         self.w_KIO = g.weight
-        self.w_t = TransposedWeight(g.weight, copy=static_weights)
+        self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
         self.b_K1O = None if g.bias is None else g.bias.unsqueeze(1)
         kw = dict(dtype=g.weight.dtype, device=g.weight.device)
         K, I, O = self.K, kind.in_features, kind.out_features
         self.s = h_in if self.identity else torch.empty(K, B, I, **kw)  # phi(h_in)
         # phi'(h_in) of gelu-like activations needs h_in itself, which the fused value step moves.
-        back = self.first > 1
+        back = self.free_input
         self.x = torch.empty(K, B, I, **kw) if back and self.act.needs_input else None
         self.u = torch.empty(K, B, O, **kw)
         self.d = torch.empty(K, B, O, **kw) if self.is_output else e_out  # -dE/du
         self.t = torch.empty(K, B, I, **kw) if back else None
         # phi, the error with the value step, and the back-projection's elementwise part, one pass each (CPU).
-        self.kernel = native.ResidualKernel(self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t) \
+        self.kernel = native.ResidualKernel(self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t, self.prec) \
             if native.usable(self.act, self.u) and h_in.is_contiguous() and self.d.is_contiguous() else None
 
     def _predict(self, h: Tensor, s: Tensor, x: Tensor | None, w: Tensor, b: Tensor | None, u: Tensor) -> None:
@@ -236,7 +236,7 @@ class ResidualBound(BoundGroup):
             u = self.u[k][sel]
             self._predict(h, s, x, self.w_KIO[k], b, u)
             h = u
-        if not self.is_output:
+        if not self.is_output or self.free_output:
             self.h_out[:, sel].copy_(self.u[:, sel])
         self.cached = True
 
@@ -272,13 +272,13 @@ class ResidualBound(BoundGroup):
         if not self.cached:
             self.predict()
         if self.is_output:
-            output_signal(self.energy, self.u[0], self.h_out[0], self.d[0])
+            self.energy.signal(self.u[0], self.h_out[0], self.d[0])
             return
         stepped = self.K - 1 if hold_last else self.K
         if self.kernel is not None:
             self.kernel.errors(step_lr, stepped)
             return
-        torch.sub(self.h_out, self.u, out=self.e_out)
+        self.weigh(torch.sub(self.h_out, self.u, out=self.e_out))
         if step_lr is not None:
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 

@@ -1,0 +1,102 @@
+"""The commands after training: ``python -m pcdist evaluate | predict | export | compare ...``.
+
+    python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP]
+    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--checkpoint ...]
+    python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...]
+    python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png]
+
+A problem with the input (not a run directory, no checkpoint, arrays of the wrong shape, a
+checkpoint of another architecture) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS = ("evaluate", "predict", "export", "compare")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pcdist", description="pcdist after training: evaluate, predict, "
+                                 "export, compare (train: python -m pcdist [overrides])")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ev = sub.add_parser("evaluate", help="accuracy, energy, per-class accuracy -> RUN_DIR/eval.json, confusion.png")
+    ev.add_argument("run_dir")
+    ev.add_argument("overrides", nargs="*", help="key=value for evaluation, e.g. pc.T=50 data.root=/data")
+    pr = sub.add_parser("predict", help="logits and labels of raw inputs (an .npz with x) -> --out .npz")
+    pr.add_argument("run_dir")
+    pr.add_argument("inputs")
+    pr.add_argument("--out", required=True)
+    ex = sub.add_parser("export", help="a torch.export program (.pt2) that runs without pcdist")
+    ex.add_argument("run_dir")
+    ex.add_argument("out")
+    for p in (ev, pr, ex):
+        p.add_argument("--checkpoint", default="last", help="last (default), best, or a step number")
+    co = sub.add_parser("compare", help="differing settings and final metrics of runs; their validation curves")
+    co.add_argument("runs", nargs="+", help="run directories, or a sweep directory")
+    co.add_argument("--plot", default=None, help="where to draw the curves (default: compare.png in the sweep "
+                    "directory, else here)")
+    return ap
+
+
+def _run(args) -> None:
+    if args.command == "evaluate":
+        from .evaluate import evaluate
+
+        r = evaluate(args.run_dir, args.overrides, args.checkpoint)
+        head = f"{r['run_dir']} {r['checkpoint']}: {r['split']}"
+        if r["mode"] == "supervised":
+            print(f"{head} accuracy {r['accuracy']:.4f} on {r['samples']} samples, energy {r['energy']:.4g} after "
+                  f"T={r['T']} inference steps (feed-forward {r['loss']:.4g}); wrote eval.json and confusion.png")
+        elif r["mode"] == "generative":
+            print(f"{head} accuracy by inference {r['accuracy']:.4f} on {r['samples']} samples (T={r['T']}), "
+                  f"reconstruction error {r['reconstruction_mse']:.4g}; wrote eval.json and confusion.png")
+        else:
+            print(f"{head} reconstruction error {r['reconstruction_mse']:.4g} per element on {r['samples']} samples "
+                  f"(T={r['T']}); wrote eval.json")
+        if "per_class_accuracy" in r:
+            worst = sorted((a, k) for k, a in enumerate(r["per_class_accuracy"]) if a is not None)[:3]
+            print("lowest per-class accuracy: " + ", ".join(f"class {k} {a:.3f}" for a, k in worst))
+    elif args.command == "predict":
+        from .evaluate import predict
+
+        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint)
+        print(f"{len(r['labels'])} predictions -> {args.out} ({', '.join(r)})")
+    elif args.command == "export":
+        from .export import export
+
+        r = export(args.run_dir, args.out, args.checkpoint)
+        if r["format"] == "torch.export":
+            print(f"wrote {r['path']}: a torch.export program (raw inputs -> logits); load it with "
+                  f"torch.export.load({r['path']!r}).module()")
+        else:
+            print(f"note: {r['note']}")
+    else:
+        from .compare import compare, format_table
+
+        r = compare(args.runs, args.plot)
+        print(format_table(r))
+        print(f"validation curves: {r['plot']}")
+
+
+def main(argv: list[str]) -> int:
+    """Run one command; user errors as one line and status 2."""
+    from ..errors import ConfigError
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .load import RunError
+
+    args = _parser().parse_args(argv)
+    try:
+        _run(args)
+    except (RunError, CheckpointError, ConfigError, DataError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""``python -m pcdist compare RUN_DIRS... | SWEEP_DIR``: the runs' differing settings and final metrics in
+one table, and their validation curves on one plot.
+
+A sweep directory (``--multirun``, Hydra's Optuna sweeper) holds one run directory per job
+(``0/``, ``1/``, ...); it is expanded into them. Settings are the keys of each run's
+``config.yaml``; a key is shown where the runs disagree on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .load import RunError
+from .metrics import _pyplot, _save, read_metrics
+from .config import flat
+
+__all__ = ["compare", "find_runs", "format_table"]
+
+_NOT_SETTINGS = {"run_dir"}
+
+
+def find_runs(paths) -> list[Path]:
+    """Run directories among ``paths``: each a run directory, or a folder of them (a sweep)."""
+    runs: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise RunError(f"{p} is not a directory; give run directories or a sweep directory")
+        if (p / "config.yaml").is_file():
+            runs.append(p)
+            continue
+        inner = sorted((q for q in p.iterdir() if (q / "config.yaml").is_file()),
+                       key=lambda q: (not q.name.isdigit(), int(q.name) if q.name.isdigit() else 0, q.name))
+        if not inner:
+            raise RunError(f"{p} is neither a run directory (no config.yaml) nor a sweep directory (no run "
+                           f"directories in it)")
+        runs.extend(inner)
+    if not runs:
+        raise RunError("no run directories given")
+    return runs
+
+
+def _summary(rows: list[dict]) -> dict:
+    acc = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    energy = [r["train/energy"] for r in rows if "train/energy" in r]
+    step_s = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
+    return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
+            "val/accuracy(best)": max(acc) if acc else None, "train/energy": energy[-1] if energy else None,
+            "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
+
+
+def compare(paths, plot: str | Path | None = None) -> dict:
+    """The runs under ``paths``: {"runs": [...], "settings": [differing keys], "rows": [per run: its
+    settings and final metrics]}; draws the validation curves into ``plot`` (default: compare.png in
+    the sweep directory, or in the current directory for several run directories)."""
+    runs = find_runs(paths)
+    configs = [flat(yaml.safe_load((r / "config.yaml").read_text()) or {}) for r in runs]
+    keys = sorted({k for c in configs for k in c} - _NOT_SETTINGS)
+    differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
+    histories = [read_metrics(r / "metrics.jsonl") if (r / "metrics.jsonl").is_file() else [] for r in runs]
+    rows = [{"run": str(r), **{k: c.get(k) for k in differing}, **_summary(h)}
+            for r, c, h in zip(runs, configs, histories)]
+    if plot is None:
+        single = [Path(p) for p in paths]
+        plot = (single[0] if len(single) == 1 and not (single[0] / "config.yaml").is_file() else Path(".")) / \
+            "compare.png"
+    _plot(runs, histories, rows, differing, Path(plot))
+    return {"runs": [str(r) for r in runs], "settings": differing, "rows": rows, "plot": str(plot)}
+
+
+def _label(row: dict, differing: list[str]) -> str:
+    parts = [f"{k.split('.')[-1]}={row[k]:.3g}" if isinstance(row[k], float) else f"{k.split('.')[-1]}={row[k]}"
+             for k in differing[:4]]
+    return ", ".join(parts) or Path(row["run"]).name
+
+
+def _plot(runs, histories, rows, differing, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r, h, row in zip(runs, histories, rows):
+        va = [(m["step"], m["val/accuracy"]) for m in h if "val/accuracy" in m]
+        if va:
+            ax.plot(*zip(*va), "o-", ms=3, label=f"{Path(r).name}: {_label(row, differing)}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(f"{len(runs)} runs" + (f"; differing: {', '.join(differing[:6])}" if differing else ""), fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, path)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(result: dict) -> str:
+    """The comparison as an aligned text table, one run per line."""
+    cols = ["run", *result["settings"], "step", "val/accuracy", "val/accuracy(best)", "train/energy", "step_s"]
+    cells = [[_cell(row.get(c)) for c in cols] for row in result["rows"]]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, cells)])

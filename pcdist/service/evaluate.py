@@ -1,0 +1,222 @@
+"""Evaluate and predict from a run directory: ``python -m pcdist evaluate RUN_DIR [overrides]`` and
+``python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz``.
+
+Evaluation is chosen by the run's PC mode (``EVALUATORS``, keyed by ``pc.mode``; runs before
+modes existed are ``supervised``), each a function ``(run, cfg, x, labels) -> dict``. The
+supervised test is PC's (DESIGN.md section 1, step 4): one feed-forward pass, argmax of u_L;
+beside it the energy F of the label-clamped network after ``pc.T`` inference steps
+(overridable: ``pc.T=50``), per-class accuracy and the confusion matrix. The generative test is
+classification by inference and the unsupervised one reconstruction (docs/modes.md; their
+inference steps ``pc.eval_T``). Written to ``eval.json`` (and ``confusion.png``) in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..engine.modes import mean_prediction, reconstruct
+from ..engine.trainer import PCTrainer
+from .config import PYTHON_DATA, Config, load_config
+from .data import Dataset, StreamedData, load_dataset, one_hot
+from .load import Run, RunError, load
+
+__all__ = ["evaluate", "predict", "EVALUATORS", "evaluate_supervised", "read_inputs"]
+
+
+def _with_overrides(c: Config, overrides) -> Config:
+    """The run's config with command-line style overrides (``["pc.T=50", "data.root=/data"]``) applied."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.create(asdict(c))
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if not sep:
+            raise RunError(f"override {o!r} is not key=value")
+        if OmegaConf.select(base, key, default="__missing__") == "__missing__":
+            raise RunError(f"unknown config key {key} in override {o!r}")
+        OmegaConf.update(base, key, yaml_value(value), merge=True)
+    return load_config(base)
+
+
+def yaml_value(text: str):
+    """A command-line value as YAML reads it (numbers, null, lists, strings)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's held-out inputs (raw, as loaded) and labels; ``data`` for runs of data passed from Python."""
+    if data is None:
+        if c.data.name == PYTHON_DATA:
+            raise RunError("this run's data was passed to pcdist.train from Python; evaluate it from Python: "
+                           "pcdist.evaluate(run_dir, data=...)")
+        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]
+        d = c.data
+        data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
+                            d.synthetic_val, d.path, d.num_classes)
+    if isinstance(data, StreamedData):
+        items = [data.val[i] for i in range(len(data.val))]
+        x = torch.stack([torch.as_tensor(np.asarray(a)) for a, _ in items])
+        return x, torch.tensor([int(b) for _, b in items])
+    if not isinstance(data, Dataset):
+        raise RunError(f"data= takes a pcdist.data.Dataset or StreamedData, got {type(data).__name__}")
+    return data.x_val, data.y_val
+
+
+@torch.no_grad()
+def evaluate_supervised(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
+    """Feed-forward accuracy (PC's test), per-class accuracy, confusion matrix; the label-clamped energy
+    at the feed-forward init (``loss``, the output energy) and after ``pc.T`` inference steps (``energy``)."""
+    net = run.network
+    C = net.node_shapes[-1][0]
+    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.T, x_lr=c.pc.x_lr,
+                        x_momentum=c.pc.x_momentum, init=c.pc.init)
+    xs = run.preprocess(x)
+    device = next(net.parameters()).device
+    confusion = torch.zeros(C, C, dtype=torch.int64)
+    energy = loss = 0.0
+    for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
+        xb = xb.to(device)
+        pred = net(xb).argmax(1).cpu()
+        confusion += torch.bincount(lb * C + pred, minlength=C * C).reshape(C, C)
+        trace = trainer.trace(xb, one_hot(lb, C, xb.dtype).to(device))
+        loss += math.fsum(trace[0]) * len(lb)
+        energy += math.fsum(trace[-1]) * len(lb)
+    n = int(confusion.sum())
+    per_class = [None if int(confusion[k].sum()) == 0 else float(confusion[k, k] / confusion[k].sum())
+                 for k in range(C)]
+    return {"mode": "supervised", "samples": n, "accuracy": float(confusion.diag().sum()) / max(1, n),
+            "loss": loss / max(1, n), "energy": energy / max(1, n), "T": c.pc.T, "per_class_accuracy": per_class,
+            "confusion": confusion.tolist()}
+
+
+def _mode_trainer(run: Run, c: Config) -> PCTrainer:
+    net = run.network
+    return PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.eval_T or c.pc.T, x_lr=c.pc.x_lr,
+                     x_momentum=c.pc.x_momentum, init=c.pc.init)
+
+
+@torch.no_grad()
+def evaluate_generative(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
+    """Classification by inference (the data clamped at h_L, h_0 free from its prior's mean, ``pc.eval_T`` steps,
+    argmax h_0), per-class accuracy and confusion matrix; the reconstruction error of the inferred h_0 fed
+    forward (pcdist.engine.modes)."""
+    trainer, xs = _mode_trainer(run, c), run.preprocess(x)
+    C = run.network.node_shapes[0][0]
+    confusion, sq = torch.zeros(C, C, dtype=torch.int64), 0.0
+    for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
+        h = trainer.infer(None, xb.to(next(run.network.parameters()).device))
+        confusion += torch.bincount(lb * C + h[0].argmax(1).cpu(), minlength=C * C).reshape(C, C)
+        sq += float((mean_prediction(run.network.energy, run.network(h[0])).cpu() - xb.cpu()).square().sum())
+    n = int(confusion.sum())
+    per_class = [None if int(confusion[k].sum()) == 0 else float(confusion[k, k] / confusion[k].sum())
+                 for k in range(C)]
+    return {"mode": "generative", "samples": n, "accuracy": float(confusion.diag().sum()) / max(1, n),
+            "reconstruction_mse": sq / max(1, xs.numel()), "T": trainer.T, "per_class_accuracy": per_class,
+            "confusion": confusion.tolist()}
+
+
+@torch.no_grad()
+def evaluate_unsupervised(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
+    """Reconstruction: the latent h_0 inferred for the data clamped at h_L in ``pc.eval_T`` steps, fed forward,
+    against the data (error per element of the mean prediction)."""
+    trainer, xs = _mode_trainer(run, c), run.preprocess(x)
+    sq = 0.0
+    for xb in torch.split(xs, 1024):
+        sq += float((reconstruct(trainer, xb.to(next(run.network.parameters()).device)).cpu() - xb.cpu()).square().sum())
+    return {"mode": "unsupervised", "samples": len(xs), "reconstruction_mse": sq / max(1, xs.numel()),
+            "T": trainer.T}
+
+
+EVALUATORS: dict[str, Callable[[Run, Config, torch.Tensor, torch.Tensor], dict]] = {
+    "supervised": evaluate_supervised,
+    "generative": evaluate_generative,
+    "unsupervised": evaluate_unsupervised,
+}
+"""Each PC mode's test, keyed by ``pc.mode`` (a mode without an entry cannot be evaluated yet)."""
+
+
+def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True) -> dict:
+    """Evaluate a run on its held-out split; writes ``eval.json`` and ``confusion.png`` into the run
+    directory (``write``). ``overrides``: ``key=value`` settings for evaluation (``pc.T=50``,
+    ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python."""
+    run = load(run_dir, checkpoint)
+    c = _with_overrides(run.config, overrides)
+    mode = getattr(c.pc, "mode", "supervised")
+    if mode not in EVALUATORS:
+        raise RunError(f"pc.mode={mode}: no evaluation for this mode yet (known: {', '.join(EVALUATORS)})")
+    x, labels = _val_split(c, data)
+    result = {"run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step, "split": "val",
+              **EVALUATORS[mode](run, c, x, labels)}
+    if write:
+        (run.run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+        if "confusion" in result:
+            plot_confusion(result["confusion"], run.run_dir / "confusion.png",
+                           f"{run.run_dir.name} step {run.step}: accuracy {result['accuracy']:.4f}")
+    return result
+
+
+def plot_confusion(confusion: list[list[int]], path: Path, title: str) -> Path:
+    """The confusion matrix (rows: true class, columns: predicted), counts in the cells."""
+    from .metrics import _pyplot, _save
+
+    plt = _pyplot()
+    m = np.asarray(confusion)
+    C = len(m)
+    fig, ax = plt.subplots(figsize=(1.5 + 0.45 * C, 1.2 + 0.45 * C) if C <= 20 else (10, 9))
+    im = ax.imshow(m, cmap="Blues")
+    if C <= 20:
+        for i in range(C):
+            for j in range(C):
+                ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=7,
+                        color="white" if m[i, j] > m.max() / 2 else "black")
+        ax.set_xticks(range(C))
+        ax.set_yticks(range(C))
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    _save(fig, path)
+    return path
+
+
+def read_inputs(path) -> np.ndarray:
+    """The inputs array of an .npz (key ``x``, or its only array) or .npy file, without unpickling."""
+    p = Path(path)
+    if not p.is_file():
+        raise RunError(f"{p} does not exist")
+    try:
+        got = np.load(p, allow_pickle=False)
+    except Exception as e:
+        raise RunError(f"{p} is not a numpy .npz / .npy file ({e})") from e
+    if isinstance(got, np.ndarray):
+        return got
+    keys = list(got.keys())
+    if "x" in keys:
+        return got["x"]
+    if len(keys) == 1:
+        return got[keys[0]]
+    raise RunError(f"{p} holds arrays {keys}; name the inputs x")
+
+
+def predict(run_dir, inputs, out=None, checkpoint="last") -> dict:
+    """Logits, predicted labels (and class probabilities for a cross-entropy run) of raw ``inputs``
+    (an array, a tensor or an .npz / .npy path) with the run's preprocessing; saved to ``out`` (.npz)."""
+    run = load(run_dir, checkpoint)
+    x = read_inputs(inputs) if isinstance(inputs, (str, Path)) else inputs
+    logits = run.predict(x)
+    result = {"logits": logits.numpy(), "labels": logits.argmax(1).numpy()}
+    if run.network.energy == "ce":
+        result["probabilities"] = torch.softmax(logits, 1).numpy()
+    if out is not None:
+        np.savez(out, **result)
+    return result

@@ -1,0 +1,186 @@
+"""``pcdist.load(run_dir)``: a trained network back from its run directory, on one process, without the data.
+
+    run = pcdist.load("runs/2026-01-01/12-00-00-abc123")       # checkpoint="last" | "best" | a step
+    run.network                      # PCNetwork, all layers (whatever parallel.layer / parallel.data wrote it)
+    run.config                       # the resolved Config the checkpoint was written with
+    run.metrics                      # metrics.jsonl rows (training energy, validation accuracy, ...)
+    run.inputs                       # how inputs were prepared: shape, flattening, normalisation statistics
+    run.predict(x)                   # raw inputs -> logits, preprocessed as in training
+
+The layers are rebuilt from the run's model.json (pcdist/service/modelfile.py) or, for runs
+written before it, from the layer signatures every checkpoint stores; checkpoints are keyed by
+global layer, so a checkpoint written by any split loads into one process. A problem (not a run
+directory, no checkpoint, a checkpoint of another architecture) raises ``RunError`` or
+``CheckpointError``, one line naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+
+from ..engine.network import PCNetwork, legacy_signature
+from .checkpoint import CheckpointError, _checkpoints, _verify, latest_checkpoint, load_checkpoint
+from .config import Config, load_config, network_options
+from .data import as_float
+from .metrics import read_metrics
+from .modelfile import Inputs, kind_from_description, kind_from_signature, read_model_file
+from .userlayers import UserLayers, call_factory
+
+__all__ = ["load", "Run", "RunError", "find_checkpoint"]
+
+
+class RunError(ValueError):
+    """A run directory cannot be read back as asked (the message names the problem)."""
+
+
+@dataclass
+class Run:
+    """A run read back: its network, config, metrics history and input preparation."""
+
+    network: PCNetwork
+    config: Config
+    metrics: list[dict]
+    inputs: Inputs
+    run_dir: Path
+    checkpoint: Path
+    step: int
+
+    def preprocess(self, x) -> Tensor:
+        """Raw inputs [N, *sample_shape] (numpy or torch; uint8 scaled to [0, 1] as the data loaders do)
+        as the network's input node: standardised with the run's statistics, flattened where the
+        model reads vectors, in the run's dtype."""
+        t = as_float(x)
+        shape, inp = tuple(self.inputs.sample_shape), self.inputs
+        if t.dim() < 1 or tuple(t.shape[1:]) not in (shape, (int(np.prod(shape)),)):
+            raise RunError(f"inputs have shape {list(t.shape)}, but this run takes [N, {', '.join(map(str, shape))}]"
+                           + (f" (or [N, {int(np.prod(shape))}] flattened)" if len(shape) > 1 else ""))
+        t = t.reshape(len(t), *shape).to(getattr(torch, inp.dtype))
+        if inp.mean is not None:
+            t = (t - inp.mean) / inp.std
+        return t.flatten(1) if inp.flatten else t
+
+    @torch.no_grad()
+    def predict(self, x, batch: int = 4096) -> Tensor:
+        """Logits u_L [N, classes] of raw inputs (one feed-forward pass, as the service evaluates)."""
+        t = self.preprocess(x)
+        device = next(self.network.parameters()).device
+        return torch.cat([self.network(c.to(device)).cpu() for c in torch.split(t, batch)]) if len(t) else \
+            torch.empty(0, self.network.node_shapes[-1][0])
+
+
+def _run_dir(run_dir) -> Path:
+    p = Path(run_dir)
+    if not p.exists():
+        raise RunError(f"{p} does not exist")
+    if not p.is_dir():
+        raise RunError(f"{p} is not a directory; give a run directory (it holds config.yaml and checkpoints/)")
+    if not (p / "checkpoints").is_dir() and not (p / "config.yaml").is_file():
+        raise RunError(f"{p} is not a pcdist run directory (no config.yaml, no checkpoints/)")
+    return p
+
+
+def find_checkpoint(run_dir, checkpoint="last") -> Path:
+    """The checkpoint folder of ``run_dir``: "last" (the newest valid one), "best" (the kept checkpoint
+    with the highest logged val/accuracy) or a step number."""
+    p = _run_dir(run_dir)
+    kept = _checkpoints(p / "checkpoints")
+    if not kept:
+        raise RunError(f"{p} holds no checkpoint (checkpoints/ is empty or missing): the run stopped before its "
+                       f"first checkpoint")
+    steps = ", ".join(str(int(k.name.split("-")[1])) for k in kept)
+    if checkpoint == "last":
+        found = latest_checkpoint(p)
+        if found is None:
+            raise RunError(f"{p}: every checkpoint is damaged (steps {steps})")
+        return found
+    if checkpoint == "best":
+        rows = read_metrics(p / "metrics.jsonl") if (p / "metrics.jsonl").is_file() else []
+        acc = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+        scored = [(acc[int(k.name.split("-")[1])], k) for k in kept if int(k.name.split("-")[1]) in acc]
+        if not scored:
+            raise RunError(f"{p}: no kept checkpoint (steps {steps}) has a logged val/accuracy; use checkpoint='last' "
+                           f"or a step")
+        found = max(scored, key=lambda s: (s[0], s[1].name))[1]
+    else:
+        try:
+            step = int(checkpoint)
+        except (TypeError, ValueError):
+            raise RunError(f"checkpoint={checkpoint!r}: use 'last', 'best' or a step number") from None
+        found = p / "checkpoints" / f"step-{step:08d}"
+        if not found.is_dir():
+            raise RunError(f"{p} has no checkpoint at step {step} (kept: steps {steps})")
+    _verify(found)
+    return found
+
+
+def _config(p: Path, meta: dict) -> Config:
+    saved = meta.get("config")
+    if saved is None and (p / "config.yaml").is_file():
+        saved = yaml.safe_load((p / "config.yaml").read_text())
+    if saved is None:
+        raise RunError(f"{p}: neither its checkpoint nor config.yaml holds the run's config")
+    return load_config(saved)
+
+
+def _specs(p: Path, model: dict | None, signature: list) -> list:
+    if model is not None:
+        if len(model["layers"]) != len(signature):
+            raise CheckpointError(f"{p}: model.json describes {len(model['layers'])} layers but the checkpoint holds "
+                                  f"{len(signature)}: the checkpoint comes from another architecture")
+        return [kind_from_description(d) for d in model["layers"]]
+    return [kind_from_signature(s) for s in signature]
+
+
+def load(run_dir, checkpoint="last", layers=None, device="cpu") -> Run:
+    """The run in ``run_dir`` at ``checkpoint`` ("last", "best" or a step) on one process.
+
+    ``layers``: your modules (or a function returning them), for runs of your own layers that
+    pcdist cannot rebuild by itself (generic module layers with no importable factory recorded);
+    they come back trained, as the same classes. ``device``: where the network goes.
+    """
+    p = _run_dir(run_dir)
+    path = find_checkpoint(p, checkpoint)
+    meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+    signature = legacy_signature(meta.get("model")) or meta.get("model")
+    if not isinstance(signature, list):
+        raise CheckpointError(f"{path}: its meta.pt holds no layer signatures")
+    c = _config(p, meta)
+    model = read_model_file(p)
+    specs = _specs(p, model, signature)
+    energy = model["energy"] if model else c.model.energy
+    dtype = getattr(torch, c.trainer.dtype)
+    if model is not None:
+        inputs = Inputs.from_json(model["inputs"])
+    else:
+        if c.data.normalize:
+            raise RunError(f"{p} was trained with data.normalize=true before runs saved their normalisation "
+                           f"statistics (model.json): its inputs cannot be prepared as in training")
+        inputs = Inputs(tuple(specs[0].in_shape), False, c.trainer.dtype)
+    factory = model.get("factory") if model else None
+    if layers is not None or factory or any(s is None for s in specs):
+        if layers is None and not factory:
+            missing = [l for l, s in enumerate(specs, start=1) if s is None]
+            raise RunError(f"{p}: layers {missing} are the user's own modules and the run recorded no importable "
+                           f"function that builds them; pass them: pcdist.load(run_dir, layers=...)")
+        user = UserLayers.of(layers if layers is not None else (lambda: call_factory(factory)))
+        if len(user.modules) != len(signature):
+            raise CheckpointError(f"{path} holds {len(signature)} layers but {len(user.modules)} modules were given: "
+                                  f"they are not the run's architecture")
+        try:
+            net = user.network(energy, (1, len(signature) + 1), inputs.node_shape(), dtype, device,
+                               **network_options(c))
+        except Exception as e:
+            raise CheckpointError(f"the layers given do not build the run's network: {e}") from e
+    else:
+        net = PCNetwork(specs, energy=energy, dtype=dtype, device=device, init=False, **network_options(c))
+        net.structure = {int(l): v for l, v in (model or {}).get("structure", {}).items()}
+    load_checkpoint(path, net, None)  # checks the signatures: a checkpoint of another architecture is refused
+    net.eval()
+    metrics = read_metrics(p / "metrics.jsonl") if (p / "metrics.jsonl").is_file() else []
+    return Run(net, c, metrics, inputs, p, path, int(meta["step"]))

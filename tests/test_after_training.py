@@ -1,0 +1,405 @@
+"""After training (issue 23): load a run back, evaluate, predict, export; the user's own modules through
+the service; to_layers / to_sequential give back the user's structure; the backprop twin.
+
+Every test runs the real parts: real torchrun for the layer-parallel run, real subprocesses for the
+command line, a subprocess that cannot import pcdist for the exported program.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pcdist
+from pcdist.service.data import load_dataset
+from pcdist.service.metrics import read_metrics
+from spawn import run as spawn_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = {"trainer": {"max_steps": 40, "eval_every": 20, "log_every": 10, "ckpt_every": 20, "progress": "off"},
+         "logger": "none"}
+
+
+def cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "pcdist", *map(str, args)], cwd=cwd or ROOT, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if check:
+        assert out.returncode == 0, f"{args}: {out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def logged_accuracy(run_dir) -> float:
+    return [r["val/accuracy"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "val/accuracy" in r][-1]
+
+
+def held_out_accuracy(run) -> float:
+    """Accuracy of a loaded run on the raw digits validation split (the test loads the data, load does not)."""
+    ds = load_dataset("digits")
+    return float((run.predict(ds.x_val).argmax(1) == ds.y_val).double().mean())
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """One small trained run with data.normalize=true (its statistics must travel with the run)."""
+    run_dir = tmp_path_factory.mktemp("after") / "run"
+    result = pcdist.train({**SHORT, "run_dir": str(run_dir), "data": {"normalize": True}})
+    return run_dir, result
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_load_a_torchrun_layer_parallel_run_into_one_process_without_the_data(tmp_path, normalize):
+    """A run written by 2 layer ranks (each checkpointing its own slice) comes back whole in one
+    process, built from what the run recorded, and reproduces the logged validation accuracy; with
+    data.normalize=true only the saved statistics can prepare the inputs as in training."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "parallel.layer=2", "trainer.max_steps=30", "trainer.eval_every=15", "trainer.ckpt_every=15",
+           "logger=none", "trainer.progress=off", f"data.normalize={str(normalize).lower()}",
+           f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert len(list((run_dir / "checkpoints" / "step-00000030").glob("layers-*.pt"))) == 2, "one file per layer slice"
+    run = pcdist.load(run_dir)
+    assert run.network.owns_all and run.step == 30 and run.config.parallel.layer == 2
+    assert (run.inputs.mean is not None) == normalize
+    assert held_out_accuracy(run) == logged_accuracy(run_dir)
+    assert [r["step"] for r in run.metrics if "val/accuracy" in r] == [15, 30]
+
+
+def test_load_picks_last_best_or_a_step_and_names_bad_requests(digits_run):
+    run_dir, result = digits_run
+    assert pcdist.load(run_dir).step == 40 and pcdist.load(run_dir, 20).step == 20
+    acc = {r["step"]: r["val/accuracy"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r}
+    assert pcdist.load(run_dir, "best").step == max(acc, key=lambda s: (acc[s], s))
+    with pytest.raises(pcdist.RunError, match="no checkpoint at step 7 .kept: steps 20, 40"):
+        pcdist.load(run_dir, 7)
+    with pytest.raises(pcdist.RunError, match="not a pcdist run directory"):
+        pcdist.load(run_dir.parent)
+
+
+def test_train_returns_the_trained_network(digits_run):
+    """result.network is the network the run ended with: the same weights the last checkpoint holds."""
+    run_dir, result = digits_run
+    loaded = pcdist.load(run_dir).network
+    for a, b in zip(result.network.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+    assert result["val/accuracy"] == logged_accuracy(run_dir)
+
+
+def test_network_call_takes_what_training_takes(digits_run):
+    """Images into an MLP are flattened as in training, float64 is cast, integers are refused."""
+    net = pcdist.load(digits_run[0]).network
+    x = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    assert torch.equal(net(x), net(x.float().flatten(1)))
+    with pytest.raises(ValueError, match="float inputs, got torch.uint8"):
+        net(torch.zeros(5, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"takes inputs \[batch, 64\], got \[5, 65\]"):
+        net(torch.zeros(5, 65))
+
+
+# -- the command line: evaluate, predict, export ------------------------------------------------------
+
+def test_evaluate_writes_eval_json_and_a_confusion_matrix(digits_run):
+    run_dir, _ = digits_run
+    out = cli("evaluate", run_dir, "pc.T=5")
+    assert "val accuracy" in out.stdout
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["accuracy"] == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
+    conf = np.array(ev["confusion"])
+    assert conf.sum() == ev["samples"] == 360 and np.trace(conf) / conf.sum() == pytest.approx(ev["accuracy"])
+    per_class = np.diag(conf) / conf.sum(1)
+    assert np.allclose(per_class, ev["per_class_accuracy"])
+    assert ev["T"] == 5 and math.isfinite(ev["energy"]) and ev["energy"] <= ev["loss"] + 1e-6, \
+        "inference lowers the label-clamped energy below its feed-forward value"
+    assert (run_dir / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predict_applies_the_saved_preprocessing(digits_run, tmp_path):
+    run_dir, _ = digits_run
+    ds = load_dataset("digits")
+    np.savez(tmp_path / "inputs.npz", x=ds.x_val.numpy())
+    cli("predict", run_dir, tmp_path / "inputs.npz", "--out", tmp_path / "pred.npz")
+    pred = np.load(tmp_path / "pred.npz")
+    assert (pred["labels"] == ds.y_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
+    assert np.allclose(pred["probabilities"].sum(1), 1.0, atol=1e-5)
+
+
+NO_PCDIST = """
+import sys
+sys.modules["pcdist"] = None  # any import of pcdist now fails
+try:
+    import pcdist
+    raise SystemExit("pcdist is importable")
+except ImportError:
+    pass
+import numpy as np, torch
+program = torch.export.load(sys.argv[1]).module()
+x = torch.from_numpy(np.load(sys.argv[2]))
+np.save(sys.argv[3], program(x).detach().numpy())
+print("ran without pcdist:", "pcdist" in sys.modules and sys.modules["pcdist"] is not None)
+"""
+
+
+def test_exported_program_runs_without_pcdist_and_matches_the_network(digits_run, tmp_path):
+    """The .pt2 is loaded and run by a process that cannot import pcdist; it applies the run's
+    normalisation itself, so raw inputs give the network's logits (float32, 1e-6)."""
+    run_dir, _ = digits_run
+    out = cli("export", run_dir, tmp_path / "net.pt2")
+    assert "torch.export program" in out.stdout
+    x = load_dataset("digits").x_val[:100]
+    np.save(tmp_path / "x.npy", x.numpy())
+    (tmp_path / "standalone.py").write_text(NO_PCDIST)
+    got = subprocess.run([sys.executable, str(tmp_path / "standalone.py"), str(tmp_path / "net.pt2"),
+                          str(tmp_path / "x.npy"), str(tmp_path / "y.npy")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "ran without pcdist: False" in got.stdout
+    want = pcdist.load(run_dir).predict(x)
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "y.npy")), want, rtol=1e-6, atol=1e-6)
+    assert want.dtype == torch.float32
+
+
+class Unexportable(nn.Module):
+    """A layer whose forward reads a tensor's value into Python control flow: torch.export refuses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 10)
+
+    def forward(self, h):
+        return self.lin(h) if float(h.sum()) != 1234.5 else self.lin(-h)
+
+
+def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path):
+    """A layer torch.export cannot trace: the weights are saved instead (tensors only), and the note
+    names the layer and why."""
+    run_dir = tmp_path / "run"
+    layers = lambda: [nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh()), Unexportable()]  # noqa: E731
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 4}}, layers=layers)
+    out = cli("export", run_dir, tmp_path / "net.pt2", check=False)  # only code rebuilds Unexportable
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "pcdist.load(run_dir, layers=...)" in out.stderr
+    res = pcdist.export(run_dir, tmp_path / "net.pt2", layers=layers)
+    assert res["format"] == "state_dict" and "layer 2 (Unexportable) cannot be exported" in res["note"]
+    saved = torch.load(tmp_path / "net.pt2", weights_only=True)
+    net = pcdist.load(run_dir, layers=layers).network
+    assert list(saved["state_dict"]) == list(net.to_sequential().state_dict())
+    assert torch.equal(saved["state_dict"]["3.lin.weight"], net.layer_params(2)["lin.weight"])
+
+
+# -- bad input: one line naming the problem -----------------------------------------------------------
+
+def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
+    run_dir, _ = digits_run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    other = tmp_path / "other"  # another architecture's checkpoint copied into a copy of this run
+    pcdist.train({**SHORT, "run_dir": str(other), "model": {"dims": [64, 32, 32, 10]},
+                  "trainer": {**SHORT["trainer"], "max_steps": 2, "ckpt_every": 2}})
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run_dir, mixed)
+    shutil.rmtree(mixed / "checkpoints")
+    shutil.copytree(other / "checkpoints", mixed / "checkpoints")
+    np.savez(tmp_path / "bad.npz", x=np.zeros((3, 7), np.float32))
+    cases = {
+        ("evaluate", tmp_path / "nowhere"): "does not exist",
+        ("evaluate", run_dir / "config.yaml"): "is not a directory",
+        ("evaluate", tmp_path): "is not a pcdist run directory",
+        ("export", empty, tmp_path / "x.pt2"): "holds no checkpoint",
+        ("predict", run_dir, tmp_path / "bad.npz", "--out", tmp_path / "p.npz"): "inputs have shape [3, 7], but "
+                                                                                   "this run takes [N, 1, 8, 8]",
+        ("evaluate", mixed): "was written by a different model",
+    }
+    for args, says in cases.items():
+        out = cli(*args, check=False)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+
+
+# -- the user's own modules --------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """A user's own layer (the generic module kind): LayerNorm then a linear map, with a tanh."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, h):
+        return torch.tanh(self.proj(self.norm(h)))
+
+
+def make_layers():
+    """The user's model, built deterministically (every rank builds the same initial weights)."""
+    torch.manual_seed(0)
+    return [nn.Sequential(OrderedDict(flat=nn.Flatten(), fc=nn.Linear(64, 32), act=nn.GELU())), Block(32),
+            nn.Linear(32, 10)]
+
+
+def _train_user_layers(rank, world, run_dir, stop_at, logger):
+    cfg = {"trainer": {"max_steps": 20, "eval_every": 10, "log_every": 10, "ckpt_every": 10, "progress": "off",
+                       "stop_at": stop_at}, "run_dir": run_dir, "parallel": {"layer": 2}, "logger": logger,
+           "pc": {"T": 5}}
+    pcdist.train(cfg, layers=make_layers)
+
+
+def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp_path):
+    """The user's modules (one a custom class) train on 2 layer ranks with wandb offline, stop at step 10
+    and resume to 20, ending where an uninterrupted one-process run ends (1e-6, as test_service's resume
+    across splits); pcdist.load rebuilds the exact modules from the recorded factory and reproduces the
+    logged accuracy."""
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    spawn_run(_train_user_layers, 2, str(resumed), 10, "wandb", timeout=300)
+    assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl") if "val/accuracy" in r] == [10]
+    spawn_run(_train_user_layers, 2, str(resumed), None, "wandb", timeout=300)
+    threads = torch.get_num_threads()
+    try:  # one thread, as each spawned rank has
+        pcdist.train({"trainer": {"max_steps": 20, "eval_every": 10, "log_every": 10, "ckpt_every": 10,
+                                  "progress": "off", "threads": 1}, "run_dir": str(straight), "logger": "none",
+                      "pc": {"T": 5}}, layers=make_layers)
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
+    assert list((resumed / "wandb").glob("offline-run-*")), "wandb wrote its offline run"
+    a, b = pcdist.load(resumed), pcdist.load(straight)
+    for p, q in zip(a.network.parameters(), b.network.parameters()):  # as test_service's resume across splits
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg="resuming ends where the uninterrupted run ends")
+    assert held_out_accuracy(a) == logged_accuracy(resumed)
+    layers = a.network.to_layers()
+    assert [type(m) for m in layers] == [type(m) for m in make_layers()]
+    mine = nn.Sequential(*make_layers())
+    mine.load_state_dict(nn.Sequential(*layers).state_dict())  # the user's own model takes the trained weights
+    x = load_dataset("digits").x_val[:50]
+    torch.testing.assert_close(mine(x), a.predict(x), rtol=1e-6, atol=1e-6)
+
+
+def test_user_layers_without_a_factory_need_them_at_load(tmp_path):
+    run_dir = tmp_path / "run"
+    result = pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 10}},
+                          layers=make_layers())
+    with pytest.raises(pcdist.RunError, match=r"layers \[2\] are the user's own modules"):
+        pcdist.load(run_dir)
+    run = pcdist.load(run_dir, layers=make_layers())
+    assert held_out_accuracy(run) == logged_accuracy(run_dir) == result["val/accuracy"]
+    with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="holds 3 layers but 1 modules"):
+        pcdist.load(run_dir, layers=[nn.Sequential(nn.Flatten(), nn.Linear(64, 10))])
+    dense = [nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh())] + \
+        [nn.Sequential(nn.Linear(32, 32), nn.Tanh())] + [nn.Linear(32, 10)]
+    with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="written by a different model"):
+        pcdist.load(run_dir, layers=dense)
+
+
+# -- to_layers / to_sequential give back the user's structure -------------------------------------------
+
+def _round_trip(model: nn.Sequential, x: torch.Tensor, net: pcdist.PCNetwork) -> None:
+    back = net.to_sequential()
+    assert list(back.state_dict()) == list(model.state_dict())
+    assert [type(m) for m in back.modules()] == [type(m) for m in model.modules()]
+    fresh = type(model)(*[m for m in model])  # the user's model, reloaded from the network's weights
+    fresh.load_state_dict(back.state_dict())
+    torch.testing.assert_close(fresh(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+def test_to_sequential_round_trips_an_mlp_of_bare_linears():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 10))
+    _round_trip(model, torch.randn(4, 64), pcdist.PCNetwork.from_sequential(model))
+    layers = [nn.Linear(64, 32), nn.Linear(32, 10)]
+    back = pcdist.PCNetwork.from_layers(layers).to_layers()
+    assert [type(m) for m in back] == [nn.Linear, nn.Linear], "a bare nn.Linear stays bare"
+    assert list(nn.Sequential(*back).state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_to_sequential_round_trips_a_cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1),
+                          nn.GELU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+    _round_trip(model, torch.randn(4, 1, 8, 8), pcdist.PCNetwork.from_sequential(model, input_shape=(1, 8, 8)))
+
+
+def test_to_layers_round_trips_a_mupc_network():
+    layers = pcdist.mupc_layers(64, 32, 6, 10, generator=torch.Generator().manual_seed(0))
+    net = pcdist.PCNetwork.from_layers(layers)
+    back = net.to_layers()
+    assert [type(m) for m in back] == [pcdist.ResidualLinear] * 6
+    model = nn.Sequential(*layers)
+    assert list(nn.Sequential(*back).state_dict()) == list(model.state_dict())
+    fresh = nn.Sequential(*pcdist.mupc_layers(64, 32, 6, 10))
+    fresh.load_state_dict(nn.Sequential(*back).state_dict())
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(fresh(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+def test_presets_return_the_structure_their_config_describes(digits_run):
+    """model=mlp (dims 64-128-128-10, gelu): Linear, GELU, Linear, GELU, Linear."""
+    seq = pcdist.load(digits_run[0]).network.to_sequential()
+    assert [type(m) for m in seq] == [nn.Linear, nn.GELU, nn.Linear, nn.GELU, nn.Linear]
+
+
+# -- the backprop twin -----------------------------------------------------------------------------
+
+def test_backprop_twin_equals_a_hand_written_autograd_loop(tmp_path):
+    """pc.algorithm=bp is plain backprop on the same network, data order, optimizer, schedule and seed:
+    a hand-written loop (nn.Sequential, F.cross_entropy, AdamW, warm-up + cosine written out) gives
+    the same logged losses and the same final weights (float32, 1e-6)."""
+    steps, B, seed, lr, warm, wd = 24, 64, 3, 2e-3, 5, 1e-4
+    cfg = {"pc": {"algorithm": "bp"}, "model": {"dims": [64, 32, 10], "activation": "tanh"},
+           "optim": {"lr": lr, "warmup_steps": warm, "weight_decay": wd},
+           "trainer": {"max_steps": steps, "log_every": 4, "eval_every": 12, "ckpt_every": 12, "seed": seed,
+                       "batch_size": B, "progress": "off"}, "logger": "none", "run_dir": str(tmp_path / "bp")}
+    result = pcdist.train(cfg)
+
+    model = pcdist.PCNetwork.from_dims([64, 32, 10], "tanh", seed=seed).to_sequential()  # the seeded init
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=wd, fused=True)
+
+    def factor(s):
+        if s < warm:
+            return (s + 1) / (warm + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / (steps - warm))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    ds = load_dataset("digits")
+    x, labels = ds.x_train.flatten(1), ds.y_train
+    n = len(x)
+    losses = {}
+    for step in range(steps):
+        epoch, i = divmod(step, n // B)
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[i * B:(i + 1) * B]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses[step + 1] = loss.item()
+    logged = {r["step"]: r["train/energy"] for r in read_metrics(tmp_path / "bp" / "metrics.jsonl")
+              if "train/energy" in r}
+    assert list(logged) == [4, 8, 12, 16, 20, 24]
+    for s, v in logged.items():
+        assert v == pytest.approx(losses[s], rel=1e-6, abs=1e-6)
+    for p, q in zip(result.network.to_sequential().parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert all(r.get("train/layer_energy/1", 0.0) == 0.0 for r in read_metrics(tmp_path / "bp" / "metrics.jsonl"))
+
+
+def test_backprop_twin_refuses_several_processes():
+    c = pcdist.service.config.make_config({"pc": {"algorithm": "bp"}})
+    with pytest.raises(pcdist.ConfigError, match="pc.algorithm=bp .* trains in one process, but this launch has 2"):
+        pcdist.service.run.check(c, 2)
+
+
+def test_model_name_python_needs_layers():
+    with pytest.raises(pcdist.ConfigError, match="model.name='python' stands for layers passed"):
+        pcdist.train({"model": {"name": "python"}, "logger": "none"})
