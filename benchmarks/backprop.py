@@ -63,7 +63,7 @@ def stand_in(shape: tuple[int, ...], classes: int) -> Dataset:
         x = F.interpolate(x, size=shape[1:], mode="bilinear", align_corners=False)
         return x.repeat(1, shape[0], 1, 1).contiguous()
 
-    return Dataset(resize(d.x_train), d.labels_train, resize(d.x_val), d.labels_val, classes)
+    return Dataset(resize(d.x_train), d.y_train, resize(d.x_val), d.y_val, classes)
 
 
 def preset_data(c, root: str | None) -> tuple[Dataset | None, str]:
@@ -112,7 +112,7 @@ def time_steps(name: str, batch: int | None, data, rounds: int, per_round: int, 
     flat = c.model.name not in ("cnn", "vgg")
     x = ds.x_train[:B].flatten(1) if flat else ds.x_train[:B]
     specs = model_specs(c, tuple(x.shape[1:]) if not flat else tuple(ds.sample_shape), ds.num_classes)
-    y = one_hot(ds.labels_train[:B], ds.num_classes)
+    y = one_hot(ds.y_train[:B], ds.num_classes)
     T = min(c.pc.T, 3) if tiny else c.pc.T
     trainers = {}
     for algo in ("pc", "bp"):

@@ -53,7 +53,8 @@ def batches(n: int, B: int, steps: int, seed: int):
 
 
 def run(method: str, depth: int, args, data) -> dict:
-    x_tr, l_tr, x_va, l_va = data
+    d = data.flat()
+    x_tr, l_tr, x_va, l_va = d.x_train, d.y_train, d.x_val, d.y_val
     torch.manual_seed(args.seed)
     W = args.width
     if method == "mlp_pc":

@@ -93,7 +93,7 @@ def pca_error(x_tr, x_va, k):
 
 
 def fit(net, data, mode, steps, T, x_lr, lr, x_momentum=0.0, wd=0.0):
-    x_tr, l_tr = data[0], data[1]
+    x_tr, l_tr = data
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=wd)
     tr = pcdist.PCTrainer(net, opt, T=T, x_lr=x_lr, x_momentum=x_momentum,
                           scheduler=pcdist.warmup_cosine(opt, min(20, steps), steps))
@@ -106,8 +106,9 @@ def fit(net, data, mode, steps, T, x_lr, lr, x_momentum=0.0, wd=0.0):
 
 def learning(scale: float, out_dir: Path, tag: str = "") -> dict:
     torch.manual_seed(0)
-    data = load_digits()
-    x_tr, l_tr, x_va, l_va = data
+    d = load_digits().flat()
+    x_tr, l_tr, x_va, l_va = d.x_train, d.y_train, d.x_val, d.y_val
+    data = (x_tr, l_tr)
     n = lambda steps: max(2, int(steps * scale))  # noqa: E731  (training steps and inference steps alike)
     out: dict = {"pca_k10": pca_error(x_tr, x_va, 10)}
     means = torch.stack([x_tr[l_tr == c].mean(0) for c in range(10)])

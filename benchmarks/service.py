@@ -65,7 +65,8 @@ def worker(args) -> None:
     device = torch.device("cpu")
     init_distributed(device, timeout_s=300)
 
-    def interleaved(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0):
+    def interleaved(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
+                    image_shape=()):
         x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device,
                       dtype)
         step = start
@@ -73,7 +74,7 @@ def worker(args) -> None:
         def service(n):
             nonlocal step
             _loop(c, ds, _batches(c, ds, par, step, step + n, device, dtype), net, opt, sched, trainer, par, logger,
-                  run_dir, step, device, dtype, is_rank0, until=step + n)
+                  run_dir, step, device, dtype, is_rank0, until=step + n, image_shape=image_shape)
             step += n
 
         def engine(n):
@@ -131,7 +132,7 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"benchmark workers failed ({proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-30:]))
+            raise SystemExit(f"benchmark workers failed ({proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-80:]))
         samples = json.loads(out.read_text())
     ratios = [s / e for s, e in zip(samples["service"], samples["engine"])]
     res = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out", "run_dir", "out")},

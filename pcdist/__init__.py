@@ -2,14 +2,20 @@
 
 On one device, same-shape layers are fused into batched kernels; across ranks,
 each rank owns a contiguous slice of layers and trades boundary tensors with its
-neighbours (see the README).
+neighbours (see the README and docs/).
 
 The package has three parts: ``pcdist.engine`` (the single-device PC engine),
 ``pcdist.distributed`` (the mesh and the boundary exchange) and ``pcdist.service``
 (config, command line, runs, checkpoints, data, metrics).
 """
 
+import os as _os
 import sys as _sys
+
+if "torch" not in _sys.modules:  # OpenMP reads its wait policy once, when torch loads it
+    # Threads that sleep while they wait, instead of spinning: on a machine where other processes hold cores,
+    # spinning threads made CPU runs 6-13x slower (docs/service.md, "Threads on CPU"). ACTIVE: spin (dedicated cores).
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .distributed.parallel import Parallel, ParallelDims, init_distributed
 from .engine import deeppcr, layers

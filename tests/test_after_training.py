@@ -44,7 +44,7 @@ def logged_accuracy(run_dir) -> float:
 def held_out_accuracy(run) -> float:
     """Accuracy of a loaded run on the raw digits validation split (the test loads the data, load does not)."""
     ds = load_dataset("digits")
-    return float((run.predict(ds.x_val).argmax(1) == ds.labels_val).double().mean())
+    return float((run.predict(ds.x_val).argmax(1) == ds.y_val).double().mean())
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_predict_applies_the_saved_preprocessing(digits_run, tmp_path):
     np.savez(tmp_path / "inputs.npz", x=ds.x_val.numpy())
     cli("predict", run_dir, tmp_path / "inputs.npz", "--out", tmp_path / "pred.npz")
     pred = np.load(tmp_path / "pred.npz")
-    assert (pred["labels"] == ds.labels_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
+    assert (pred["labels"] == ds.y_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
     assert np.allclose(pred["probabilities"].sum(1), 1.0, atol=1e-5)
 
 
@@ -372,7 +372,7 @@ def test_backprop_twin_equals_a_hand_written_autograd_loop(tmp_path):
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     ds = load_dataset("digits")
-    x, labels = ds.x_train.flatten(1), ds.labels_train
+    x, labels = ds.x_train.flatten(1), ds.y_train
     n = len(x)
     losses = {}
     for step in range(steps):

@@ -1,6 +1,6 @@
-"""The benchmark scripts run end to end (tiny sizes) and write what the README says they write.
+"""The benchmark scripts run end to end (tiny sizes) and write what docs/results.md says they write.
 
-No timing is asserted here: speed claims live in the README, measured by these scripts.
+No timing is asserted here: speed claims live in docs/results.md (and docs/service.md), measured by these scripts.
 What is checked is that the reported ratios are the ones defined in each script's
 docstring, recomputed from the raw samples the script saved.
 """
@@ -126,6 +126,28 @@ def test_service_benchmark_interleaves_the_service_loop_and_the_engine_step(tmp_
     assert res["service/engine"] == statistics.median(per_round)
     assert res["step_s"] == {k: statistics.median(v) for k, v in rounds.items()}
     assert f"service / engine: {res['service/engine']:.3f}" in stdout
+
+
+def test_threads_benchmark_writes_every_round_and_their_medians(tmp_path):
+    """Every variant (--tiny: with one core held by a busy process), each a median of the rounds it saved."""
+    run("threads.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "threads.json").read_text())
+    assert set(res["rounds"]) == {f"quickstart | one core held | {v}" for v in ("default", "1 thread", "passive")}
+    for key, samples in res["rounds"].items():
+        assert res["seconds"][key] == statistics.median(samples) and all(s > 0 for s in samples)
+
+
+def test_activations_benchmark_times_every_activation_with_and_without_the_kernel(tmp_path):
+    """Each activation on shapes A and M, with the kernel and as torch ops; the gain is the median of the
+    per-round ratios of the saved samples."""
+    run("activations.py", "--tiny", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "activations.json").read_text())
+    assert set(res["shapes"]) == {"A", "M"}
+    for shape in res["shapes"].values():
+        assert {"tanh", "gelu", "relu", "silu", "softplus", "elu", "mish"} <= set(shape)
+        for act in shape.values():
+            kernel, ops = act["rounds"]["kernel"], act["rounds"]["torch_ops"]
+            assert act["gain"] == statistics.median(o / k for o, k in zip(ops, kernel))
 
 
 def test_modes_benchmark_writes_ratios_learning_figures_and_pictures(tmp_path):

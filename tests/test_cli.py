@@ -32,6 +32,7 @@ def run(cmd, timeout=300, **env):
                   f"{', '.join(sorted(p.stem for p in (CONF / 'data').glob('*.yaml')))}); did you mean mnist?"),
     ("trainer.batchsize=8", "unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
     ("lr=0.1", "unknown config key lr; did you mean optim.lr?"),
+    ("modle=cnn", "unknown config key modle; did you mean the config group model=cnn?"),
 ])
 def test_overrides_are_checked_against_the_known_keys_and_groups(override, problem):
     """A key or option that does not exist is named with the nearest existing one; Hydra's own
@@ -64,7 +65,8 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
 
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     """NPROC=2 CPU processes with no parallel settings: the layer axis takes both (parallel.layer = 2 / 1),
-    said in one line; with no terminal, progress is a line per logged step, as in train.log."""
+    said in one line; with no terminal, progress is a line per logged step; train.log has every line the
+    console shows (the mesh, the new run, the progress, the end), time-stamped."""
     run_dir = tmp_path / "run"
     out = run(["launch/local.sh", "logger=none", "trainer.max_steps=22", "trainer.log_every=11",
                "trainer.eval_every=22", f"hydra.run.dir={run_dir}"], NPROC="2", PYTHON=sys.executable,
@@ -77,7 +79,9 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     assert [l.split()[1] for l in progress] == ["11/22", "22/22"]
     assert "accuracy" not in progress[0] and "accuracy" in progress[1], "accuracy where it was evaluated"
     logged = [l.split("  ", 1)[1] for l in (run_dir / "train.log").read_text().splitlines()]
-    assert logged == progress
+    assert logged == out.stdout.splitlines(), "train.log holds what the console shows: mesh, new run, progress, end"
+    assert logged[:2] == mesh + [f"new run in {run_dir} (config: configs/attempt-1.yaml)"] and logged[2:4] == progress
+    assert logged[4].startswith("step 22: val/accuracy ") and logged[4].endswith(f"; run directory: {run_dir}")
     assert yaml_layer(run_dir) == 2
 
 
@@ -105,6 +109,17 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
         i = lines.index(f"  {key} = {'null' if value is None else value}")
         assert lines[i + 1].strip() == docs[key], key
     assert re.search(r"^  experiment +(\w+, )*deep_narrow\*", out.stdout, re.M), "the chosen preset is marked"
+
+
+def test_help_into_a_reader_that_has_gone_ends_without_a_traceback():
+    """`python -m pcdist --help | head`: when the reader stops reading (here: before anything is written), the
+    command ends quietly, not with a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "pcdist", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_online_wandb_without_a_login_is_one_line(tmp_path):
@@ -141,6 +156,24 @@ def test_threads_trainer_setting_then_omp_num_threads_then_cores_per_local_rank(
     assert cpu_threads(0, {})[0] == cores
     with pytest.raises(pcdist.ConfigError, match="OMP_NUM_THREADS='zero' is not a number of threads"):
         cpu_threads(0, {"OMP_NUM_THREADS": "zero"})
+
+
+@pytest.mark.parametrize("entry", ["train.py", "-m pcdist", "import pcdist"])
+def test_the_service_makes_waiting_openmp_threads_sleep_unless_told_otherwise(entry):
+    """OMP_WAIT_POLICY=PASSIVE in every process that imports pcdist before torch (train.py, python -m pcdist,
+    pcdist-train, their torchrun workers): spinning threads made runs 6-13x slower where another process
+    holds a core (docs/service.md). Set before torch loads OpenMP, which reads it once; a user's value stays."""
+    start = {"train.py": "import runpy, sys; sys.argv = ['train.py', '--help']; runpy.run_path('train.py', run_name='__main__')",
+             "-m pcdist": "import runpy, sys; sys.argv = ['pcdist', '--help']; runpy.run_module('pcdist', run_name='__main__')",
+             "import pcdist": "import pcdist"}[entry]
+    code = f"import os\ntry:\n    {start}\nexcept SystemExit:\n    pass\nprint('policy', os.environ.get('OMP_WAIT_POLICY'))"
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env.update({"OMP_WAIT_POLICY": given} if given else {})
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[-1] == f"policy {expected}"
 
 
 def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):

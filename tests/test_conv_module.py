@@ -209,6 +209,26 @@ def test_from_sequential_names_the_module_it_cannot_place(build, message):
         pcdist.PCNetwork.from_sequential(build())
 
 
+def test_from_sequential_explains_a_trailing_softmax_and_runs_other_elementwise_modules_as_modules():
+    """A trailing Softmax is what energy='ce' applies itself (the output layer's u_L are the logits); SiLU is a
+    fused activation (the dense kind); an elementwise module without a fused path (Hardswish) is not refused:
+    its layer runs through the module kind, and a warning says so."""
+    with pytest.raises(ValueError, match=r"^module 3 \(Softmax\) after the output layer: leave it out; energy='ce' "
+                                         r"applies the softmax"):
+        pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 3), nn.Softmax(-1)),
+                                         energy="ce")
+    seq = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3)).double()
+    with pytest.warns(UserWarning, match=r"Hardswish \(module 3\) is not among the fused activations .*; such a layer "
+                                         r"runs through the module kind"):
+        net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
+    assert [g.kind.kind for g in net.groups] == ["dense", "module", "dense"]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), seq(x), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match=r"the output layer must not be followed by an activation \(found Hardswish\)"):
+        pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Hardswish()))
+
+
 def test_conv_networks_need_their_input_shape_and_a_flatten():
     seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
     with pytest.raises(ValueError, match="give input_shape"):

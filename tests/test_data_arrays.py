@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.service.data import DataError, Dataset, StreamedData, load_arrays, load_digits
+from pcdist.service.data import DataError, StreamedData, load_arrays, load_dataset, load_digits
 from pcdist.service.metrics import read_metrics
 from test_service import layer_state, torchrun
 
@@ -19,10 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def digits_images(classes=3):
     """scikit-learn's digits of the first ``classes`` classes as [N, 1, 8, 8] float32 images in [0, 1]."""
-    x_tr, y_tr, x_va, y_va = load_digits()
-    keep_tr, keep_va = y_tr < classes, y_va < classes
-    return (x_tr[keep_tr].reshape(-1, 1, 8, 8).numpy(), y_tr[keep_tr].numpy(),
-            x_va[keep_va].reshape(-1, 1, 8, 8).numpy(), y_va[keep_va].numpy())
+    d = load_digits()
+    keep_tr, keep_va = d.y_train < classes, d.y_val < classes
+    return d.x_train[keep_tr].numpy(), d.y_train[keep_tr].numpy(), d.x_val[keep_va].numpy(), d.y_val[keep_va].numpy()
 
 
 def save_npz(path, x_train, y_train, x_val, y_val, **extra):
@@ -129,8 +128,51 @@ def test_bad_files_give_one_exact_error(tmp_path):
         with pytest.raises(DataError) as info:
             load_arrays(str(path))
         assert str(info.value) == f"data.path={path}: {message}"
-    with pytest.raises(DataError, match=f"^data.path={garbage}: not an .npz archive"):
-        load_arrays(str(garbage))
+    pickled = tmp_path / "pickled.npz"  # what np.save of a Python object writes: numpy's error talks of pickles
+    np.save(pickled, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    pickled.write_bytes((tmp_path / "pickled.npz.npy").read_bytes())
+    bad_folder = tmp_path / "objects"
+    bad_folder.mkdir()
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        np.save(bad_folder / f"{k}.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    for path in (garbage, pickled):  # one line about the file, nothing of numpy's advice to unpickle it
+        with pytest.raises(DataError) as info:
+            load_arrays(str(path))
+        assert str(info.value) == (f"data.path={path}: not an .npz archive (np.savez writes one); expected one with "
+                                   f"x_train, y_train, x_val, y_val")
+    with pytest.raises(DataError) as info:
+        load_arrays(str(bad_folder))
+    assert str(info.value) == (f"data.path={bad_folder}: x_train.npy is not a .npy file of numbers (np.save of a "
+                               f"numeric array writes one)")
+
+
+def test_data_path_or_root_where_the_data_set_does_not_read_it_is_refused_in_one_line(tmp_path):
+    """data.path is read by data=arrays only: without it a run would silently train on the bundled digits."""
+    npz = save_npz(tmp_path / "my.npz", *digits_images())
+    with pytest.raises(pcdist.ConfigError) as info:
+        pcdist.train({"data.path": str(npz), "logger": "none", "run_dir": str(tmp_path / "run")})
+    assert str(info.value) == (f"config data.path={npz} is read by data=arrays only, but the data is digits: add "
+                               f"data=arrays (or leave out data.path)")
+    with pytest.raises(pcdist.ConfigError, match=r"^config data.root=/x is read by data=mnist, fashion_mnist, cifar10, "
+                                                 r"cifar100 only, but the data is synthetic"):
+        pcdist.train({"data": "synthetic", "data.root": "/x", "logger": "none", "run_dir": str(tmp_path / "run")})
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"data.path={npz}", "logger=none"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"error: config data.path={npz} is read by data=arrays only, but the data is digits: add "
+                          f"data=arrays (or leave out data.path)\n")
+    assert not (tmp_path / "runs").exists(), "a launch refused before training leaves no run directory"
+
+
+def test_digits_are_the_same_from_load_digits_and_load_dataset():
+    """Every reader keeps images [N, C, H, W]: load_digits() is load_dataset("digits"), and .flat() gives
+    [N, 64]; the fields are named like the .npz arrays, the old names still read."""
+    a, b = load_digits(), load_dataset("digits")
+    assert a.x_train.shape == b.x_train.shape == (1437, 1, 8, 8) and a.x_val.shape == (360, 1, 8, 8)
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        assert torch.equal(getattr(a, k), getattr(b, k)), k
+    assert a.flat().x_train.shape == (1437, 64) and torch.equal(a.flat().x_train, a.x_train.reshape(1437, 64))
+    assert a.labels_train is a.y_train and a.labels_val is a.y_val
 
 
 def test_train_py_reports_a_missing_array_as_one_line(tmp_path):
@@ -183,7 +225,7 @@ SMALL_CLI = ["model.dims=[64,16,16,16,10]", "trainer.max_steps=8", "trainer.eval
 
 
 def digits_dataset():
-    return Dataset(*load_digits(), num_classes=10)
+    return load_digits().flat()
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +239,9 @@ def in_memory(tmp_path_factory):
 def npy_folder(tmp_path_factory):
     """The digits as a folder of x_train.npy, y_train.npy, x_val.npy, y_val.npy."""
     folder = tmp_path_factory.mktemp("npy")
-    for k, v in zip(("x_train", "y_train", "x_val", "y_val"), load_digits()):
-        np.save(folder / f"{k}.npy", v.numpy())
+    d = load_digits().flat()
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        np.save(folder / f"{k}.npy", getattr(d, k).numpy())
     return folder
 
 
@@ -213,7 +256,7 @@ def test_streamed_torch_datasets_train_exactly_as_in_memory(in_memory, tmp_path)
     """pcdist.train(cfg, data=StreamedData(...)) with 2 real DataLoader workers takes the same global batches
     as the in-memory Dataset: the same weights (float64) and the same validation accuracy."""
     ds = digits_dataset()
-    data = StreamedData(Samples(ds.x_train, ds.labels_train), Samples(ds.x_val, ds.labels_val), 10)
+    data = StreamedData(Samples(ds.x_train, ds.y_train), Samples(ds.x_val, ds.y_val), 10)
     streamed = pcdist.train(small_cfg(tmp_path), data=data)
     assert streamed["step"] == in_memory[1]["step"] == 8
     assert streamed["val/accuracy"] == in_memory[1]["val/accuracy"]

@@ -9,7 +9,8 @@ from pcdist.service.data import load_digits, one_hot
 
 def train_digits(seed: int, epochs: int = 30, B: int = 64):
     torch.manual_seed(seed)
-    x_tr, l_tr, x_va, l_va = load_digits()
+    d = load_digits().flat()
+    x_tr, l_tr, x_va, l_va = d.x_train, d.y_train, d.x_val, d.y_val
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="gelu", energy="ce")
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     per_epoch = (len(x_tr) + B - 1) // B
@@ -42,8 +43,8 @@ def test_digits_reaches_95_percent(seed):
 def train_digits_cnn(seed: int, steps: int = 660, B: int = 64):
     """A small conv PCN on the 8x8 digits as images [1, 8, 8]: two conv + gelu + max-pool layers, a dense output."""
     torch.manual_seed(seed)
-    x_tr, l_tr, x_va, l_va = load_digits()
-    x_tr, x_va = x_tr.view(-1, 1, 8, 8), x_va.view(-1, 1, 8, 8)
+    d = load_digits()  # images [N, 1, 8, 8]
+    x_tr, l_tr, x_va, l_va = d.x_train, d.y_train, d.x_val, d.y_val
     seq = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.GELU(), torch.nn.MaxPool2d(2),
                               torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.GELU(), torch.nn.MaxPool2d(2),
                               torch.nn.Flatten(), torch.nn.Linear(64 * 2 * 2, 10))

@@ -1,16 +1,20 @@
 """The launch scripts and the Dockerfile: linted, and consistent with the package."""
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SCRIPTS = [ROOT / "launch/local.sh", ROOT / "launch/docker.sh", ROOT / "launch/slurm.sbatch", ROOT / ".ci/run"]
+SCRIPTS = [ROOT / "launch/local.sh", ROOT / "launch/docker.sh", ROOT / "launch/slurm.sbatch",
+           ROOT / "launch/slurm_node.sh", ROOT / ".ci/run"]
 
 
 def tool(name):
@@ -48,6 +52,16 @@ def test_dockerfile_matches_the_package():
     assert docker.index("COPY pyproject.toml") < docker.index("COPY pcdist"), "dependencies before the source"
     docker_sh = (ROOT / "launch/docker.sh").read_text()
     assert '--user "$(id -u):$(id -g)"' in docker_sh and "-m pcdist" in docker_sh, "files in runs/ stay the user's"
+
+
+def test_the_repository_tracks_no_wheel_and_nothing_it_ignores():
+    """No build artefact (the ruff wheel once was) is committed, and .gitignore ignores no file git tracks
+    (conf/config.yaml was once listed)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [f for f in tracked if f.endswith(".whl")]
+    ignored = subprocess.run(["git", "ls-files", "--cached", "--ignored", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert ignored == []
 
 
 def test_slurm_log_goes_where_a_fresh_clone_can_write():
@@ -106,3 +120,115 @@ def test_the_installed_wheel_trains_without_a_checkout(wheel, tmp_path):
     out = subprocess.run([str(venv / "bin/python"), "-m", "pcdist", "--cfg", "job", "optim=sgd"], cwd=work,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "name: sgd" in out.stdout, out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The README and the docs pages, command by command, in a fresh copy of the repository
+
+NOT_RUN_HERE = {  # a part of a command -> why a test on a CPU box cannot run it
+    "make test": "it runs the suite this test belongs to",
+    "sbatch ": "needs a SLURM cluster",
+    "launch/docker.sh": "needs a Docker engine",
+    "/path/to/": "needs a data set pcdist does not download",
+}
+PROGRESS = re.compile(r"^step \d+/\d+ ", re.M)
+
+
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory):
+    """The repository's files (tracked, and new ones git does not ignore) in a new folder, with a fresh .venv as
+    `make install` leaves it (a venv holding pcdist editable from the copy and the commands of its dependencies;
+    torch and the other dependencies are this environment's, read through a .pth file: no download), stamped as
+    installed so that the README's own `make install` finds it done. Returns (folder, the environment after the
+    README's install block)."""
+    import importlib.metadata
+    import sysconfig
+
+    clone = tmp_path_factory.mktemp("clone")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    for f in files:
+        if (ROOT / f).is_file():
+            (clone / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, clone / f)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(clone / ".venv")], check=True, timeout=120)
+    site = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "_pcdist_editable.pth").write_text(f"{clone}\n")  # pcdist from the copy, as pip install -e puts it
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    for ep in importlib.metadata.entry_points(group="console_scripts"):  # torchrun, pytest, pcdist-train, ...
+        module, _, attr = ep.value.partition(":")
+        script = clone / ".venv/bin" / ep.name
+        script.write_text(f"#!{clone / '.venv/bin/python'}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
+                          f"sys.exit({attr}())\n")
+        script.chmod(0o755)
+    (clone / ".venv/.installed").touch()
+    # A shell as a reader's: no virtual environment active, no python with torch on the PATH.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not Path(p, "python").is_file() or Path(p).resolve() != Path(sys.prefix, "bin").resolve())
+    env["OMP_NUM_THREADS"] = "1"  # a shared CI box: one thread per process keeps the many launches below calm
+    from doc_blocks import blocks, commands
+
+    (readme, install), = [(p, c) for p, c in blocks("bash") if p.name == "README.md" and "make install" in c]
+    script = "set -e\n" + "\n".join(commands(install)) + "\nenv -0\n"
+    out = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    after = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
+    return clone, after
+
+
+def _run_command(cmd: str, cwd: Path, env: dict) -> tuple[bool, str]:
+    """Run one command as a reader would (bash, in the copy). A command that trains is stopped with SIGTERM
+    (pcdist checkpoints and exits) once it has shown a progress line; any other must end with status 0."""
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, stopped = [], False
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:
+        lines.append(line)
+        if not stopped and PROGRESS.match(line):
+            os.killpg(proc.pid, signal.SIGTERM)
+            stopped = True
+        if time.monotonic() > deadline:
+            break
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return stopped or proc.returncode == 0, "".join(lines)
+
+
+def _pages():
+    from doc_blocks import pages
+
+    return [p.relative_to(ROOT) for p in pages()]
+
+
+@pytest.mark.parametrize("page", _pages(), ids=str)
+def test_every_command_of_the_docs_runs_in_a_fresh_clone(page, fresh_clone):
+    """Every command of the page's ```bash blocks, verbatim and in order, in the copy and the environment the
+    README's install block leaves (`make install`, then `source .venv/bin/activate`): each ends with status 0,
+    or trains (shows a progress line) until stopped. The commands that need what no test machine has are named
+    in NOT_RUN_HERE with the reason. A python block that names its file (`# my_train.py`) is saved under that
+    name first, as the page asks the reader to."""
+    from doc_blocks import blocks, commands
+
+    clone, env = fresh_clone
+    for _, code in blocks("python", ROOT / page):
+        name = re.match(r"# (\w+\.py) ", code)
+        if name:
+            (clone / name.group(1)).write_text(code)
+    failed = []
+    for _, code in blocks("bash", ROOT / page):
+        if "make install" in code:
+            continue  # the install block: run by the fixture
+        for cmd in commands(code):
+            if any(part in cmd for part in NOT_RUN_HERE):
+                continue
+            ok, out = _run_command(cmd, clone, env)
+            if not ok:
+                failed.append(f"$ {cmd}\n{out[-2500:]}")
+    assert not failed, "\n\n".join(failed)

@@ -87,3 +87,51 @@ def test_the_accuracy_axis_spans_zero_to_one_and_the_title_names_the_result():
     assert ax.get_ylim() == (0.0, 1.0)
     assert "digits, 64-128-10" in ax.get_title() and "0.9750 at step 30" in ax.get_title()
     assert list(ax.get_lines()[0].get_ydata()) == [0.96, 0.975]
+
+
+def test_metrics_hold_validation_energy_and_training_accuracy_that_the_weights_give(tmp_path):
+    """Every logged step has train/accuracy (the step's batch, after its update) and every evaluation
+    val/energy beside val/accuracy. At the end both validation numbers are recomputed here from the last
+    checkpoint's weights: val/energy is the energy of the feed-forward init with the output clamped to the
+    labels, where every hidden error is zero, so it is the cross-entropy of the prediction (a batch mean)."""
+    from pcdist.service.checkpoint import latest_checkpoint, load_checkpoint
+    from pcdist.service.data import load_dataset
+    from pcdist.service.metrics import read_metrics
+
+    pcdist.train({"model.dims": [64, 16, 10], "pc.T": 3, "trainer": {"max_steps": 6, "log_every": 2, "eval_every": 3},
+                  "logger": "none", "trainer.progress": "off", "run_dir": str(tmp_path)})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/accuracy" in r] == [r["step"] for r in rows if "train/energy" in r] \
+        == [2, 4, 6]
+    assert all(0 <= r["train/accuracy"] <= 1 and r["train/accuracy"] * 64 == round(r["train/accuracy"] * 64)
+               for r in rows if "train/accuracy" in r), "a fraction of the 64 samples of the batch"
+    evaluated = [r for r in rows if "val/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [3, 6] and all("val/energy" in r for r in evaluated)
+    net = pcdist.PCNetwork(pcdist.mlp_specs([64, 16, 10], "gelu"), energy="ce")
+    load_checkpoint(latest_checkpoint(tmp_path), net, None)
+    val = load_dataset("digits").flat()
+    with torch.no_grad():
+        logits = net(val.x_val)
+    assert evaluated[-1]["val/accuracy"] == pytest.approx((logits.argmax(1) == val.y_val).float().mean().item())
+    ce = torch.nn.functional.cross_entropy(logits.double(), val.y_val).item()
+    assert evaluated[-1]["val/energy"] == pytest.approx(ce, rel=1e-5)
+
+
+def test_the_wandb_logger_ends_a_run_without_its_summary(tmp_path):
+    """wandb offline (the default logger): no run history and summary (~30 lines) when the run ends; the
+    numbers are in metrics.jsonl, train.log and the plots."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "train.py"), "model.dims=[64,16,10]", "pc.T=2",
+                          "trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=2", "trainer.progress=off",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if k != "WANDB_SILENT"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*")), "the wandb run was written"
+    said = out.stdout + out.stderr
+    assert "Run summary" not in said and "Run history" not in said, said
+    assert said.count("\n") <= 6, said

@@ -25,7 +25,8 @@ K = 10
 
 @pytest.fixture(scope="module")
 def digits():
-    return load_digits()
+    d = load_digits().flat()  # [N, 64] pixels in [0, 1]
+    return d.x_train, d.y_train, d.x_val, d.y_val
 
 
 def pca_error(x_train, x_val, k):

@@ -19,7 +19,9 @@ from test_reference import make_batch, make_seq
 
 ACTS = [Activation("tanh"), Activation("sigmoid"), Activation("relu"), Activation("leaky_relu", negative_slope=0.2),
         Activation("hard_tanh", min_val=-0.5, max_val=0.75), Activation("identity"), Activation("gelu"),
-        Activation("gelu", approximate="tanh")]
+        Activation("gelu", approximate="tanh"), Activation("silu"), Activation("softplus"),
+        Activation("softplus", beta=2.0, threshold=5.0), Activation("elu"), Activation("elu", alpha=0.5),
+        Activation("mish")]
 HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None
 
 
@@ -45,12 +47,14 @@ def torch_ops(act, a, bias, h, lr, stepped, prec=None):
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name + ("_tanh" if a.approximate == "tanh" else ""))
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name + ("_tanh" if a.approximate == "tanh" else "")
+                         + (f"_beta{a.beta:g}" if a.beta != 1 else "") + (f"_alpha{a.alpha:g}" if a.alpha != 1 else ""))
 def test_kernel_equals_torch_ops(act, dtype):
     gen = torch.Generator().manual_seed(0)
     K, B, O = 5, 7, 33  # odd sizes: vector remainders and rows that straddle OpenMP chunks
     a0 = torch.randn(K, B, O, generator=gen, dtype=dtype) * 2
     a0[0, 0, :6] = torch.tensor([0.0, -0.5, 0.75, 1e-30, -1e-30, 3.0], dtype=dtype)  # at the kinks
+    a0[0, 1, :6] = torch.tensor([-200.0, -30.0, -2.5, 2.5, 30.0, 200.0], dtype=dtype)  # thresholds, caps, overflow
     bias = torch.randn(K, O, generator=gen, dtype=dtype) * 0.1
     bias[0, :6] = 0
     h0 = torch.randn(K, B, O, generator=gen, dtype=dtype)
@@ -127,7 +131,8 @@ def assert_same_training(on, off):
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("algorithm,x_momentum,energy", [("pc", 0.0, "se"), ("pc", 0.5, "ce"), ("ipc", 0.0, "ce")])
 @pytest.mark.parametrize("acts", [["tanh"] * 4, ["relu"] * 4, ["sigmoid"] * 4, ["leaky_relu"] * 4, ["hardtanh"] * 4,
-                                  ["identity"] * 4, ["tanh", "gelu", "gelu", "relu"]], ids="-".join)
+                                  ["identity"] * 4, ["tanh", "gelu", "gelu", "relu"], ["silu", "mish", "mish", "elu"],
+                                  ["softplus"] * 4], ids="-".join)
 def test_training_with_kernel_equals_torch_ops(acts, algorithm, x_momentum, energy, monkeypatch):
     """float64: the fused kernel (and pc's fused value step) changes nothing beyond round-off,
     also for gelu, whose f' the kernel computes from the pre-activation, beside other groups."""
@@ -162,7 +167,8 @@ def test_precisions_and_a_free_bottom_with_kernel_equal_torch_ops(kind, algorith
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name + ("_tanh" if a.approximate == "tanh" else ""))
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.name + ("_tanh" if a.approximate == "tanh" else "")
+                         + (f"_beta{a.beta:g}" if a.beta != 1 else "") + (f"_alpha{a.alpha:g}" if a.alpha != 1 else ""))
 def test_residual_kernel_equals_torch_ops(act, dtype):
     """The residual kind's passes: s = phi(h) (x = h where phi' needs it), e = h_out - u with the
     value step on the first layers, and target = beta target + alpha_a t phi'(h) (+ alpha_e e)."""

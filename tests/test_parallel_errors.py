@@ -90,3 +90,44 @@ def test_dead_store_host_in_a_collective_still_names_the_group():
     with pytest.raises(WorkerError, match=r"rank 1: the data-axis gradient all-reduce over ranks \[0, 1\] failed"):
         run(die_in_data_parallel, 2, 0, 4.0, timeout=60)
     assert time.monotonic() - t0 < 45
+
+
+def test_a_lost_peer_leaves_each_survivor_one_line_not_a_traceback(tmp_path):
+    """A worker SIGKILLed under the real torchrun: its neighbour's log (rank 0's stderr, kept apart by torchrun's
+    --redirects) is one line naming the lost peer, without the Python traceback and the C++ frames of the backend
+    (the cause is the dead rank; the survivor's stack says nothing about it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from test_elastic import children
+    from test_service import ROOT
+
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=5",
+           f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), "parallel.layer=2", "parallel.timeout_s=20",
+           "trainer.max_steps=100000", "trainer.ckpt_every=20", "logger=none", "trainer.progress=off",
+           f"hydra.run.dir={run_dir}"]
+    # --monitor-interval=5: the agent stops the survivor seconds after the kill; the survivor's exchange with the
+    # dead rank fails at once (its socket is reset), so it has said its line by then.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "step-00000020").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint at step 20 within 180 s"
+            time.sleep(0.05)
+        rank_of = {pid: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in children(proc.pid)}
+        os.kill(next(pid for pid, env in rank_of.items() if b"RANK=1" in env), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    (err,) = logs.glob("*/attempt_0/0/stderr.log")
+    text = err.read_text()
+    assert "Traceback" not in text and "frame #" not in text and "Exception raised from" not in text, text[-3000:]
+    assert text.count("\n") == 1 and text.startswith("error: rank 0: ") and "with rank 1 failed" in text, text[-3000:]

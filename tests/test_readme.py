@@ -1,26 +1,45 @@
-"""The README's code runs verbatim: the Python quick start and the torchrun layer-parallel script."""
+"""The README's and the docs pages' Python code runs verbatim: every ```python block, the quick start
+and the layer-kinds example learn, and the layer-parallel script gives the same energies under torchrun
+as one process. (Their shell commands run in a fresh copy of the repository: tests/test_launch.py.)"""
 
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+from doc_blocks import ROOT, blocks, python_block
 
-
-def snippet(first_line: str) -> str:
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith(first_line)]
-    assert len(blocks) == 1, f"expected one README python block starting with {first_line!r}"
-    return blocks[0]
+CHECKED_BELOW = ("import torch, pcdist\nfrom pcdist.data import load_digits", "# Layer kinds", "# my_train.py")
+"""Blocks that the tests below run and check in detail."""
 
 
 def energies_printed(out: subprocess.CompletedProcess) -> list[float]:
     assert out.returncode == 0, out.stderr[-3000:]
     return [float(line.split()[1]) for line in out.stdout.splitlines()]
+
+
+def run_python(code: str, cwd, timeout=600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+OTHERS = [(page, code) for page, code in blocks("python") if not code.startswith(CHECKED_BELOW)]
+
+
+@pytest.mark.parametrize("page, code", OTHERS, ids=[f"{p.relative_to(ROOT)}:{c.splitlines()[0][:40]}" for p, c in OTHERS])
+def test_every_python_block_runs(page, code, tmp_path):
+    """A block a reader copies must run as printed (in a fresh folder, the repository's pcdist installed)."""
+    out = run_python(code, tmp_path)
+    assert out.returncode == 0, f"{page.relative_to(ROOT)}:\n{code}\n{out.stderr[-3000:]}"
+
+
+def test_the_pages_have_the_blocks_the_tests_check():
+    for first in CHECKED_BELOW:
+        python_block(first)
+    assert len(OTHERS) >= 3, "the service, fuse and DeepPCR examples"
 
 
 def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
@@ -30,7 +49,7 @@ def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
     float32 round-off (the layers are stacked into differently sized groups on one rank and two).
     """
     script = tmp_path / "my_train.py"
-    script.write_text(snippet("# my_train.py"))
+    script.write_text(python_block("# my_train.py"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     mesh = energies_printed(subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
@@ -44,19 +63,31 @@ def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
 
 
 def test_python_quick_start_runs(tmp_path):
-    code = snippet("import torch, pcdist\nfrom pcdist.data import load_digits")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = run_python(python_block("import torch, pcdist\nfrom pcdist.data import load_digits"), tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"tensor\(([\d.]+)\)", out.stdout).group(1))
     assert accuracy >= 0.95
 
 
 def test_layer_kinds_example_runs_and_the_conv_pcn_learns(tmp_path):
-    code = snippet("# Layer kinds")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run_python(python_block("# Layer kinds"), tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0] == "['conv', 'conv', 'dense']" and lines[-1] == "['dense', 'module', 'dense']"
     assert "126 x (residual 128 -> 128" in out.stdout, "the 126 hidden μPC layers are one stacked group"
     accuracy = float(re.search(r"^accuracy ([\d.]+)$", out.stdout, re.M).group(1))
     assert accuracy >= 0.95
+
+
+def test_the_readme_is_a_front_page_that_links_every_docs_page():
+    """At most ~300 lines; install with the step that makes `python` the one with pcdist in it; how to run
+    all tests and one file; a link to every docs page (and to those other branches add)."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count("\n") <= 300
+    install = readme[readme.index("## Install"):readme.index("## Quick start")]
+    assert "make install" in install and "source .venv/bin/activate" in install
+    assert "make test" in readme and re.search(r"python -m pytest tests/test_\w+\.py -q\s", readme)
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in readme, f"the README does not link docs/{page.name}"
+    for page in ("slurm.md", "after-training.md", "modes.md"):
+        assert f"(docs/{page})" in readme

@@ -29,6 +29,10 @@ ACTIVATIONS = {
     "hardtanh": lambda: nn.Hardtanh(),
     "sigmoid": lambda: nn.Sigmoid(),
     "identity": lambda: nn.Identity(),
+    "silu": lambda: nn.SiLU(),
+    "softplus": lambda: nn.Softplus(beta=2.0, threshold=3.0),  # the linear part reached in the tests
+    "elu": lambda: nn.ELU(alpha=0.7),
+    "mish": lambda: nn.Mish(),
 }
 ACT_NAMES = list(ACTIVATIONS)
 

@@ -136,8 +136,8 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
     capsys.readouterr()
     pcdist.train(cfg(tmp_path / "run", **new))
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == (f"resumed from {tmp_path / 'run/checkpoints/step-00000012'} at step 12 of 36 "
-                        f"(config: configs/attempt-2.yaml)")
+    assert lines[0] == (f"resumed from {tmp_path / 'run/checkpoints/step-00000012'} at step 12 of 36 with the run's "
+                        f"own settings (config: configs/attempt-2.yaml)")
     assert "resume: pc.T changed 4 -> 3: applied (from the resumed step on)" in lines
     assert "resume: optim.lr changed 0.002 -> 0.01: applied (the LR schedule is recomputed at the resumed step)" in lines
     assert "resume: trainer.max_steps changed 24 -> 36: applied (the LR schedule is recomputed at the resumed step)" \
@@ -168,13 +168,120 @@ def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12
     assert str(info.value) == (
         f"cannot resume {tmp_path} with changed model.dims ([64, 32, 10] -> [64, 16, 10]: it changes the "
         f"model's shape), trainer.batch_size (32 -> 16: it changes the global batches (the data order) and what a "
-        f"step is), trainer.seed (0 -> 1: it changes the initial weights and the data order); set them back, or "
-        f"start a new run directory")
+        f"step is), trainer.seed (0 -> 1: it changes the initial weights and the data order); leave out "
+        f"model.dims=[64,16,10] trainer.batch_size=16 trainer.seed=1 (a resume continues with the run's own settings), "
+        f"or start a new run directory")
     assert snapshot(tmp_path) == before, "a refused resume writes nothing"
 
 
 def test_the_policy_table_covers_what_a_resume_cannot_change():
-    """The refusals the README documents: the model group, the data set and split, the seed, the batch size,
+    """The refusals docs/service.md documents: the model group, the data set and split, the seed, the batch size,
     the optimizer."""
     refused = {k for k, (decision, _) in ON_RESUME.items() if decision == "refused"}
     assert {"model", "data.name", "data.val_fraction", "trainer.seed", "trainer.batch_size", "optim.name"} <= refused
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming from the command line: the run's own settings, only what is passed now applied, and
+# nothing in the directory changes unless the run continues
+
+CLI_RUN = ["model.dims=[64,16,10]", "pc.T=2", "trainer.log_every=2", "trainer.eval_every=4", "trainer.ckpt_every=4",
+           "logger=none", "trainer.progress=off"]
+
+
+def train_py(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_stopped_run_resumed_with_only_its_directory_continues_with_its_own_settings(tmp_path):
+    """Made with trainer.max_steps=12 trainer.stop_at=6 and other overrides, the run says it stopped early and how
+    to resume; resumed with hydra.run.dir alone it continues to step 12 with every setting it was made with (no
+    conf/ default comes back: max_steps stays 12, ckpt_every 4), and changes nothing but what stop_at was for."""
+    run_dir = tmp_path / "run"
+    first = train_py(tmp_path, *CLI_RUN, "trainer.max_steps=12", "trainer.stop_at=6", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.splitlines()[-1].startswith(
+        "stopped early at step 6 of 12 (trainer.stop_at=6): val/accuracy ")
+    assert first.stdout.splitlines()[-1].endswith(
+        f"run directory: {run_dir}; to train on, resume it with its own settings: python train.py "
+        f"hydra.run.dir={run_dir}")
+    second = train_py(tmp_path, f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout.splitlines()
+    assert out[0] == (f"resumed from {run_dir / 'checkpoints/step-00000006'} at step 6 of 12 with the run's own "
+                      f"settings (config: configs/attempt-2.yaml)")
+    assert not [line for line in out if line.startswith("resume:")], "nothing was changed, so nothing is said"
+    assert out[-1].startswith("step 12: val/accuracy ")
+    attempts = [yaml.safe_load((run_dir / f"configs/attempt-{n}.yaml").read_text()) for n in (1, 2)]
+    assert attempts[0]["trainer"].pop("stop_at") == 6 and attempts[1]["trainer"].pop("stop_at") is None
+    assert attempts[0] == attempts[1], "the resume ran with the run's own settings"
+    assert attempts[1]["trainer"]["max_steps"] == 12 and attempts[1]["model"]["dims"] == [64, 16, 10]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [  # ckpt_every 4, the stop, ckpt_keep 3
+        "step-00000006", "step-00000008", "step-00000012"]
+    log = (run_dir / "train.log").read_text()
+    for said in (f"new run in {run_dir}", "stopped early at step 6 of 12", "resumed from", "step 12: val/accuracy"):
+        assert said in log, f"train.log lacks {said!r}"
+
+
+@pytest.fixture(scope="module")
+def mupc_run(tmp_path_factory) -> Path:
+    """A small μPC run made from a preset (experiment=mupc_digits) and stopped at step 2 of 4."""
+    run_dir = tmp_path_factory.mktemp("mupc") / "run"
+    out = train_py(run_dir.parent, "experiment=mupc_digits", "model.depth=4", "trainer.max_steps=4",
+                   "trainer.stop_at=2", "trainer.ckpt_every=2", "logger=none", "trainer.progress=off",
+                   f"hydra.run.dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def test_a_preset_run_resumes_without_repeating_the_preset(mupc_run, tmp_path):
+    run_dir = copy_of(mupc_run, tmp_path / "run")
+    out = train_py(tmp_path, f"hydra.run.dir={run_dir}", "optim.lr=0.005")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resume: optim.lr changed 0.01 -> 0.005: applied (the LR schedule is recomputed at the resumed step)" \
+        in out.stdout.splitlines()
+    attempt = yaml.safe_load((run_dir / "configs/attempt-2.yaml").read_text())
+    assert attempt["model"]["name"] == "mupc" and attempt["model"]["depth"] == 4 and attempt["pc"]["T"] == 4
+    assert '# overrides: ["optim.lr=0.005"]' in (run_dir / "configs/attempt-2.yaml").read_text()
+
+
+def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc_run, tmp_path):
+    """A refusal names the override to leave out (or, for a config composed whole, the run's own to add back);
+    neither it nor a rerun of a finished run writes anything into the directory."""
+    run_dir = copy_of(mupc_run, tmp_path / "run")
+    before = snapshot(run_dir)
+    out = train_py(tmp_path, f"hydra.run.dir={run_dir}", "model=mlp")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith(f"error: cannot resume {run_dir} with changed model.name ('mupc' -> 'mlp': it "
+                                 f"changes the model's shape)")
+    assert out.stderr.endswith("; leave out model=mlp (a resume continues with the run's own settings), or start a new "
+                               "run directory\n")
+    with pytest.raises(pcdist.ConfigError, match=r"; add back experiment=mupc_digits model.depth=4 \(the run was made "
+                                                 r"with: experiment=mupc_digits model.depth=4 "):
+        pcdist.train(pcdist.compose([f"run_dir={run_dir}", "logger=none"]))  # a whole config, without the preset
+    assert snapshot(run_dir) == before
+    finished = train_py(tmp_path, f"hydra.run.dir={run_dir}", "trainer.stop_at=4")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    after = snapshot(run_dir)
+    assert train_py(tmp_path, f"hydra.run.dir={run_dir}").stdout == (
+        f"{run_dir} is already finished: its newest checkpoint is step 4 and trainer.max_steps=4; nothing to train "
+        f"(raise trainer.max_steps to train on, or leave out the run directory for a new run)\n")
+    assert snapshot(run_dir) == after
+    assert not (run_dir / ".hydra").exists() and not (run_dir / "pcdist.log").exists(), "Hydra writes nothing there"
+
+
+def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
+    """A bad value, bad data, resume=require on a mistyped directory: one line each and nothing under runs/."""
+    for args in (["trainer.max_steps=0"], ["data=arrays", "data.path=missing.npz"],
+                 ["resume=require", "hydra.run.dir=runs/2026-01-01/typo"]):
+        out = train_py(tmp_path, *args, "logger=none")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr[-3000:])
+        assert not (tmp_path / "runs").exists(), f"{args} left {sorted(tmp_path.rglob('*'))}"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "train.py"), "trainer.max_steps=0", "logger=none"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode != 0 and out.stderr.count("error: config trainer.max_steps=0 is invalid") == 1, out.stderr
+    left = [p for p in tmp_path.glob("runs/*/*") if p.parent.name != ".launches"]
+    assert not left, f"under torchrun too (only the launch's name record stays, in runs/.launches): {left}"

@@ -27,7 +27,12 @@ from torch import Tensor
 from ..engine.stage import Stage
 from ..errors import PeerError
 
-__all__ = ["LayerExchange"]
+__all__ = ["LayerExchange", "first_line"]
+
+
+def first_line(e: BaseException) -> str:
+    """The backend's error without the C++ frames that gloo and NCCL append (kept in ``__cause__``)."""
+    return str(e).strip().split("\n")[0]
 
 
 def _wait(reqs) -> float:
@@ -43,7 +48,7 @@ def _wait(reqs) -> float:
             me = dist.get_rank()
             raise PeerError(
                 f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
-                f"(is rank {peer} alive?): {e}"
+                f"(is rank {peer} alive?): {first_line(e)}"
             ) from e
     return time.perf_counter() - t0
 

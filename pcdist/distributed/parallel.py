@@ -26,7 +26,7 @@ from torch import Tensor
 from .buckets import GradBuckets
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
-from .exchange import LayerExchange
+from .exchange import LayerExchange, first_line
 from ..engine.layers import LayerKind
 from .partition import layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
@@ -101,7 +101,8 @@ def collective(what: str, group=None):
     except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
         me = dist.get_rank()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out{_who_fell_behind(ranks)}: {e}") from e
+        raise PeerError(f"rank {me}: {what} over ranks {ranks} failed or timed out{_who_fell_behind(ranks)}: "
+                        f"{first_line(e)}") from e
 
 
 _STEPS_KEY = "pcdist/steps_begun/{}"

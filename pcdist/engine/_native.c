@@ -24,7 +24,8 @@
 #include <stddef.h>
 #include <math.h>
 
-enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY = 5, GELU = 6, GELU_TANH = 7 };
+enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY = 5, GELU = 6, GELU_TANH = 7,
+       SILU = 8, SOFTPLUS = 9, ELU = 10, MISH = 11 };
 
 /* gelu constants, as in aten's GeluKernel: 1/sqrt(2), 1/sqrt(2 pi), sqrt(2/pi), 0.044715 */
 #define PCD_SQRT1_2 0.70710678118654752440
@@ -125,9 +126,20 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
     }
 
 #define PCD_GELU_T(T, TANHF, x) TANHF((T)PCD_SQRT_2_PI * ((x) + (T)PCD_KAPPA * (x) * (x) * (x)))
+/* sigmoid without overflow: exp(-|x|) <= 1, then 1 / (1 + e) or e / (1 + e) */
+#define PCD_NABS(T, x) ((x) < (T)0 ? (x) : -(x))
+#define PCD_SIG(T, EXPF, x) (((x) >= (T)0 ? (T)1 : EXPF(PCD_NABS(T, x))) / ((T)1 + EXPF(PCD_NABS(T, x))))
+#define PCD_LOG1P_f32 log1pf /* log1p and expm1 of each type, picked by the SUFFIX of PCD_EACH */
+#define PCD_LOG1P_f64 log1p
+#define PCD_EXPM1_f32 expm1f
+#define PCD_EXPM1_f64 expm1
+/* tanh(softplus(x)), aten's mish formula; x capped at 20, where it is 1 to the last bit (float and double) */
+#define PCD_TSP(T, TANHF, EXPF, LOG1PF, x) TANHF(LOG1PF(EXPF((x) < (T)20 ? (x) : (T)20)))
+/* softplus with beta = lo and threshold = hi, as aten's: linear above hi, the exponent capped at hi */
+#define PCD_SP_EXP(EXPF, x) EXPF((x) * lo < hi ? (x) * lo : hi)
 #define PCD_EACH(M, T, SUFFIX, TANHF, EXPF, ERFF)                                          \
     M(T, SUFFIX, tanh, TANHF(x), one - u * u)                                          \
-    M(T, SUFFIX, sigmoid, one / (one + EXPF(-x)), (one - u) * u)                       \
+    M(T, SUFFIX, sigmoid, PCD_SIG(T, EXPF, x), (one - u) * u)                          \
     M(T, SUFFIX, relu, x > zero ? x : zero, u > zero ? one : zero)                     \
     M(T, SUFFIX, leaky_relu, x > zero ? x : x * lo, u > zero ? one : lo)               \
     M(T, SUFFIX, hard_tanh, x < lo ? lo : (x > hi ? hi : x), (u > lo && u < hi) ? one : zero) \
@@ -136,7 +148,14 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
       (T)0.5 * (one + ERFF(x * (T)PCD_SQRT1_2)) + x * (T)PCD_INV_SQRT_2PI * EXPF((T)-0.5 * x * x)) \
     M(T, SUFFIX, gelu_tanh, (T)0.5 * x * (one + PCD_GELU_T(T, TANHF, x)),                \
       (T)0.5 * (one + PCD_GELU_T(T, TANHF, x)) + (T)0.5 * x * (one - PCD_GELU_T(T, TANHF, x) * PCD_GELU_T(T, TANHF, x)) \
-          * (T)PCD_SQRT_2_PI * (one + (T)(3 * PCD_KAPPA) * x * x))
+          * (T)PCD_SQRT_2_PI * (one + (T)(3 * PCD_KAPPA) * x * x))                            \
+    M(T, SUFFIX, silu, x * PCD_SIG(T, EXPF, x), PCD_SIG(T, EXPF, x) * (one + x * (one - PCD_SIG(T, EXPF, x)))) \
+    M(T, SUFFIX, softplus, x * lo > hi ? x : PCD_LOG1P_##SUFFIX(PCD_SP_EXP(EXPF, x)) / lo,   \
+      x * lo > hi ? one : PCD_SP_EXP(EXPF, x) / (PCD_SP_EXP(EXPF, x) + one))              \
+    M(T, SUFFIX, elu, x > zero ? x : lo * PCD_EXPM1_##SUFFIX(x), u > zero ? one : u + lo) \
+    M(T, SUFFIX, mish, x * PCD_TSP(T, TANHF, EXPF, PCD_LOG1P_##SUFFIX, x),                  \
+      PCD_TSP(T, TANHF, EXPF, PCD_LOG1P_##SUFFIX, x) + x * PCD_SIG(T, EXPF, x)              \
+          * (one - PCD_TSP(T, TANHF, EXPF, PCD_LOG1P_##SUFFIX, x) * PCD_TSP(T, TANHF, EXPF, PCD_LOG1P_##SUFFIX, x)))
 
 #define PCD_PICK(k, SUFFIX, INFIX, act)                                                   \
     switch (act) {                                                                        \
@@ -147,6 +166,10 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
     case HARD_TANH: k = SUFFIX##INFIX##hard_tanh; break;                                  \
     case GELU: k = SUFFIX##INFIX##gelu; break;                                            \
     case GELU_TANH: k = SUFFIX##INFIX##gelu_tanh; break;                                  \
+    case SILU: k = SUFFIX##INFIX##silu; break;                                            \
+    case SOFTPLUS: k = SUFFIX##INFIX##softplus; break;                                    \
+    case ELU: k = SUFFIX##INFIX##elu; break;                                              \
+    case MISH: k = SUFFIX##INFIX##mish; break;                                            \
     default: k = SUFFIX##INFIX##identity; break;                                          \
     }
 

@@ -20,7 +20,6 @@ holds pi_L * E_out, and the engine needs three things of it, per sample:
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

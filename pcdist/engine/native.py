@@ -32,7 +32,7 @@ from torch import Tensor
 __all__ = ["ACT_CODES", "act_code", "library", "usable", "Kernel", "ResidualKernel"]
 
 ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5, "gelu": 6,
-             "gelu_tanh": 7}
+             "gelu_tanh": 7, "silu": 8, "softplus": 9, "elu": 10, "mish": 11}
 _SOURCE = Path(__file__).with_name("_native.c")
 # Tried in order: the fast build (x86 with glibc's vector maths), then ever more portable ones.
 _FLAG_SETS = (
@@ -127,10 +127,18 @@ def library() -> ctypes.CDLL | None:
 
 def act_code(act) -> int | None:
     """The kernel's code for an Activation, or None where it has none (leaky_relu with a
-    negative slope: its f' is not a function of u and it is rare enough to leave to torch ops)."""
-    if act is None or (act.name == "leaky_relu" and act.negative_slope < 0):
+    negative slope, elu with a negative alpha: their f' is not a function of u, and they are rare
+    enough to leave to torch ops)."""
+    if act is None or (act.name == "leaky_relu" and act.negative_slope < 0) or (act.name == "elu" and act.alpha < 0):
         return None
     return ACT_CODES.get("gelu_tanh" if act.name == "gelu" and act.approximate == "tanh" else act.name)
+
+
+def _bounds(act) -> tuple[float, float]:
+    """The kernel's two activation parameters (lo, hi): leaky_relu's slope, elu's alpha, softplus's
+    beta and threshold, hard_tanh's bounds."""
+    return {"leaky_relu": (act.negative_slope, 0.0), "elu": (act.alpha, 0.0),
+            "softplus": (act.beta, act.threshold)}.get(act.name, (act.min_val, act.max_val))
 
 
 def usable(act, like: Tensor) -> bool:
@@ -166,8 +174,7 @@ class Kernel:
             raise ValueError(f"native kernel: prec must be contiguous with shape {[K]}")
         lib = library()
         self._fn = lib.pcd_errors_f32 if au.dtype == torch.float32 else lib.pcd_errors_f64
-        lo, hi = (act.negative_slope, 0.0) if act.name == "leaky_relu" else (act.min_val, act.max_val)
-        self._code, self._bounds = act_code(act), (lo, hi)
+        self._code, self._bounds = act_code(act), _bounds(act)
         self._ptrs = [t.data_ptr() for t in (au, u, h, e, d)]
         self._bias = bias.data_ptr()
         self._prec = None if prec is None else prec.data_ptr()
@@ -219,8 +226,7 @@ class ResidualKernel:
         f64 = u.dtype == torch.float64
         self._act_fn = lib.pcd_res_act_f64 if f64 else lib.pcd_res_act_f32
         self._err_fn = lib.pcd_res_errors_f64 if f64 else lib.pcd_res_errors_f32
-        lo, hi = (act.negative_slope, 0.0) if act.name == "leaky_relu" else (act.min_val, act.max_val)
-        self._head = (act_code(act), lo, hi)
+        self._head = (act_code(act), *_bounds(act))
         self._keep = like  # the buffers outlive the pointers
         self._h_in, self._s, self._x = h_in, s, x
         self._u, self._h_out, self._e, self._t, self._prec = u, h_out, e, t, prec

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import OrderedDict
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .activations import Activation, activation_from_module, get_activation
+from .activations import ELEMENTWISE_MODULES, SUPPORTED_MODULES, Activation, activation_from_module, get_activation
 from .energies import check_energy
 from .layers import Dense, LayerGroup, LayerKind, group_layers, kind_from_module, seeded_generator
 from .layers.prior import Prior, PriorGroup
@@ -397,10 +398,14 @@ def split_sequential(seq: nn.Sequential) -> list[nn.Sequential]:
         else:
             cur = blocks[-1]
             layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
-            has_act = any(_is_activation(x) for x in cur if x is not layer and not isinstance(x, nn.Flatten))
+            has_act = any(_is_activation(x) or isinstance(x, ELEMENTWISE_MODULES) for x in cur
+                          if x is not layer and not isinstance(x, nn.Flatten))
             has_pool = any(isinstance(x, _POOLS) for x in cur)
-            if _is_activation(m) and not has_act and not has_pool:
+            if (_is_activation(m) or isinstance(m, ELEMENTWISE_MODULES)) and not has_act and not has_pool:
                 cur.append(m)
+            elif isinstance(m, (nn.Softmax, nn.LogSoftmax)) and i == len(mods) - 1:
+                raise ValueError(f"module {i} ({type(m).__name__}) after the output layer: leave it out; energy='ce' "
+                                 f"applies the softmax to the output layer's u_L = a_L (the logits) itself")
             elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
                 cur.append(m)
             elif _is_activation(m):
@@ -414,10 +419,17 @@ def split_sequential(seq: nn.Sequential) -> list[nn.Sequential]:
     if not blocks:
         raise ValueError("the Sequential has no nn.Linear or nn.Conv layer")
     last = blocks[-1]
-    acts = [activation_from_module(x) for x in last if _is_activation(x)]
-    if acts and acts[0].name != "identity":
-        raise ValueError(f"the output layer must not be followed by an activation (found {acts[0].name}); "
+    acts = [type(x).__name__ for x in last if isinstance(x, ELEMENTWISE_MODULES)]
+    acts += [activation_from_module(x).name for x in last if _is_activation(x)]
+    if acts and acts[0] != "identity":
+        raise ValueError(f"the output layer must not be followed by an activation (found {acts[0]}); "
                          "the output energy acts on u_L = a_L")
+    unfused = [f"{type(x).__name__} (module {mods.index(x)})" for b in blocks for x in b
+               if isinstance(x, ELEMENTWISE_MODULES)]
+    if unfused:
+        warnings.warn(f"from_sequential: {', '.join(unfused)} {'is' if len(unfused) == 1 else 'are'} not among the "
+                      f"fused activations ({SUPPORTED_MODULES}); such a layer runs through the module kind "
+                      f"(autograd's VJPs, slower than a fused activation)", stacklevel=3)
     return [nn.Sequential(*b) for b in blocks]
 
 

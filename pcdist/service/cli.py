@@ -13,13 +13,18 @@ A user error (a mistyped key, a value out of range, a mesh that does not fit, mi
 files, a checkpoint of another model, a wandb login missing) is printed as one line and
 exits with status 2. Under torchrun every rank finds the same error; only local rank 0
 prints it (once per machine), the others wait a moment so that torchrun, which stops every
-worker once one has exited, does not stop local rank 0 before it has printed.
+worker once one has exited, does not stop local rank 0 before it has printed. A neighbour
+rank that died or hung is one line too (status 1), without the survivor's traceback.
+
+Hydra writes none of its own files into the run directory, and the directories Hydra creates
+for a launch that then fails before training are removed: a failed launch leaves nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +32,8 @@ from pathlib import Path
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
-from .config import CONF_DIR, Config, config_keys, did_you_mean, load_config  # noqa: E402
+from .config import CONF_DIR, Config, check_overrides, config_keys, groups, load_config  # noqa: E402
+from ..errors import PeerError  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -41,13 +47,30 @@ usage: python train.py [group=option ...] [key=value ...]           one process 
 """
 
 
-def fail(message: str) -> None:
-    """Print ``error: <message>`` once (local rank 0) and exit with status 2."""
+def fail(message: str, status: int = 2) -> None:
+    """Print ``error: <message>`` once (local rank 0) and exit with ``status`` (2: the user's input)."""
     if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(3)  # torchrun stops every worker once one exits: let local rank 0 print first
-    sys.exit(2)
+    sys.exit(status)
+
+
+def preempted_status() -> int:
+    """The exit status of a pre-empted run: 3, or ``$PCDIST_PREEMPTED_STATUS``. launch/slurm.sbatch sets 0,
+    so that torchrun's agent neither restarts the stopped workers nor reports them as failed (with a
+    traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
+    return int(value) if value.isdigit() and int(value) < 256 else 3
+
+
+def _ignore_stop_signals() -> None:
+    """The run is over: ignore further SIGTERM / SIGUSR1 on the way out. Python puts back their default
+    action (death) as the interpreter exits, and a launcher may repeat them until the process is gone
+    (launch/slurm_node.sh does): a pre-empted worker killed so would count as failed, and torchrun would
+    restart the group."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def before_hydra(conf_dir: Path, argv: list[str]) -> None:
@@ -102,46 +125,6 @@ def _fixed(overrides: list[str]) -> list[str]:
     return [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()]
 
 
-def _groups(conf_dir: Path) -> dict[str, list[str]]:
-    """Config group -> its options (conf/<group>/<option>.yaml)."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(conf_dir.iterdir()) if d.is_dir()}
-
-
-def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
-    """The first problem with the command-line overrides as one line, or None.
-
-    A key that is not in the config gets a did-you-mean from the known keys (Hydra itself would
-    advise appending it with ``+key``, which the structured config then refuses); a group option
-    that does not exist lists the options.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException as e:
-        return f"cannot read the override: {' '.join(str(e).split())}"
-    keys, groups = config_keys(), _groups(conf_dir)
-    for o in parsed:
-        key = o.key_or_group
-        if o.is_delete() or key.split(".")[0].split("/")[0] == "hydra" or o.package:
-            continue
-        if key in groups:
-            v = None if o.is_sweep_override() else o.value()
-            if isinstance(v, str) and v not in groups[key]:
-                return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(groups[key])})"
-                        f"{did_you_mean(v, groups[key])}")
-            continue
-        if key in keys:
-            if o.is_add():
-                return f"config key {key} already exists: set it with {key}=... (without +, which adds a new key)"
-            continue
-        if any(key.startswith(k + ".") for k in keys):  # an element of a list-valued key, e.g. model.dims.0
-            continue
-        return f"unknown config key {key}{did_you_mean(key, keys)} (python train.py --help lists every key)"
-    return None
-
-
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
     """The config Hydra composes from ``conf_dir`` with ``overrides`` (no run directory, no logging setup)."""
     from hydra import compose, initialize_config_dir
@@ -161,7 +144,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     # The values a run gets: the composed files over the dataclass defaults (as load_config merges them).
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in composed.items() if k in top})
     lines = [USAGE, "config groups (conf/<group>/<option>.yaml; * = chosen):"]
-    for group, options in _groups(conf_dir).items():
+    for group, options in groups(conf_dir).items():
         if group != "hydra":
             lines.append(f"  {group:<11} " + ", ".join(o + "*" * (chosen.get(group) == o) for o in options))
     lines += ["", "keys (value with these overrides; every key is checked before any process starts):"]
@@ -179,25 +162,51 @@ def _train(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     from .checkpoint import CheckpointError
+    from .config import passed_settings
     from .data import DataError
+    from .run import run
 
-    cfg.run_dir = HydraConfig.get().runtime.output_dir
     try:
-        result = pcdist.train(cfg)
+        c = load_config(cfg)
+        c.run_dir = HydraConfig.get().runtime.output_dir
+        result = run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
     except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
-        print(f"pre-empted: {e}", flush=True)
-        sys.exit(3)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
+            print(f"pre-empted: {e}", flush=True)
+        sys.exit(preempted_status())
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
+        _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))
-    shown = [f"{k} {result[k]:.4f}" if k == "val/accuracy" else f"{k} {result[k]:.4g}"
-             for k in ("val/accuracy", "val/reconstruction_mse") if k in result]
-    if shown:
-        print(f"step {result['step']}: {', '.join(shown)}; run directory: {result['run_dir']}", flush=True)
+    except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
+        fail(str(e).split("\n")[0], status=1)
+    finally:
+        _ignore_stop_signals()
     return result.get("val/accuracy")  # the objective of a sweeper (Optuna: direction maximize)
+
+
+_new_dirs: list[Path] = []
+"""The run directory and those of its parents that did not exist before this launch, deepest first."""
+
+
+def _remove_new_dirs() -> None:
+    """Remove the directories this launch created while they are empty (a launch that failed before training)."""
+    for d in _new_dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (the run wrote its files), gone, or not ours to remove
+            break
 
 
 def main() -> None:
     """Check the command line, then parse it as Hydra overrides and train."""
+    try:
+        _main()
+    except BrokenPipeError:  # `python -m pcdist --help | head`: the reader has gone, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _main() -> None:
     import hydra
 
     from ..errors import ConfigError
@@ -207,17 +216,23 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
         sys.exit(command(sys.argv[1:]))
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun every rank runs Hydra: none writes Hydra's own files (the logging rank
-        # writes the resolved config.yaml itself), and all agree on the run directory (pcdist/service/rundir.py).
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    if not any(a.startswith(("hydra.run.dir=", "--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
-               for a in sys.argv[1:]):
+    # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
+    # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
+    if not named and not any(a.startswith(("--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
+                             for a in sys.argv[1:]):
         try:  # the new run directory, named before Hydra resolves it (cached: Hydra gets the same)
-            launch_run_dir()
+            named = [launch_run_dir("runs")]  # as conf/config.yaml asks (the cache is keyed by the argument)
         except ConfigError as e:
             fail(str(e))
-    hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
+    if named:  # Hydra creates them before the run starts
+        path = Path(named[-1]).absolute()
+        _new_dirs[:] = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
+    finally:  # a launch that failed before training leaves no empty run directory behind
+        _remove_new_dirs()
 
 
 if __name__ == "__main__":

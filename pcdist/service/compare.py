@@ -14,7 +14,7 @@ import yaml
 
 from .load import RunError
 from .metrics import _pyplot, _save, read_metrics
-from .rundir import _flat
+from .config import flat
 
 __all__ = ["compare", "find_runs", "format_table"]
 
@@ -55,7 +55,7 @@ def compare(paths, plot: str | Path | None = None) -> dict:
     settings and final metrics]}; draws the validation curves into ``plot`` (default: compare.png in
     the sweep directory, or in the current directory for several run directories)."""
     runs = find_runs(paths)
-    configs = [_flat(yaml.safe_load((r / "config.yaml").read_text()) or {}) for r in runs]
+    configs = [flat(yaml.safe_load((r / "config.yaml").read_text()) or {}) for r in runs]
     keys = sorted({k for c in configs for k in c} - _NOT_SETTINGS)
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     histories = [read_metrics(r / "metrics.jsonl") if (r / "metrics.jsonl").is_file() else [] for r in runs]

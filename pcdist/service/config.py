@@ -34,10 +34,12 @@ from ..engine.trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
-           "validate", "DATASETS",
-           "config_keys", "did_you_mean"]
+           "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
+           "passed_settings", "flat"]
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
+ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
+"""The data sets read from the standard files in data.root."""
 PYTHON_DATA = "python"
 """data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
 PYTHON_MODEL = "python"
@@ -76,7 +78,7 @@ class ModelConfig:
     python (layers passed to pcdist.train(cfg, layers=...)): their number, set by pcdist.train."""
     activation: str = "gelu"
     """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
-    gelu, hard_tanh, sigmoid, identity."""
+    gelu, hard_tanh, sigmoid, identity, silu, softplus, elu, mish."""
     energy: str = "ce"
     """Output energy: se (squared error), ce (cross-entropy), bce (Bernoulli with logits: data in [0, 1]) or
     zero (no output energy, PCX's zero_energy)."""
@@ -292,6 +294,9 @@ def compose(overrides: Iterable[str] = ()) -> DictConfig:
 
     from hydra.errors import HydraException
 
+    problem = check_overrides(CONF_DIR, list(overrides))
+    if problem:
+        raise ConfigError(problem)
     outer = GlobalHydra.instance().hydra  # a running Hydra app: set aside, then restored
     GlobalHydra.instance().clear()
     try:
@@ -319,16 +324,19 @@ def composition_error(e: Exception) -> ConfigError:
 def make_config(cfg: Any = None) -> Config:
     """The validated Config of a run, on top of conf/'s defaults.
 
-    A DictConfig is taken as composed already (train.py's). A dict (or None) is merged onto
-    ``compose()``; a string value for a group selects that group's file and a dotted key sets
-    one value, as on the command line: ``{"optim": "sgd", "optim.lr": 0.01, "trainer":
-    {"max_steps": 100}}`` is ``train.py optim=sgd optim.lr=0.01 trainer.max_steps=100``.
+    A DictConfig is taken as composed already. A list is the command line's overrides
+    (``["optim=sgd", "optim.lr=0.01"]``). A dict (or None) is merged onto ``compose()``; a
+    string value for a group selects that group's file and a dotted key sets one value, as on
+    the command line: ``{"optim": "sgd", "optim.lr": 0.01, "trainer": {"max_steps": 100}}`` is
+    ``train.py optim=sgd optim.lr=0.01 trainer.max_steps=100``.
     """
     if isinstance(cfg, DictConfig):
         return load_config(cfg)
+    if isinstance(cfg, (list, tuple)):
+        return load_config(compose(cfg))
     if cfg is not None and not isinstance(cfg, dict):
-        raise ConfigError(f"pcdist.train needs a dict or an omegaconf DictConfig as its config, got "
-                          f"{type(cfg).__name__}")
+        raise ConfigError(f"pcdist.train needs a dict, a list of overrides or an omegaconf DictConfig as its config, "
+                          f"got {type(cfg).__name__}")
     cfg = dict(cfg or {})
     choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
     dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}
@@ -338,6 +346,65 @@ def make_config(cfg: Any = None) -> Config:
     for key, value in dotted.items():
         OmegaConf.update(merged, key, value, merge=True)
     return load_config(merged)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """{"trainer": {"max_steps": 5}} -> {"trainer.max_steps": 5} (lists are values)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _text(value: Any) -> str:
+    """A value as the command line writes it: 132, [64,32,10], null, true."""
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def passed_settings(cfg: Any) -> dict[str, str] | None:
+    """The config keys the user's ``cfg`` sets, each with the override that sets it (as the command
+    line writes it: ``trainer.max_steps=132``, ``experiment=mupc_digits``); None for a config composed
+    already (a DictConfig), which may set any key. A group choice sets the keys its file changes
+    from the defaults, and for a group that is a config section (``model=cnn``) all of its keys."""
+    if isinstance(cfg, DictConfig):
+        return None
+    if cfg is None:
+        return {}
+    if isinstance(cfg, dict):
+        choices = [f"{k}={v}" for k, v in cfg.items() if k in GROUPS and isinstance(v, str)]
+        rest = {k: v for k, v in cfg.items() if not (k in GROUPS and isinstance(v, str))}
+        keys = {k: f"{k}={_text(v)}" for k, v in flat(rest).items()}
+        order = [f"{k}={v}" if k in GROUPS and isinstance(v, str) else k for k, v in cfg.items()]
+    else:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        choices, keys, order = [], {}, list(cfg)
+        for o in OverridesParser.create().parse_overrides(list(cfg)):
+            key = o.key_or_group
+            if key in groups():
+                choices.append(o.input_line)
+            elif key.split(".")[0].split("/")[0] != "hydra":
+                known = [k for k in config_keys() if key == k or key.startswith(k + ".")]  # model.dims.0: model.dims
+                keys[known[0] if known else key] = o.input_line
+    if choices:
+        default = flat(OmegaConf.to_container(compose([]), resolve=True))
+        for choice in choices:
+            group = choice.split("=", 1)[0]
+            chosen = flat(OmegaConf.to_container(compose([choice]), resolve=True))
+            for k, v in chosen.items():
+                if k.split(".")[0] == group or default.get(k, v) != v or k not in default:
+                    keys.setdefault(k, choice)
+
+    def position(text: str) -> int:  # where the override stands in the user's cfg (a dict: its top-level key)
+        return next((i for i, o in enumerate(order) if text == o or text.startswith(f"{o}.") or text.startswith(f"{o}=")),
+                    len(order))
+
+    return dict(sorted(keys.items(), key=lambda kv: position(kv[1])))
 
 
 def load_config(cfg: Any) -> Config:
@@ -400,13 +467,22 @@ def validate(c: Config) -> None:
            "a list of at least one channel count >= 1")
     _check(m.kernel_size >= 1, "model.kernel_size", m.kernel_size, "an integer >= 1")
     _check(all(p in ("max", "avg", "none") for p in m.pool), "model.pool", m.pool, "a list of max, avg, none")
-    _check(m.name != "cnn" or len(m.pool) == len(m.channels), "model.pool", m.pool,
-           f"one entry per conv layer ({len(m.channels)}, from model.channels)")
+    if m.name == "cnn" and len(m.pool) != len(m.channels):
+        raise ConfigError(f"config model.channels={m.channels} has {len(m.channels)} conv layers but model.pool="
+                          f"{m.pool} has {len(m.pool)} entries: one pooling (max, avg or none) per conv layer, e.g. "
+                          f"model.pool=[{','.join(['max'] * len(m.channels))}]")
     _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
     _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
     _check(d.name in DATASETS or d.name == PYTHON_DATA, "data.name", d.name, ", ".join(DATASETS))
+    if d.path is not None and d.name != "arrays":
+        raise ConfigError(f"config data.path={d.path} is read by data=arrays only, but the data is {d.name}: add "
+                          f"data=arrays (or leave out data.path)")
+    if d.root is not None and d.name not in ROOT_DATASETS:
+        raise ConfigError(f"config data.root={d.root} is read by data={', '.join(ROOT_DATASETS)} only, but the data "
+                          f"is {d.name}: choose one of them (or leave out data.root; your own arrays: data=arrays "
+                          f"data.path=...)")
     _check(d.num_classes is None or d.num_classes >= 1, "data.num_classes", d.num_classes, "null or an integer >= 1")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
     _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "an integer >= 1")
@@ -499,6 +575,51 @@ def config_keys() -> dict[str, str]:
 
     walk(Config, "")
     return keys
+
+
+def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
+    """Config group -> its options (conf/<group>/<option>.yaml)."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(conf_dir.iterdir()) if d.is_dir()}
+
+
+def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
+    """The first problem with command-line overrides as one line, or None.
+
+    A key that is not in the config gets a did-you-mean from the known keys and groups (Hydra
+    itself would advise appending it with ``+key``, which the structured config then refuses);
+    a group option that does not exist lists the options.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return f"cannot read the override: {' '.join(str(e).split())}"
+    keys, options = config_keys(), groups(conf_dir)
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_delete() or key.split(".")[0].split("/")[0] == "hydra" or o.package:
+            continue
+        if key in options:
+            v = None if o.is_sweep_override() else o.value()
+            if isinstance(v, str) and v not in options[key]:
+                return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(options[key])})"
+                        f"{did_you_mean(v, options[key])}")
+            continue
+        if key in keys:
+            if o.is_add():
+                return f"config key {key} already exists: set it with {key}=... (without +, which adds a new key)"
+            continue
+        if any(key.startswith(k + ".") for k in keys):  # an element of a list-valued key, e.g. model.dims.0
+            continue
+        hint = did_you_mean(key, keys)
+        group = [] if "." in key else difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+        if not hint and group:
+            value = o.input_line.split("=", 1)[1] if "=" in o.input_line else "..."
+            hint = f"; did you mean the config group {group[0]}={value}?"
+        return f"unknown config key {key}{hint} (python train.py --help lists every key and group)"
+    return None
 
 
 def did_you_mean(word: str, known) -> str:

@@ -46,13 +46,24 @@ class DataError(ValueError):
 
 @dataclass
 class Dataset:
-    """Training and validation data in memory: inputs [N, *sample_shape] (float), labels [N] (int64)."""
+    """Training and validation data in memory: inputs [N, *sample_shape] (float), labels [N] (int64);
+    the fields are named as the arrays of an ``.npz`` (x_train, y_train, x_val, y_val)."""
 
     x_train: Tensor  # [N, features] or [N, C, H, W], float32 (float64 kept)
-    labels_train: Tensor  # [N], int64
+    y_train: Tensor  # [N], int64 class ids
     x_val: Tensor
-    labels_val: Tensor
+    y_val: Tensor
     num_classes: int
+
+    @property
+    def labels_train(self) -> Tensor:
+        """``y_train`` (the field's name before it followed the .npz arrays)."""
+        return self.y_train
+
+    @property
+    def labels_val(self) -> Tensor:
+        """``y_val`` (the field's name before it followed the .npz arrays)."""
+        return self.y_val
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -68,8 +79,7 @@ class Dataset:
 
     def flat(self) -> "Dataset":
         """The same data with every sample flattened to [features] (a view where the inputs are contiguous)."""
-        return Dataset(self.x_train.flatten(1), self.labels_train, self.x_val.flatten(1), self.labels_val,
-                       self.num_classes)
+        return Dataset(self.x_train.flatten(1), self.y_train, self.x_val.flatten(1), self.y_val, self.num_classes)
 
 
 @dataclass
@@ -123,11 +133,10 @@ def one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype = torch.float32
     return torch.nn.functional.one_hot(labels.long(), num_classes).to(dtype)
 
 
-def load_digits(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1].
-
-    Returns (x_train, labels_train, x_val, labels_val) with a fixed stratified split.
-    """
+def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1], with a
+    fixed stratified split: images [N, 1, 8, 8] as every reader keeps them (``load_dataset("digits")``
+    is the same); ``.flat()`` gives [N, 64]."""
     from sklearn.datasets import load_digits as _load
     from sklearn.model_selection import train_test_split
 
@@ -135,8 +144,8 @@ def load_digits(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tensor, Tenso
     x_tr, x_va, y_tr, y_va = train_test_split(
         d.data / 16.0, d.target, test_size=val_fraction, random_state=seed, stratify=d.target
     )
-    f = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
-    return f(x_tr), torch.as_tensor(y_tr), f(x_va), torch.as_tensor(y_va)
+    images = lambda a: torch.as_tensor(a, dtype=torch.float32).view(-1, 1, 8, 8)  # noqa: E731
+    return Dataset(images(x_tr), torch.as_tensor(y_tr), images(x_va), torch.as_tensor(y_va), num_classes=10)
 
 
 def synthetic(dims: list[int], n_train: int, n_val: int, seed: int) -> Dataset:
@@ -320,7 +329,8 @@ def load_arrays(path: str, num_classes: int | None = None) -> Dataset | Streamed
             try:
                 a[k] = np.load(p / f"{k}.npy", mmap_mode="r", allow_pickle=False)
             except Exception as e:
-                raise DataError(f"{where}: {k}.npy is not a .npy array file: {e}") from e
+                raise DataError(f"{where}: {k}.npy is not a .npy file of numbers (np.save of a numeric array "
+                                f"writes one)") from e
         classes = _check_arrays(where, a, num_classes)
         return StreamedData(NpyArrays(where, "train", a["x_train"], a["y_train"]),
                             NpyArrays(where, "val", a["x_val"], a["y_val"]), classes, a["x_train"].shape[1:])
@@ -329,8 +339,9 @@ def load_arrays(path: str, num_classes: int | None = None) -> Dataset | Streamed
                         f"folder of those four .npy files")
     try:
         npz = np.load(p, allow_pickle=False)
-    except Exception as e:
-        raise DataError(f"{where}: not an .npz archive ({e}); expected one with x_train, y_train, x_val, y_val") from e
+    except Exception as e:  # numpy's own text (pickles, allow_pickle) would mislead: the file is not an archive
+        raise DataError(f"{where}: not an .npz archive (np.savez writes one); expected one with x_train, y_train, "
+                        f"x_val, y_val") from e
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise DataError(f"{where}: a single array; expected an .npz (np.savez) with x_train, y_train, x_val, y_val")
     with npz:
@@ -360,7 +371,7 @@ def normalized(ds: Dataset, stats: tuple[Tensor, Tensor] | None = None) -> Datas
     """``ds`` with every input channel standardised by the training set's mean and standard deviation
     (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs), or by ``stats``."""
     mean, std = stats if stats is not None else normalization_stats(ds)
-    return Dataset((ds.x_train - mean) / std, ds.labels_train, (ds.x_val - mean) / std, ds.labels_val, ds.num_classes)
+    return Dataset((ds.x_train - mean) / std, ds.y_train, (ds.x_val - mean) / std, ds.y_val, ds.num_classes)
 
 
 def augment(x: Tensor, generator: torch.Generator, rows: Tensor | None = None, global_batch: int | None = None,
@@ -420,8 +431,7 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
     if name == "arrays":
         return load_arrays(path, num_classes)
     if name == "digits":
-        x_tr, l_tr, x_va, l_va = load_digits(val_fraction, seed=0)
-        ds = Dataset(x_tr.view(-1, 1, 8, 8), l_tr, x_va.view(-1, 1, 8, 8), l_va, num_classes=10)
+        ds = load_digits(val_fraction, seed=0)
     elif name == "synthetic":
         if dims is None:
             raise ValueError("data=synthetic needs the model dims (its teacher has the model's shape)")
@@ -433,7 +443,7 @@ def load_dataset(name: str, root: str | None = None, dims: list[int] | None = No
     else:
         raise ValueError(f"unknown dataset {name!r}; allowed: digits, synthetic, mnist, fashion_mnist, cifar10, "
                          "cifar100, arrays")
-    for split, labels in (("train", ds.labels_train), ("val", ds.labels_val)):
+    for split, labels in (("train", ds.y_train), ("val", ds.y_val)):
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= ds.num_classes):
             raise DataError(f"{name} {split} labels span [{int(labels.min())}, {int(labels.max())}], "
                             f"outside [0, {ds.num_classes})")

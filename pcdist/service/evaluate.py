@@ -69,7 +69,7 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
         return x, torch.tensor([int(b) for _, b in items])
     if not isinstance(data, Dataset):
         raise RunError(f"data= takes a pcdist.data.Dataset or StreamedData, got {type(data).__name__}")
-    return data.x_val, data.labels_val
+    return data.x_val, data.y_val
 
 
 @torch.no_grad()

@@ -93,6 +93,7 @@ class Streamed:
                  num_workers: int, prefetch_factor: int, device: torch.device, dtype: torch.dtype,
                  flatten: bool = True, data_at_top: bool = False):
         self.data, self.batch_of, self.par, self.batch_size = data, batch_of, par, batch_size
+        self.num_classes = data.num_classes
         self.device, self.dtype, self.flatten = device, dtype, flatten
         self.x_here = par.is_last if data_at_top else par.is_first
         self.labels_here = par.is_first if data_at_top else par.is_last

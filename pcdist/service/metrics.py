@@ -71,6 +71,9 @@ class NullLogger:
     def log_trace(self, trace: list[list[float]]) -> None:
         pass
 
+    def say(self, line: str) -> None:
+        pass
+
     def log_images(self, images: dict, step: int) -> None:
         pass
 
@@ -102,9 +105,11 @@ class RunLogger(NullLogger):
         if logger_cfg.name == "wandb" and logger_cfg.mode != "disabled":
             import wandb
 
+            # quiet: no banner, and no ~30-line history and summary when the run finishes (metrics.jsonl,
+            # train.log and the plots hold them); wandb's warnings and errors still show.
             self._wandb = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, name=logger_cfg.run_name,
                                      mode=logger_cfg.mode, dir=str(self.run_dir), config=config, resume="allow",
-                                     id=_run_id(self.run_dir))
+                                     id=_run_id(self.run_dir), settings=wandb.Settings(quiet=True))
         tty = sys.stderr.isatty()
         self._lines = progress == "auto" and not tty
         self._bar = None
@@ -135,6 +140,14 @@ class RunLogger(NullLogger):
                       f"acc={self._accuracy:.4f}" if self._accuracy is not None else ""]
             self._bar.n = step
             self._bar.set_postfix_str(" ".join(f for f in fields if f), refresh=True)
+
+    def say(self, line: str) -> None:
+        """A line about the run (mesh, new run or resume, the end): on stdout and in train.log."""
+        self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
 
     def log_trace(self, trace: list[list[float]]) -> None:
         """Per-layer energies at each inference step of one batch (for the plots)."""

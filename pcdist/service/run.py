@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers, passed_settings
 from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
                    normalized, one_hot)
 from .modelfile import Inputs, write_model_file
@@ -39,10 +39,10 @@ from .validate import pictures, validate
 from .metrics import check_logger, make_logger
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
-from .rundir import find_resume, next_run_dir, position_schedule, write_attempt
+from .rundir import Resume, find_resume, next_run_dir, position_schedule, write_attempt
 from ..engine.trainer import PCTrainer, warmup_cosine
 
-__all__ = ["train", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
+__all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
 
 
 class Result(dict):
@@ -177,7 +177,7 @@ def _check_data(c: Config, ds) -> None:
                 raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
                                 f"{list(c.model.dims)}")
     if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
-        for name, x, labels in (("train", ds.x_train, ds.labels_train), ("val", ds.x_val, ds.labels_val)):
+        for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
             if not torch.isfinite(x).all():
                 raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
             if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
@@ -206,16 +206,24 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
     ``result.network``, the trained network (this rank's layer slice under torchrun).
 
     ``cfg``: a dict applied on top of conf/'s defaults, as overrides on the command line are
-    (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a
-    DictConfig composed already (train.py's, ``pcdist.compose([...])``), or None (the
-    defaults). ``data``: your own data instead of ``data.name``: a ``pcdist.data.Dataset``
-    (tensors in memory) or ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader
-    worker processes). ``run_dir`` unset: a new directory (pcdist/service/rundir.py).
+    (``{"data": "mnist", "optim": {"lr": 0.01}}``: a string for a group picks its file), a list
+    of command-line overrides (``["data=mnist", "optim.lr=0.01"]``), a DictConfig composed
+    already (``pcdist.compose([...])``), or None (the defaults). ``data``: your own data instead
+    of ``data.name``: a ``pcdist.data.Dataset`` (tensors in memory) or
+    ``pcdist.data.StreamedData`` (torch Datasets, read by DataLoader worker processes).
     ``layers``: your own model instead of ``model``: one torch module per PC layer (or an
     nn.Sequential, or a function returning either; an importable function is recorded in the run
     so that ``pcdist.load`` rebuilds the exact modules). Their weights are the initial weights.
+    ``run_dir`` unset: a new directory (pcdist/service/rundir.py). A ``run_dir`` that holds a
+    checkpoint is resumed with the run's own settings, changed only where ``cfg`` sets a key.
     """
-    c = make_config(cfg)
+    return run(make_config(cfg), passed_settings(cfg), data, layers)
+
+
+def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData | None = None,
+        layers=None) -> Result:
+    """``train`` of a validated Config; ``passed``: the keys the user set now, each with its override
+    (``passed_settings``; None: every key), which a resume applies to the run's saved settings."""
     user = None
     if layers is not None:
         user = UserLayers.of(layers)
@@ -225,11 +233,15 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
                           f"layers=...), and none were passed")
     if data is not None:
         c.data.name = PYTHON_DATA
-    elif c.data.name == PYTHON_DATA:
-        raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
-                          f"and none was passed")
+        if passed is not None:
+            passed["data.name"] = "data=... (pcdist.train's argument)"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
+    resume = find_resume(c, Path(c.run_dir), passed)  # the run's own settings, or a one-line refusal
+    c = resume.config
+    if data is None and c.data.name == PYTHON_DATA:
+        raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
+                          f"and none was passed")
     mesh = check(c, world)
     device = _device(c)
     threads = ""
@@ -240,10 +252,9 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)
-        if dist.get_rank() == 0:
-            print(mesh + threads, flush=True)
     try:
-        return _run(c, device, distributed, data, user=user)
+        return _run(c, device, distributed, data, user=user, resume=resume,
+                    mesh=mesh + threads if distributed else None)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -305,10 +316,11 @@ def cpu_threads(configured: int, env) -> tuple[int, str]:
     return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
 
 
-def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, user: UserLayers | None = None
-         ) -> Result:
-    """Everything after the process group: data, mesh, model, resume, the training ``loop``
-    (``_loop``; benchmarks/service.py passes one that times it beside the bare engine step)."""
+def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, user: UserLayers | None = None,
+         resume: Resume | None = None, mesh: str | None = None) -> Result:
+    """Everything after the process group: data, mesh, model, resume (``find_resume``'s), the
+    training ``loop`` (``_loop``; benchmarks/service.py passes one that times it beside the bare
+    engine step); ``mesh``: the line that says how the mesh was chosen (the logging rank says it)."""
     dtype = getattr(torch, c.trainer.dtype)
     ds, inputs = _load_data(c, data, user)
     image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
@@ -324,7 +336,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     if c.trainer.epochs is not None:
         c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
     run_dir = Path(c.run_dir)
-    resume = find_resume(c, run_dir)  # refuses (ConfigError) before any work
+    resume = resume or find_resume(c, run_dir, None)
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
     if user is not None:
         net = user.network(c.model.energy, par.layers, inputs.node_shape(), dtype, device, **network_options(c))
@@ -361,8 +373,10 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         torch.set_rng_state(meta["rng"])
     logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
     try:
+        if mesh is not None:
+            logger.say(mesh)
         if par.is_logging:
-            _announce(c, resume, run_dir, start, opt)
+            _announce(c, resume, run_dir, start, opt, logger)
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
@@ -376,8 +390,10 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
-        result = Result(result, run_dir=str(run_dir))
+        result = Result(result, run_dir=str(run_dir), finished=result["step"] >= c.trainer.max_steps)
         result.network = net
+        if par.is_logging:
+            logger.say(_end_line(c, result))
         return result
     finally:
         logger.close()
@@ -406,21 +422,34 @@ def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
             f"trainer.stop_at)")
 
 
-def _announce(c: Config, resume, run_dir: Path, start: int, opt) -> None:
+def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger) -> None:
     """Keep this attempt's config and say, one line each, how the run starts and what changed."""
     attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
     if resume.checkpoint is None:
-        print(f"new run in {run_dir} (config: {attempt})", flush=True)
+        logger.say(f"new run in {run_dir} (config: {attempt})")
         return
-    print(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} (config: {attempt})", flush=True)
+    logger.say(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} with the run's own "
+               f"settings (config: {attempt})")
     for line in resume.lines():
-        print(line, flush=True)
+        logger.say(line)
     if resume.unknown_config:
-        print("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are not "
-              "checked", flush=True)
+        logger.say("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are "
+                   "not checked")
     if resume.schedule_changed:
-        print(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
-              f"{opt.param_groups[0]['lr']:.4g}", flush=True)
+        logger.say(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
+                   f"{opt.param_groups[0]['lr']:.4g}")
+
+
+def _end_line(c: Config, result: dict) -> str:
+    """The run's last line: where it ended, the validation metrics, the directory; after trainer.stop_at, how
+    to go on."""
+    acc = "".join(f"{k} {result[k]:.4f}; " if k == "val/accuracy" else f"{k} {result[k]:.4g}; "
+                  for k in ("val/accuracy", "val/reconstruction_mse") if k in result)
+    if result["finished"]:
+        return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
+    return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
+            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: python train.py "
+            f"hydra.run.dir={result['run_dir']}")
 
 
 def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
@@ -443,7 +472,7 @@ def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
     """This data rank's share of a global batch, on the device, labels one-hot."""
     idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
     x = ds.x_train[idx].to(device=device, dtype=dtype)
-    y = one_hot(ds.labels_train[idx], ds.num_classes, dtype).to(device)
+    y = one_hot(ds.y_train[idx], ds.num_classes, dtype).to(device)
     return x, y
 
 
@@ -454,7 +483,7 @@ def _val_chunks(ds, par: Parallel, device, dtype):
         return
     rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
     for chunk in torch.split(rows, 1024):
-        yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.labels_val[chunk]
+        yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.y_val[chunk]
 
 
 class Preempted(RuntimeError):
@@ -528,6 +557,10 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         log = done % t_cfg.log_every == 0 or ckpt
         stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         metrics = acc = val = None
+        if log and c.pc.mode == "supervised":  # the batch's accuracy after its update (collective)
+            batch = validate(c, [(x, None if y is None else y.argmax(1).cpu())], trainer, device)
+            if stats and batch is not None:
+                stats["accuracy"] = batch["val/accuracy"]
         if log and stats:
             stats["skipped_updates"] = trainer.skipped_updates
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
@@ -572,7 +605,8 @@ def _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock) -> dict
             "Lower optim.lr or pc.x_lr")
     now = time.perf_counter()
     elapsed, steps = now - clock["t"], max(1, done - clock["step"])
-    metrics = {"train/energy": energy, "train/lr": opt.param_groups[0]["lr"],
+    metrics = {"train/energy": energy, **({"train/accuracy": stats["accuracy"]} if "accuracy" in stats else {}),
+               "train/lr": opt.param_groups[0]["lr"],
                "train/skipped_updates": stats["skipped_updates"],
                "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
                "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,

@@ -8,15 +8,19 @@
 * A directory that holds a checkpoint is resumed (``resume=auto``); ``resume=never``
   refuses to continue it, ``resume=require`` refuses to start fresh. A finished run is
   reported in one line and left untouched.
-* A setting changed on resume is refused, applied, or applied with a warning, per key
-  (``ON_RESUME``), one line each; the config of every attempt is kept as
-  ``configs/attempt-<n>.yaml`` (``config.yaml`` is the latest).
+* A resume continues the run with its own saved settings; only what the user passes now
+  changes them (and the launch's own keys, ``LAUNCH_KEYS``: the mesh, ``trainer.stop_at``).
+  Each change is refused, applied, or applied with a warning, per key (``ON_RESUME``), one
+  line each; a refusal names the override to leave out. Nothing in the directory changes
+  unless the run continues. The config of every attempt is kept as
+  ``configs/attempt-<n>.yaml``, headed by its overrides (``config.yaml`` is the latest).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import re
 import time
@@ -29,11 +33,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from .checkpoint import latest_checkpoint
-from .config import Config
+from .config import Config, flat, load_config, passed_settings
 from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
-           "write_attempt", "position_schedule"]
+           "LAUNCH_KEYS", "write_attempt", "position_schedule", "run_overrides"]
 
 _calls = itertools.count(1)
 
@@ -45,7 +49,7 @@ def _launch_key() -> tuple[str, str]:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
         return safe, safe[:8] if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f-]{27}", run_id) else safe
     hint = ("pass --standalone or --rdzv-id=<an id unique to this run>, or name the directory: hydra.run.dir=... "
-            "(Python: run_dir=...)")
+            "(in Python the config key run_dir: pcdist.train({\"run_dir\": ...}))")
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"torchrun on several nodes with the rendezvous id 'none': the ranks cannot agree on a new "
                           f"run directory; {hint}")
@@ -87,7 +91,7 @@ def new_run_dir(root: str | Path = "runs", call: int = 1) -> Path:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("several ranks started without torchrun cannot agree on a new run directory: "
-                              "set run_dir=... (hydra.run.dir=... on the command line)")
+                              "set the config key run_dir (hydra.run.dir=... on the command line)")
         return root / f"{time.strftime('%Y-%m-%d/%H-%M-%S')}-{os.urandom(3).hex()}"
     key, short = _launch_key()
     if call > 1:
@@ -139,6 +143,15 @@ SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.schedule", "optim.fina
 _NOT_SETTINGS = ("run_dir", "resume")
 
 
+LAUNCH_KEYS = ("run_dir", "resume", "parallel", "trainer.stop_at")
+"""Settings of the launch, not of the run: a resume takes them from this launch, never from the run
+(the mesh follows the processes started now; trainer.stop_at is where this attempt stops)."""
+
+
+def _of_launch(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in LAUNCH_KEYS)
+
+
 def _policy(key: str) -> tuple[str, str]:
     if key in ON_RESUME:
         return ON_RESUME[key]
@@ -149,27 +162,34 @@ def _policy(key: str) -> tuple[str, str]:
     return APPLY, "from the resumed step on"
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
+def _nested(flat_keys: dict) -> dict:
+    """{"trainer.max_steps": 5} -> {"trainer": {"max_steps": 5}}."""
+    out: dict = {}
+    for key, value in flat_keys.items():
+        *parents, name = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = value
     return out
 
 
 @dataclass
 class Resume:
-    """What a run directory holds for this run: a checkpoint to resume (or None) and the settings that changed."""
+    """What a run directory holds for this run: a checkpoint to resume (or None), the config to run
+    (the run's own settings with what the user passes now) and the settings that changed."""
 
     run_dir: Path
     checkpoint: Path | None = None
+    config: Config | None = None
+    """The config this attempt runs with."""
     meta: dict | None = None
     changes: list[tuple[str, Any, Any, str, str]] = field(default_factory=list)
     """(key, old, new, decision, why) per changed setting."""
     unknown_config: bool = False
     """The checkpoint carries no config and the directory no config.yaml: nothing to compare with."""
+    overrides: list[str] = field(default_factory=list)
+    """The overrides this attempt was given (kept in configs/attempt-<n>.yaml)."""
 
     @property
     def step(self) -> int:
@@ -185,17 +205,22 @@ class Resume:
                 for k, old, new, decision, why in self.changes]
 
 
-def find_resume(c: Config, run_dir: Path) -> Resume:
-    """The newest valid checkpoint of ``run_dir`` and how this run's settings differ from the ones that wrote it.
+def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None) -> Resume:
+    """The newest valid checkpoint of ``run_dir`` and the config to resume it with.
 
-    Raises ConfigError (one line) when ``resume=`` forbids what the directory holds, or when
-    a refused setting changed (all of them named).
+    ``passed``: the keys the user sets now, each with its override (``config.passed_settings``).
+    A resume runs with the run's own saved settings and applies only those keys, except the
+    launch's own (``LAUNCH_KEYS``), which always come from ``c``; ``passed=None`` (a config
+    composed already) applies every key of ``c``. Raises ConfigError (one line) when ``resume=``
+    forbids what the directory holds, or when a refused setting changed (all of them named, with
+    the override to drop, or to add back). Reads only: nothing in the directory changes.
     """
-    r = Resume(Path(run_dir), latest_checkpoint(run_dir))
+    r = Resume(Path(run_dir), latest_checkpoint(run_dir), config=c,
+               overrides=list(dict.fromkeys((passed or {}).values())))
     if r.checkpoint is None:
         if c.resume == "require":
             raise ConfigError(f"resume=require but {run_dir} holds no checkpoint to resume; check the directory "
-                              f"(hydra.run.dir / run_dir) or drop resume=require to start a new run")
+                              f"(hydra.run.dir, or the config key run_dir) or drop resume=require to start a new run")
         return r
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # the same launch, restarted
     if c.resume == "never" and not restarted:
@@ -208,15 +233,48 @@ def find_resume(c: Config, run_dir: Path) -> Resume:
     if old is None:
         r.unknown_config = True
         return r
-    before, after = _flat(old), _flat(asdict(c))
-    for key in after:
-        if key in before and key not in _NOT_SETTINGS and before[key] != after[key]:
-            r.changes.append((key, before[key], after[key], *_policy(key)))
-    refused = [f"{k} ({old!r} -> {new!r}: {why})" for k, old, new, decision, why in r.changes if decision == REFUSE]
+    before, after = flat(old), flat(asdict(c))
+    if passed is not None:  # the run's own settings, but for what the user passes now and the launch's
+        kept = {k: before[k] for k in after if k in before and k not in passed and not _of_launch(k)}
+        r.config = c = load_config(_nested({**after, **kept}))
+        after = flat(asdict(c))
+    for key, new in after.items():
+        shown = passed is None or key in passed or not _of_launch(key)
+        if key in before and key not in _NOT_SETTINGS and before[key] != new and shown:
+            r.changes.append((key, before[key], new, *_policy(key)))
+    refused = [(k, o, n, why) for k, o, n, decision, why in r.changes if decision == REFUSE]
     if refused:
-        raise ConfigError(f"cannot resume {run_dir} with changed {', '.join(refused)}; set them back, or start a new "
-                          f"run directory")
+        named = ", ".join(f"{k} ({o!r} -> {n!r}: {why})" for k, o, n, why in refused)
+        raise ConfigError(f"cannot resume {run_dir} with changed {named}; {_undo(refused, passed, r.run_dir)}, or "
+                          f"start a new run directory")
     return r
+
+
+def _undo(refused: list, passed: dict[str, str] | None, run_dir: Path) -> str:
+    """How to resume after all: drop the overrides that changed refused keys, or add back the run's own."""
+    if passed is not None:
+        drop = list(dict.fromkeys(passed[k] for k, *_ in refused if k in passed))
+        return f"leave out {' '.join(drop)} (a resume continues with the run's own settings)"
+    made = run_overrides(run_dir)
+    try:
+        source = passed_settings(made) or {}
+    except Exception:  # an override kept from a dict that the command line cannot read back
+        source = {}
+    back = list(dict.fromkeys(source[k] for k, *_ in refused if k in source))
+    if back:
+        return f"add back {' '.join(back)} (the run was made with: {' '.join(made)})"
+    return "set them back"
+
+
+def run_overrides(run_dir: Path) -> list[str]:
+    """The overrides the run's attempts were given, first to last (from configs/attempt-<n>.yaml)."""
+    found = []
+    for _, path in sorted((int(m.group(1)), p) for p in (Path(run_dir) / "configs").glob("attempt-*.yaml")
+                          if (m := re.fullmatch(r"attempt-(\d+)\.yaml", p.name))):
+        for line in path.read_text().splitlines():
+            if line.startswith("# overrides: "):
+                found += json.loads(line[len("# overrides: "):])
+    return found
 
 
 def position_schedule(sched: torch.optim.lr_scheduler.LambdaLR, opt: torch.optim.Optimizer, step: int) -> None:
@@ -235,7 +293,8 @@ def write_attempt(run_dir: Path, c: Config, r: Resume, start: int) -> Path:
     n = 1 + max((int(m.group(1)) for p in folder.glob("attempt-*.yaml")
                  if (m := re.fullmatch(r"attempt-(\d+)\.yaml", p.name))), default=0)
     how = f"resumed from {r.checkpoint.name} at step {start}" if r.checkpoint else "a new run"
-    head = [f"# attempt {n}: {how}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    head = [f"# attempt {n}: {how}, started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            f"# overrides: {json.dumps(r.overrides)}"]
     head += [f"# {line}" for line in r.lines()]
     path = folder / f"attempt-{n}.yaml"
     path.write_text("\n".join(head) + "\n" + yaml.safe_dump(asdict(c), sort_keys=False))

@@ -1,6 +1,9 @@
 """Validation during training in each PC mode, and the pictures of the generative and unsupervised modes.
 
     supervised     val/accuracy               feed-forward from the data, argmax u_L
+                   val/energy                 the energy of the feed-forward init with h_L clamped to the
+                                              labels: every hidden error is zero there, so it is the output
+                                              energy of the prediction (se or ce loss), a mean per sample
     generative     val/accuracy               classification by inference: h_L = data, h_0 free
                                               (init: its prior's mean, 1/C), pc.eval_T steps, argmax h_0
                    val/reconstruction_mse     the inferred h_0 fed forward against the data (per pixel)
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.energies import OutputEnergy
 from ..engine.modes import forward_mean
 from ..engine.trainer import PCTrainer
 
@@ -30,7 +34,7 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
     """The mode's validation metrics over this rank's validation ``chunks`` ((data, labels) pairs), on the
     logging rank."""
     par, net, mode = trainer.parallel, trainer.net, c.pc.mode
-    correct = total = sq = elems = 0.0
+    correct = total = sq = elems = energy = 0.0
     with torch.no_grad():
         for x, labels in chunks:
             if mode == "supervised":
@@ -38,6 +42,8 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
                 if logits is not None:
                     correct += int((logits.argmax(1).cpu() == labels).sum())
                     total += len(labels)
+                    y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
+                    energy += float(OutputEnergy(c.model.energy).value(logits, y, y - logits))
                 continue
             own = trainer.infer(None, x, c.pc.eval_T, gather=False)
             if mode == "generative" and 0 in own:  # h_0 lives on the first layer slice
@@ -47,13 +53,15 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
             if recon is not None:
                 sq += float((recon - x).square().sum())
                 elems += x.numel()
-    summed = par.sum_to_logging([correct, total, sq, elems], device)  # NCCL reduces device tensors only
+    summed = par.sum_to_logging([correct, total, sq, elems, energy], device)  # NCCL reduces device tensors only
     if summed is None:
         return None
-    correct, total, sq, elems = summed
+    correct, total, sq, elems, energy = summed
     out = {}
     if mode != "unsupervised":
         out["val/accuracy"] = correct / max(1.0, total)
+    if mode == "supervised":
+        out["val/energy"] = energy / max(1.0, total)
     if mode != "supervised":
         out["val/reconstruction_mse"] = sq / max(1.0, elems)
     return out
@@ -106,7 +114,7 @@ def draw_grid(rows, labels, title: str, path: Path) -> Path:
             ax.set_yticks([])
             if j < len(r):
                 img = r[j].detach().float().clamp(0, 1).cpu()
-                ax.imshow(img[0] if img.shape[0] == 1 else img.permute(1, 2, 0), cmap="gray", vmin=0, vmax=1)
+                ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1)
         axes[i][0].set_ylabel(label, fontsize=7, rotation=0, ha="right", va="center")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

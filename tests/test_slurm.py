@@ -1,0 +1,405 @@
+"""launch/slurm.sbatch on a real one-node SLURM (tests/slurm_cluster.py: Debian's slurm-wlm and munge,
+proctrack/cgroup; one test under proctrack/linuxproc), jobs submitted with sbatch from a folder that is
+not the checkout, as a user would.
+
+Pre-emption is the point: under proctrack/cgroup SLURM signals only the processes a step started (here
+launch/slurm_node.sh, the shell around torchrun's agent), never the training processes themselves, and a
+signal that kills the agent loses everything since the last checkpoint. Each way SLURM stops a job (scancel
+--signal=USR1, the warning before the time limit, its own pre-emption with a grace time, scancel) must end
+with every rank checkpointing the same step, and a requeued (or resubmitted) run must end exactly where an
+uninterrupted run ends: the same logged metrics at every step and the same weights.
+
+The tests skip, saying why, where SLURM is not installed or its daemons cannot run (neither root nor
+passwordless sudo) or do not start; with PCDIST_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead. Where
+only proctrack/cgroup cannot run, they run under proctrack/linuxproc, and test_proctrack_cgroup_ran skips
+saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcdist.service.metrics import read_metrics
+from slurm_cluster import SlurmCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "slurm.sbatch"
+STEPS = 300
+# ckpt_every beyond the run: the only checkpoints are the pre-emption's and the last.
+RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", "trainer.eval_every=150", "trainer.ckpt_every=1000",
+       "logger=none", "trainer.progress=off", "parallel.timeout_s=120"]
+TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
+NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError")
+
+
+def required() -> bool:
+    return os.environ.get("PCDIST_REQUIRE_SLURM") == "1"
+
+
+def start_cluster(root: Path, proctrack: str) -> tuple[SlurmCluster | None, str]:
+    """A started cluster, or None and why not."""
+    why = SlurmCluster.unavailable(proctrack)
+    if why:
+        return None, why
+    cluster = SlurmCluster(root / proctrack, proctrack)
+    try:
+        cluster.__enter__()
+    except RuntimeError as e:
+        return None, f"SLURM with proctrack/{proctrack} did not start here: {str(e)[:3000]}"
+    return cluster, ""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """proctrack/cgroup, as on most production clusters; where it cannot run here (the reason is kept for
+    test_proctrack_cgroup_ran), proctrack/linuxproc, so that every test still runs. Skipped where no SLURM
+    can run at all; with PCDIST_REQUIRE_SLURM=1 that fails instead."""
+    root = tmp_path_factory.mktemp("slurm")
+    c, why_not_cgroup = start_cluster(root, "cgroup")
+    if c is None:
+        c, why = start_cluster(root, "linuxproc")
+        if c is None:
+            if required():
+                pytest.fail(f"PCDIST_REQUIRE_SLURM=1 but {why}")
+            pytest.skip(why)
+    c.why_not_cgroup = why_not_cgroup
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_proctrack_cgroup_ran(cluster, tmp_path):
+    """The other tests ran under proctrack/cgroup (unless this skips, saying why): a job step's processes
+    are in the step's own cgroup, which SLURM signals (the step's tasks only) and, at the end, kills."""
+    if cluster.proctrack != "cgroup":
+        pytest.skip(f"the SLURM tests ran under proctrack/linuxproc: {cluster.why_not_cgroup}")
+    job = cluster.sbatch(["--output=cgroup.out", "--wrap", "srun cat /proc/self/cgroup"], cwd=tmp_path)
+    assert cluster.wait_finished(job, timeout=300)["JobState"] == "COMPLETED"
+    assert re.search(rf"/slurm\S*/uid_\d+/job_{job}/step_0", (tmp_path / "cgroup.out").read_text()), \
+        (tmp_path / "cgroup.out").read_text()
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The submitting shell's environment, as a user's: nothing of torchrun's or a job's own. PYTHON only
+    where this interpreter is not the checkout's .venv (the script's default)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "PET_", "TORCHELASTIC_", "OMP_", "PCDIST_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    if Path(sys.executable) != ROOT / ".venv" / "bin" / "python":
+        env["PYTHON"] = sys.executable
+    # launch/slurm_node.sh repeats a stop signal every second, not 5: a stopping worker must ignore the repeats
+    # (a worker killed by one as it exits would make torchrun restart the group).
+    env["RESEND_S"] = "1"
+    return {**env, **extra}
+
+
+class Job:
+    """A job submitted from ``folder`` (not the checkout): its id, log and run directory."""
+
+    def __init__(self, cluster: SlurmCluster, folder: Path, sbatch_args: list[str], overrides: list[str],
+                 run_name: str | None = None, **env: str):
+        self.cluster, self.folder = cluster, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        if run_name:
+            env["RUN_NAME"] = run_name
+        self.id = cluster.sbatch([*sbatch_args, str(SCRIPT), *overrides], cwd=folder, env=job_env(**env))
+        self.run_dir = folder / "runs" / (run_name or f"slurm-{self.id}")
+
+    @property
+    def log(self) -> str:
+        path = self.folder / f"slurm-{self.id}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def fields(self) -> dict[str, str]:
+        return self.cluster.job(self.id)
+
+    def wait(self, until, what: str, timeout: float = 600) -> dict[str, str]:
+        try:
+            return self.cluster.wait(self.id, until, timeout, what)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- job log:\n{self.log[-6000:]}") from None
+
+    def wait_finished(self, timeout: float = 600) -> dict[str, str]:
+        return self.wait(lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+                         "a final state", timeout)
+
+    def wait_training(self, timeout: float = 300) -> None:
+        """Until the run has logged its first step (so a stop signal now lands in its training loop)."""
+        metrics = self.run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while not (metrics.is_file() and metrics.stat().st_size > 0):
+            state = self.fields().get("JobState")
+            assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job ended ({state}) before training:\n{self.log}"
+            assert time.monotonic() < deadline, f"no training step logged within {timeout} s:\n{self.log}"
+            time.sleep(0.1)
+
+    def assert_clean_log(self) -> None:
+        for noise in NOISE:
+            assert noise not in self.log, f"{noise!r} in the job's log:\n{self.log[-6000:]}"
+
+
+def learned(run_dir: Path) -> dict[int, dict]:
+    """Every logged step's training and validation metrics (timings left out), merged per step."""
+    rows: dict[int, dict] = {}
+    for row in read_metrics(run_dir / "metrics.jsonl"):
+        rows.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k.startswith(("train/", "val/"))})
+    return rows
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted((run_dir / "checkpoints" / f"step-{step:08d}").glob("layers-*.pt")):
+        state.update(torch.load(f, weights_only=True)["layers"])
+    assert state, f"no checkpoint of step {step} in {run_dir}"
+    return state
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """The same metrics at every step the uninterrupted run logged, and the same final weights."""
+    got, want = learned(run_dir), learned(reference)
+    assert max(want) == STEPS and max(got) == STEPS
+    for step, row in want.items():
+        assert got.get(step) == row, f"step {step}: {got.get(step)} != uninterrupted {row}"
+    final, straight = weights(run_dir, STEPS), weights(reference, STEPS)
+    assert final.keys() == straight.keys()
+    for name in straight:
+        assert torch.equal(final[name], straight[name]), f"{name} differs from the uninterrupted run's"
+
+
+def preempted_step(job: Job) -> int:
+    m = re.search(r"pre-empted after step (\d+); requeued job", job.log) or re.search(
+        r"stopped after step (\d+), checkpointed", job.log)
+    assert m, f"no pre-emption in the log:\n{job.log[-6000:]}"
+    return int(m.group(1))
+
+
+def assert_resumed(job: Job, step: int) -> None:
+    """The pre-emption's checkpoint is the only one before the end, and the next attempt started from it."""
+    assert 0 < step < STEPS, f"pre-empted after step {step}: not within the run (1..{STEPS - 1})"
+    ckpts = sorted(p.name for p in (job.run_dir / "checkpoints").iterdir())
+    assert ckpts == [f"step-{step:08d}", f"step-{STEPS:08d}"], f"{ckpts}\n{job.log[-8000:]}"
+    assert len(list((job.run_dir / "checkpoints" / f"step-{step:08d}").glob("layers-*.pt"))) == 2, \
+        "both layer slices wrote their part of the pre-emption's step"
+    assert f"resumed from {job.run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in job.log
+    assert not (job.run_dir / "PREEMPTED").exists(), "the script removes PREEMPTED once it has acted on it"
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> Path:
+    """An uninterrupted two-process run: what every interrupted run must end as."""
+    job = Job(cluster, tmp_path_factory.mktemp("reference"), TWO_CPUS, RUN)
+    fields = job.wait_finished()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", job.log
+    return job.run_dir
+
+
+def test_the_script_as_shipped_trains_on_a_cpu_only_cluster(cluster, tmp_path):
+    """No sbatch options: no GPU or core count of the script's may stop a CPU cluster from taking the job.
+    One allocated CPU is one process; the checkout is found from the submitted script's path although the
+    job is submitted from another folder (SLURM runs a copy of the script from its spool)."""
+    job = Job(cluster, tmp_path / "elsewhere", [], ["trainer.max_steps=30", "trainer.eval_every=30",
+                                                    "logger=none", "trainer.progress=off"])
+    fields = job.wait_finished()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", job.log
+    header = job.log.splitlines()[0]
+    assert re.match(rf"== .* job {job.id} attempt 1 on {cluster.node}: 1 node\(s\) x 1 processes \(one per allocated"
+                    rf" CPU; NPROC_PER_NODE sets it\), 1 threads each; rendezvous {cluster.node}:\d+; run directory "
+                    rf"runs/slurm-{job.id}; checkout {ROOT}$", header), header
+    assert re.search(rf"^step 30: val/accuracy [\d.]+; run directory: {job.run_dir}$", job.log, re.M), job.log
+    assert (job.run_dir / "checkpoints" / "step-00000030" / "manifest.json").is_file()
+    job.assert_clean_log()
+
+
+def test_a_gpu_job_runs_one_process_per_gpu(cluster, tmp_path):
+    """--gpus-per-node=2 (the test node's GPUs are a count only: no device is visible, so the two processes
+    train on the CPU): the processes per node come from SLURM_GPUS_ON_NODE, the threads from the CPUs."""
+    job = Job(cluster, tmp_path, ["--gpus-per-node=2", "--cpus-per-task=4"],
+              ["trainer.max_steps=10", "trainer.eval_every=10", "logger=none", "trainer.progress=off"])
+    fields = job.wait_finished()
+    assert fields["JobState"] == "COMPLETED", job.log
+    assert "1 node(s) x 2 processes (one per GPU, SLURM_GPUS_ON_NODE=2), 2 threads each" in job.log
+    assert "mesh: 2 ranks = parallel.data 1 x parallel.layer 2" in job.log
+
+
+def test_scancel_usr1_checkpoints_requeues_and_the_next_attempt_ends_as_an_uninterrupted_run(cluster, reference,
+                                                                                            tmp_path):
+    """scancel --signal=USR1 (what the time-limit warning sends too): every rank finishes the same step and
+    checkpoints it, the script requeues the job (same id, same run directory), the next attempt resumes
+    there, and the log of both attempts is kept (--open-mode=append), with no traceback or C++ trace."""
+    job = Job(cluster, tmp_path, TWO_CPUS, RUN)
+    job.wait_training()
+    cluster.run("scancel", "--signal=USR1", job.id)
+    fields = job.wait(lambda f: f["JobState"] == "COMPLETED" or f["JobState"] in ("FAILED", "CANCELLED"),
+                      "the end of the requeued job")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
+    step = preempted_step(job)
+    assert f"{cluster.node}: got SIGUSR1; the workers finish their step" in job.log
+    assert [int(a) for a in re.findall(rf"job {job.id} attempt (\d+) on", job.log)] == [1, 2]
+    assert job.log.count("pre-empted: stopped by a signal after step") == 1, "one line for all ranks"
+    assert_resumed(job, step)
+    assert_same_run(job.run_dir, reference)
+    job.assert_clean_log()
+
+
+def test_slurm_preemption_sigterm_with_grace_time_requeues_and_resumes(cluster, reference, tmp_path):
+    """SLURM's own pre-emption: a job of a higher-priority partition needs the node's CPUs; the running
+    job's step gets SIGTERM and the partition's GraceTime (60 s) before SIGKILL. The run checkpoints and
+    requeues itself, the pre-empting job runs, then the run resumes and ends as the uninterrupted one."""
+    job = Job(cluster, tmp_path / "low", TWO_CPUS, RUN)
+    job.wait_training()
+    high = cluster.sbatch(["--partition=high", "--cpus-per-task=4", "--wrap", "sleep 1"], cwd=tmp_path)
+    fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the run")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
+    assert cluster.job(high)["JobState"] == "COMPLETED"
+    assert f"{cluster.node}: got SIGTERM; the workers finish their step" in job.log
+    assert_resumed(job, preempted_step(job))
+    assert_same_run(job.run_dir, reference)
+    job.assert_clean_log()
+
+
+def test_the_time_limit_warning_preempts_and_requeues(cluster, tmp_path):
+    """--time=1 (a minute): the script's --signal=USR1@120 is due at once; SLURM sends it within its
+    periodic check, the run checkpoints and the job is requeued. (Its next attempt gets the same warning:
+    the test cancels it.)"""
+    job = Job(cluster, tmp_path, ["--time=1", *TWO_CPUS], ["trainer.max_steps=100000", *RUN[1:]])
+    job.wait(lambda f: "requeued job" in job.log or f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+             "a requeue", 300)
+    cluster.run("scancel", job.id)
+    step = preempted_step(job)
+    assert (job.run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    assert f"{cluster.node}: got SIGUSR1" in job.log
+    job.wait_finished()
+
+
+def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_resumes(cluster, reference, tmp_path):
+    """scancel (SIGTERM to the batch script and the step, SIGKILL after KillWait): the run still
+    checkpoints, but a cancelled job is not requeued. Submitting again with the same RUN_NAME (a new job
+    id) resumes runs/<RUN_NAME> and ends as the uninterrupted run."""
+    job = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
+    job.wait_training()
+    cluster.run("scancel", job.id)
+    fields = job.wait_finished()
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
+    step = preempted_step(job)
+    assert "resume with RUN_DIR=runs/named sbatch launch/slurm.sbatch" in job.log
+    again = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
+    assert again.id != job.id and again.run_dir == job.run_dir
+    fields = again.wait_finished()
+    assert fields["JobState"] == "COMPLETED", again.log
+    assert_resumed(again, step)
+    assert_same_run(again.run_dir, reference)
+
+
+def workers(job_id: str) -> list[int]:
+    """The training processes of the job: the children of its torchrun agent."""
+    agents, parents = set(), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = ppid
+        if cmd[1:3] == [b"-m", b"torch.distributed.run"] and f"--rdzv_id={job_id}".encode() in cmd:
+            agents.add(pid)
+    return sorted(pid for pid, ppid in parents.items() if ppid in agents)
+
+
+def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(cluster, tmp_path):
+    """MAX_RESTARTS=1: a SIGKILLed worker makes torchrun restart the node's group, which resumes from the
+    newest checkpoint; a second crash, with no restart left, fails the job (non-zero exit, not requeued:
+    a crash is not a pre-emption), promptly, without hanging."""
+    job = Job(cluster, tmp_path, TWO_CPUS, [*RUN[:3], "trainer.ckpt_every=50", *RUN[4:]], MAX_RESTARTS="1")
+    job.wait(lambda f: (job.run_dir / "checkpoints" / "step-00000050" / "manifest.json").is_file()
+             or f["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"), "the first checkpoint", 300)
+    crashed = workers(job.id)
+    assert len(crashed) == 2, crashed
+    os.kill(crashed[1], signal.SIGKILL)
+    job.wait(lambda f: "resumed from" in job.log or f["JobState"] != "RUNNING", "the restarted group's resume", 300)
+    restarted = workers(job.id)
+    assert len(restarted) == 2 and not set(restarted) & set(crashed), (crashed, restarted)
+    os.kill(restarted[0], signal.SIGKILL)
+    fields = job.wait_finished(timeout=300)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0" and fields["Restarts"] == "0", job.log
+    assert re.search(r"resumed from \S+/step-\d{8} at step", job.log), job.log
+    assert "requeue" not in job.log
+
+
+@pytest.mark.parametrize("sbatch_args, overrides, env, error", [
+    ([], ["trainer.max_step=5"], {}, "error: unknown config key trainer.max_step; did you mean trainer.max_steps?"),
+    (TWO_CPUS, [], {"NPROC_PER_NODE": "4"}, "error: 4 processes with parallel.data=1 leave 4 layer ranks, but the "
+                                            "model has only 3 layers"),
+    ([], [], {"NPROC_PER_NODE": "0"}, "launch/slurm.sbatch: error: NPROC_PER_NODE=0 is not a whole number >= 1"),
+    ([], [], {"MAX_RESTARTS": "x"}, "launch/slurm.sbatch: error: MAX_RESTARTS=x is not a whole number >= 0"),
+    (["--ntasks-per-node=2"], [], {}, "launch/slurm.sbatch: error: SLURM_TASKS_PER_NODE=2: the job needs exactly one "
+                                      "task per node"),
+    ([], ["hydra.run.dir=/tmp/x"], {}, "launch/slurm.sbatch: error: hydra.run.dir=/tmp/x: the run directory is set "
+                                       "with RUN_DIR=<path> or RUN_NAME=<name>"),
+], ids=["override", "mesh", "nproc", "restarts", "tasks", "run-dir"])
+def test_a_mistake_is_one_line_and_the_job_fails_before_any_worker_starts(cluster, tmp_path, sbatch_args, overrides,
+                                                                          env, error):
+    job = Job(cluster, tmp_path, sbatch_args, overrides, **env)
+    fields = job.wait_finished(timeout=300)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0" and fields["Restarts"] == "0", job.log
+    errors = [line for line in job.log.splitlines() if not line.startswith("== ")]
+    assert len(errors) == 1 and errors[0].startswith(error), job.log
+    assert not (job.run_dir / "metrics.jsonl").exists()
+
+
+def test_two_jobs_on_one_node_never_meet(cluster, reference, tmp_path):
+    """Two two-process jobs at once on the node, and something else already listening on the port the
+    second job's id points to: each job rendezvous on its own port and trains its own two ranks, so both
+    end exactly as the uninterrupted run (a job that met the other would have trained 4 ranks, or hung)."""
+    first = Job(cluster, tmp_path / "first", TWO_CPUS, RUN)
+    second = Job(cluster, tmp_path / "second", ["--hold", *TWO_CPUS], RUN)
+    taken = 15000 + int(second.id) % 15000
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", taken))
+        squatter.listen()
+        cluster.run("scontrol", "release", second.id)
+        for job in (first, second):
+            fields = job.wait_finished()
+            assert fields["JobState"] == "COMPLETED", job.log
+    ports = [int(re.search(r"rendezvous \S+:(\d+);", job.log).group(1)) for job in (first, second)]
+    assert ports[1] != taken and ports[0] != ports[1], ports
+    a, b = (cluster.job(job.id) for job in (first, second))
+    assert b["StartTime"] < a["EndTime"], f"the jobs did not overlap: {a['StartTime']}-{a['EndTime']}, " \
+                                          f"{b['StartTime']}-{b['EndTime']}"
+    for job in (first, second):
+        assert "mesh: 2 ranks" in job.log
+        assert_same_run(job.run_dir, reference)
+
+
+def test_usr1_preemption_under_proctrack_linuxproc(cluster, reference, tmp_path):
+    """The same pre-emption under proctrack/linuxproc, which signals every process of the step (the agent
+    and the workers too, directly): the agent must survive it there as well."""
+    if cluster.proctrack == "linuxproc":
+        linuxproc = cluster
+    else:
+        linuxproc, why = start_cluster(tmp_path / "slurm", "linuxproc")
+        if linuxproc is None:
+            pytest.fail(why)
+    try:
+        job = Job(linuxproc, tmp_path / "run", TWO_CPUS, RUN)
+        job.wait_training()
+        linuxproc.run("scancel", "--signal=USR1", job.id)
+        fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the run")
+        assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
+        assert_resumed(job, preempted_step(job))
+        assert_same_run(job.run_dir, reference)
+        job.assert_clean_log()
+    finally:
+        if linuxproc is not cluster:
+            linuxproc.stop()
