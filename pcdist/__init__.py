@@ -19,6 +19,7 @@ if "torch" not in _sys.modules:  # OpenMP reads its wait policy once, when torch
 
 from .distributed.parallel import Parallel, ParallelDims, init_distributed
 from .engine import deeppcr, layers
+from .engine.diagnostics import diagnose
 from .engine.activations import ACTIVATIONS, Activation, get_activation
 from .engine.energies import ENERGIES
 from .engine.fuse import FusedModules, fuse
@@ -48,6 +49,7 @@ __all__ = [
     "ALGORITHMS",
     "BackpropTrainer",
     "compare",
+    "diagnose",
     "evaluate",
     "export",
     "load",

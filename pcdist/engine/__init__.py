@@ -8,6 +8,8 @@
   activations with fused derivatives, the fused CPU error kernel
 * ``fuse.py``     N same-architecture modules run as one; ``deeppcr.py`` chains in O(log L);
   ``models.py`` the conv model zoo (PCX's VGG, listed CNNs)
+* ``diagnostics.py``  ``diagnose``: PC against backprop on one batch (energy per inference step,
+  cos and norm ratio of the weight updates per layer, value change)
 
 Nothing here imports torch.distributed except through the trainer's schedule driver
 (pcdist.distributed.parallel), whose single-process case has no peers.

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .trainer import PCTrainer, check_batch
 
-__all__ = ["diagnose", "classify_inference", "INFERENCE_STATES", "unstable_hint"]
+__all__ = ["diagnose", "classify_inference", "INFERENCE_STATES", "unstable_hint", "stable_x_lr"]
 
 INFERENCE_STATES = ("converging", "oscillating", "diverging")
 
@@ -53,13 +53,25 @@ def classify_inference(energy: list[float], tol: float = 1e-3) -> str:
     return "converging"
 
 
+def stable_x_lr(energy: list[float], x_lr: float) -> float:
+    """A value step that the energy trace says is stable: near the end of a diverging inference the
+    stiffest mode dominates, its error growing by r = sqrt(E_T / E_{T-1}) = |1 - x_lr lambda| per step, so
+    lambda = (1 + r) / x_lr and x_lr' = 1 / lambda (the step that damps that mode fastest; stable up to
+    2 / lambda) = x_lr / (1 + r); rounded down to 1, 2 or 5 times a power of ten."""
+    a, b = energy[-2] if len(energy) > 1 else energy[0], energy[-1]
+    r = math.sqrt(b / a) if math.isfinite(b) and a > 0 else 10.0
+    want = x_lr / (1.0 + max(r, 1.0))
+    p = 10 ** math.floor(math.log10(want))
+    return max(m * p for m in (1, 2, 5) if m * p <= want * (1 + 1e-9))
+
+
 def unstable_hint(energy: list[float], x_lr: float, T: int, where: str = "") -> str:
     """The one log line for an inference that diverged: what grew and the likely fix."""
     grew = "inf" if not math.isfinite(energy[-1]) else f"{energy[-1] / max(energy[0], 1e-30):.3g}x"
     return (f"warning: inference is unstable{where}: the energy grew over the {T} inference steps ({energy[0]:.4g} "
-            f"-> {energy[-1]:.4g}, {grew}), so the weight updates follow noise and accuracy stays near chance; "
-            f"likely fix: a smaller value step, pc.x_lr={x_lr / 10:g} (now {x_lr:g}), or pc.x_lr_scale=fan_in "
-            f"(docs/fidelity.md)")
+            f"-> {energy[-1]:.4g}, {grew}), so the weight updates follow the blow-up, not the errors, and accuracy "
+            f"may stay near chance; likely fix: a smaller value step, pc.x_lr={stable_x_lr(energy, x_lr):g} (now "
+            f"{x_lr:g}; docs/fidelity.md)")
 
 
 def _layer_grads(g, grads: list[Tensor]) -> dict[int, Tensor]:

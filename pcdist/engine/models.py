@@ -32,20 +32,21 @@ VGG = {
 }
 
 
-def conv_specs(in_shape: Sequence[int], convs: Sequence[tuple[int, int, int, str | None]], head: Sequence[int],
+def conv_specs(in_shape: Sequence[int], convs: Sequence[tuple], head: Sequence[int],
                d_out: int, activation: str | Activation) -> list[LayerKind]:
-    """Conv layers ``convs`` = (out channels, kernel size, padding, pooling: None, "max" or "avg"; stride 1,
-    pooling 2 / 2) on input nodes of ``in_shape`` [C, (H,) W], then nn.Flatten, dense hidden layers of
-    widths ``head`` and a dense output layer of ``d_out``."""
+    """Conv layers ``convs`` = (out channels, kernel size, padding, pooling: None, "max" or "avg"[, stride];
+    stride 1 unless given, pooling 2 / 2) on input nodes of ``in_shape`` [C, L] (Conv1d) or [C, H, W]
+    (Conv2d), then nn.Flatten, dense hidden layers of widths ``head`` and a dense output layer of ``d_out``."""
     act = activation if isinstance(activation, Activation) else get_activation(activation)
     shape = tuple(int(d) for d in in_shape)
     if len(shape) not in (2, 3):
         raise ValueError(f"a conv network needs inputs [C, L] or [C, H, W], got samples of shape {list(shape)}")
     n = len(shape) - 1
     specs: list[LayerKind] = []
-    for c_out, k, p, pool in convs:
+    for c_out, k, p, pool, *stride in convs:
+        s = int(stride[0]) if stride else 1
         pool_args = (pool, (2,) * n, (2,) * n, (0,) * n) if pool else (None, (), (), ())
-        spec = Conv(shape[0], int(c_out), shape[1:], (int(k),) * n, act, (1,) * n, (int(p),) * n, (1,) * n, 1, True,
+        spec = Conv(shape[0], int(c_out), shape[1:], (int(k),) * n, act, (s,) * n, (int(p),) * n, (1,) * n, 1, True,
                     *pool_args)
         specs.append(spec)
         shape = spec.out_shape
@@ -65,12 +66,18 @@ def vgg_specs(variant: str, in_shape: Sequence[int], d_out: int, activation: str
 
 
 def cnn_specs(in_shape: Sequence[int], channels: Sequence[int], kernel_size: int, pool: Sequence[str],
-              head: Sequence[int], d_out: int, activation: str | Activation) -> list:
-    """A conv stack of ``channels`` (kernel ``kernel_size``, "same" padding for odd kernels, ``pool`` per
-    layer: max, avg or none), then dense ``head`` widths and the output layer."""
-    if len(pool) != len(channels):
-        raise ValueError(f"model.pool has {len(pool)} entries but model.channels {len(channels)}: one per conv layer")
-    convs = [(c, kernel_size, kernel_size // 2, None if p == "none" else p) for c, p in zip(channels, pool)]
+              head: Sequence[int], d_out: int, activation: str | Activation, stride: Sequence[int] = (),
+              padding: Sequence[int] = ()) -> list:
+    """A conv stack of ``channels`` (Conv1d on signals [C, L], Conv2d on images [C, H, W]; kernel
+    ``kernel_size``, ``stride`` and ``padding`` per layer, by default 1 and "same" for odd kernels; ``pool``
+    per layer: max, avg or none), then dense ``head`` widths and the output layer."""
+    for key, vals in (("model.pool", pool), ("model.stride", stride), ("model.padding", padding)):
+        if vals and len(vals) != len(channels):
+            raise ValueError(f"{key} has {len(vals)} entries but model.channels {len(channels)}: one per conv layer")
+    stride = list(stride) or [1] * len(channels)
+    padding = list(padding) or [kernel_size // 2] * len(channels)
+    convs = [(c, kernel_size, p, None if pl == "none" else pl, s)
+             for c, pl, s, p in zip(channels, pool, stride, padding)]
     return conv_specs(in_shape, convs, head, d_out, activation)
 
 

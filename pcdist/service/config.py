@@ -37,7 +37,7 @@ __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCCon
            "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
            "passed_settings", "flat"]
 
-DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
+DATASETS = ("digits", "synthetic", "signals", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
 ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
 """The data sets read from the standard files in data.root."""
 PYTHON_DATA = "python"
@@ -88,26 +88,37 @@ class ModelConfig:
     """cnn: output channels of each conv layer (one PC layer each: conv, activation, pooling); deconv: of each
     upsampling conv layer (each doubles the height and width)."""
     kernel_size: int = 3
-    """cnn: kernel size of every conv layer (stride 1, "same" padding for odd sizes)."""
+    """cnn: kernel size of every conv layer (strides model.stride, padding model.padding: by default 1 and "same"
+    for odd sizes). Conv2d layers on images [C, H, W], Conv1d on signals [C, L]."""
     pool: list[str] = field(default_factory=lambda: ["max", "max"])
-    """cnn: pooling after each conv layer, 2 x 2 stride 2: max, avg or none (one entry per layer)."""
+    """cnn: pooling after each conv layer, 2 x 2 stride 2 (2 stride 2 on signals): max, avg or none (one entry per
+    layer)."""
     head: list[int] = field(default_factory=list)
     """cnn: widths of the dense hidden layers between the flattened conv output and the output layer."""
     variant: str = "vgg5"
     """vgg: vgg5 or vgg7, PCX's (pcdist/engine/models.py), for 3 x 32 x 32 images."""
+    stride: list[int] = field(default_factory=list)
+    """cnn: stride of each conv layer (one entry per layer; empty: 1 for every layer)."""
+    padding: list[int] = field(default_factory=list)
+    """cnn: zero padding of each conv layer (one entry per layer; empty: model.kernel_size // 2, "same" for odd
+    kernels at stride 1)."""
 
 
 @dataclass
 class DataConfig:
     name: str = "digits"
-    """digits (bundled, no download), synthetic, mnist, fashion_mnist, cifar10, cifar100, arrays (your own,
-    data.path)."""
+    """digits (bundled, no download), synthetic, signals (generated 1-D signals [1, 64], ten motifs at random
+    positions: pcdist/service/signals.py), mnist, fashion_mnist, cifar10, cifar100, arrays (your own, data.path)."""
     root: Optional[str] = None
     """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10, cifar100)."""
     path: Optional[str] = None
     """arrays: an .npz holding x_train, y_train, x_val, y_val (loaded into memory), or a folder of
     x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped, streamed by DataLoader workers).
-    x: [N, features] or [N, C, H, W], float or integer (uint8 is scaled to [0, 1]); y: integer class ids."""
+    x: [N, features], [N, C, L] (1-D signals: model=cnn builds Conv1d layers) or [N, C, H, W], float or integer
+    (uint8 is scaled to [0, 1]); y: integer class ids."""
+    signal: bool = False
+    """arrays: read x of shape [N, L] as 1-D signals of one channel, [N, 1, L] (for model=cnn's Conv1d layers);
+    false: [N, L] are feature vectors."""
     num_classes: Optional[int] = None
     """arrays: number of classes; None: the largest label + 1."""
     num_workers: int = 2
@@ -166,6 +177,14 @@ class PCConfig:
     value_noise: float = 0.0
     """MCPC: the temperature tau of the Langevin noise h += sqrt(2 x_lr tau) xi in every training step's
     inference (>= 0; 0: none)."""
+    diagnostics: bool = False
+    """Compare PC with backprop every pc.diagnostics_every steps on the step's batch (pcdist.diagnose; supervised
+    only): energy per layer at every inference step, cos and norm ratio of PC's weight update against backprop's
+    gradient per layer, value change against activation scale; logged as diag/* in metrics.jsonl and wandb,
+    drawn in diagnostics_*.png, and a warning with the likely fix when inference is unstable
+    (docs/fidelity.md). Off: no cost."""
+    diagnostics_every: Optional[int] = None
+    """Steps between diagnostics (>= 1; null: trainer.eval_every); the first is taken before the first update."""
 
 
 @dataclass
@@ -472,6 +491,11 @@ def validate(c: Config) -> None:
                           f"{m.pool} has {len(m.pool)} entries: one pooling (max, avg or none) per conv layer, e.g. "
                           f"model.pool=[{','.join(['max'] * len(m.channels))}]")
     _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
+    for key, vals, low in (("model.stride", m.stride, 1), ("model.padding", m.padding, 0)):
+        _check(all(v >= low for v in vals), key, vals, f"a list of integers >= {low}, one per conv layer")
+        if m.name == "cnn" and vals and len(vals) != len(m.channels):
+            raise ConfigError(f"config {key}={vals} has {len(vals)} entries but model.channels={m.channels} has "
+                              f"{len(m.channels)} conv layers: one per conv layer (or [] for the default)")
     _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
@@ -488,6 +512,8 @@ def validate(c: Config) -> None:
     _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "an integer >= 1")
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a fraction in (0, 1)")
     _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
+    _check(not d.signal or d.name == "arrays", "data.signal", d.signal, f"false with data={d.name} (it reads data=arrays' "
+           f"[N, L] inputs as one-channel signals)")
     _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
     _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
     _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
@@ -511,6 +537,11 @@ def validate(c: Config) -> None:
            "a number in [0, 1]")
     _check(pc.eval_T is None or pc.eval_T >= 1, "pc.eval_T", pc.eval_T, "null or an integer >= 1")
     _check(_finite(pc.value_noise) and pc.value_noise >= 0, "pc.value_noise", pc.value_noise, "a finite number >= 0")
+    _check(pc.diagnostics_every is None or pc.diagnostics_every >= 1, "pc.diagnostics_every", pc.diagnostics_every,
+           "null (trainer.eval_every) or an integer >= 1")
+    _check(not pc.diagnostics or (pc.mode == "supervised" and pc.algorithm != BP), "pc.diagnostics",
+           pc.diagnostics, f"false with pc.mode={pc.mode} pc.algorithm={pc.algorithm} (the diagnostics compare a "
+           f"supervised PC run with backprop)")
     _check(pc.mode == "supervised" or m.name not in ("cnn", "vgg"), "model.name", m.name,
            f"mlp, mupc or deconv with pc.mode={pc.mode} (cnn and vgg are conv encoders: data in, label out)")
     _check(pc.mode != "supervised" or m.name != "deconv", "model.name", m.name,

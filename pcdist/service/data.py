@@ -3,6 +3,8 @@
 * ``digits``: scikit-learn's bundled 8x8 digits (no download), a fixed stratified split;
   images [1, 8, 8].
 * ``synthetic``: inputs N(0, 1) labelled by a random tanh teacher network of the model's shape.
+* ``signals``: generated 1-D signals [1, 64] of ten classes (pcdist/service/signals.py: a motif at a
+  random position in noise; 4000 training, 1000 validation samples).
 * ``mnist`` / ``fashion_mnist``: the four standard IDX files (gzipped or not) in ``root``;
   images [1, 28, 28].
 * ``cifar10``: the standard python batches (``data_batch_1..5``, ``test_batch``) in ``root``
@@ -13,8 +15,8 @@
   ``x_val``, ``y_val`` (into memory), or a folder of those four ``.npy`` files
   (memory-mapped, streamed by DataLoader workers: ``StreamedData``).
 
-In memory, a ``Dataset`` holds inputs [N, *sample_shape] (flat features [N, F] or images
-[N, C, H, W], kept shaped) and integer labels [N]. ``StreamedData`` wraps map-style torch
+In memory, a ``Dataset`` holds inputs [N, *sample_shape] (flat features [N, F], signals [N, C, L]
+or images [N, C, H, W], kept shaped) and integer labels [N]. ``StreamedData`` wraps map-style torch
 Datasets (items ``(x, label)``) that need not fit in memory; pcdist.loader reads them.
 
 A missing or malformed file raises DataError naming the path and the expected format.
@@ -306,14 +308,45 @@ class NpyArrays(torch.utils.data.Dataset):
         return as_float(x), torch.from_numpy(np.asarray(self.y[indices], dtype=np.int64))
 
 
-def load_arrays(path: str, num_classes: int | None = None) -> Dataset | StreamedData:
+def load_arrays(path: str, num_classes: int | None = None, signal: bool = False) -> Dataset | StreamedData:
     """Your own data: an .npz with x_train, y_train, x_val, y_val (a Dataset in memory), or a folder
     of x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped StreamedData).
 
-    x: [N, features] or [N, C, H, W] (kept shaped), float or integer (uint8 scaled to [0, 1]);
+    x: [N, features], [N, C, L] (1-D signals) or [N, C, H, W] (kept shaped), float or integer (uint8
+    scaled to [0, 1]); ``signal``: x [N, L] are signals of one channel, read as [N, 1, L].
     y: integer class ids in [0, num_classes) (None: the largest label + 1). Missing arrays,
     mismatched shapes, bad labels and non-finite inputs raise DataError naming the file.
     """
+    ds = _load_arrays(path, num_classes)
+    if not signal:
+        return ds
+    if len(ds.sample_shape) != 1:
+        raise DataError(f"data.signal=true reads x of shape [N, L] as one-channel signals, but data.path={path} holds "
+                        f"samples of shape {list(ds.sample_shape)}; leave data.signal=false for [N, C, L] signals")
+    if isinstance(ds, StreamedData):
+        return StreamedData(_OneChannel(ds.train), _OneChannel(ds.val), ds.num_classes, (1, *ds.sample_shape))
+    return Dataset(ds.x_train[:, None], ds.y_train, ds.x_val[:, None], ds.y_val, ds.num_classes)
+
+
+class _OneChannel(torch.utils.data.Dataset):
+    """Samples [L] of another dataset as one-channel signals [1, L]."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        return x[None], y
+
+    def __getitems__(self, indices: list[int]):
+        x, y = self.inner.__getitems__(indices)
+        return x[:, None], y
+
+
+def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
     if path is None:
         raise DataError("data=arrays reads your arrays from data.path: set data.path=/path/to/data.npz "
                         "(x_train, y_train, x_val, y_val) or a folder of those four .npy files")
@@ -426,11 +459,17 @@ def check_files(name: str, root: str | None) -> None:
 
 def load_dataset(name: str, root: str | None = None, dims: list[int] | None = None, seed: int = 0,
                  val_fraction: float = 0.2, synthetic_train: int = 2048, synthetic_val: int = 512,
-                 path: str | None = None, num_classes: int | None = None) -> Dataset | StreamedData:
+                 path: str | None = None, num_classes: int | None = None, signal: bool = False
+                 ) -> Dataset | StreamedData:
     """The dataset ``name`` (see the module docstring); checks the labels against num_classes."""
     if name == "arrays":
-        return load_arrays(path, num_classes)
-    if name == "digits":
+        return load_arrays(path, num_classes, signal)
+    if name == "signals":
+        from .signals import make_signals
+
+        a = make_signals()
+        ds = Dataset(*(torch.from_numpy(a[k]) for k in ARRAYS), num_classes=10)
+    elif name == "digits":
         ds = load_digits(val_fraction, seed=0)
     elif name == "synthetic":
         if dims is None:

@@ -62,7 +62,7 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
         teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]
         d = c.data
         data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
-                            d.synthetic_val, d.path, d.num_classes)
+                            d.synthetic_val, d.path, d.num_classes, d.signal)
     if isinstance(data, StreamedData):
         items = [data.val[i] for i in range(len(data.val))]
         x = torch.stack([torch.as_tensor(np.asarray(a)) for a, _ in items])

@@ -36,6 +36,7 @@ from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from .loader import Streamed
 from .validate import pictures, validate
+from .diagnostics import Diagnostics, check_trace
 from .metrics import check_logger, make_logger
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
@@ -94,7 +95,7 @@ def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     if m.name == "mupc":
         return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
     if m.name == "cnn":
-        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation)
+        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation, m.stride, m.padding)
     if m.name == "vgg":
         return vgg_specs(m.variant, bottom, classes, m.activation)
     if m.name == "deconv":
@@ -121,7 +122,7 @@ def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers 
         d = c.data
         teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
         data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
-                            d.synthetic_val, d.path, d.num_classes)
+                            d.synthetic_val, d.path, d.num_classes, d.signal)
     elif not isinstance(data, (Dataset, StreamedData)):
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
@@ -159,8 +160,9 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
     if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
+        one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
-                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}")
+                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     if c.model.name == "mlp" and c.pc.mode == "supervised":
         if ds.num_features != c.model.dims[0]:
             raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
@@ -390,6 +392,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
+            check_trace(trace, c.pc.x_lr, c.pc.T, logger)
         result = Result(result, run_dir=str(run_dir), finished=result["step"] >= c.trainer.max_steps)
         result.network = net
         if par.is_logging:
@@ -548,6 +551,7 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
     got = _catch_stop_signals()
     vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
+    diag = Diagnostics(c, run_dir, logger) if c.pc.diagnostics else None  # pcdist/service/diagnostics.py
     for step in range(start, end if until is None else until):
         done = step + 1
         stop = vote(bool(got["signal"]))
@@ -555,6 +559,8 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
         log = done % t_cfg.log_every == 0 or ckpt
+        if diag is not None and diag.due(step):  # before the update: PC against backprop on this batch
+            diag(step, trainer, x, y, t_cfg.batch_size)
         stats = trainer.step(*clamps(c.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         metrics = acc = val = None
         if log and c.pc.mode == "supervised":  # the batch's accuracy after its update (collective)
@@ -591,6 +597,8 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
             raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
                             f"hydra.run.dir={run_dir} to resume")
     vote.finish()
+    if diag is not None and par.is_logging:
+        diag.plot()
     return result
 
 

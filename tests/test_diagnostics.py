@@ -1,0 +1,145 @@
+"""The diagnostics (pcdist.diagnose): where theory says PC's weight update is backprop's gradient, the
+cosine between them is 1; the numbers of a layer-parallel run (real gloo processes) equal one process;
+an inference that blows up is seen and named with its fix (DESIGN.md section 1c, docs/fidelity.md).
+
+Why it matters: the diagnostics are what a user reads to decide whether PC lags backprop because
+inference has not converged or is unstable. A cosine that is not exactly 1 where it must be, or that
+changes with the layer split, would send them after the wrong setting.
+"""
+
+import math
+
+import pytest
+import torch
+
+import pcdist
+from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
+from pcdist.engine.diagnostics import classify_inference, stable_x_lr
+from spawn import run
+
+DT = torch.float64
+DIMS = (5, 7, 6, 7, 3)
+
+
+def network(precision=None, activation="identity", energy="se", layers=None):
+    return pcdist.PCNetwork.from_dims(DIMS, activation=activation, energy=energy, dtype=DT, seed=3,
+                                      precision=precision, layers=layers)
+
+
+def batch(B=8):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, DIMS[0], generator=g, dtype=DT)
+    y = torch.eye(DIMS[-1], dtype=DT)[torch.randint(0, DIMS[-1], (B,), generator=g)]
+    return x, y
+
+
+def trainer(net, T, x_lr=0.2, parallel=None):
+    return pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=T, x_lr=x_lr, parallel=parallel)
+
+
+def autograd_backprop(net, x, y, pi_L=1.0):
+    """Backprop's gradient of pi_L * mean E_out(u_L(x), y), per layer, by plain autograd on the whole network."""
+    from pcdist.service.backprop import bp_loss
+
+    net.zero_grad()
+    with torch.enable_grad():
+        (pi_L * bp_loss(net.energy, net(x), y)).backward()
+    return [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
+
+
+@pytest.mark.parametrize("energy", ["se", "ce"])
+def test_at_the_init_only_the_output_layer_moves_and_it_is_backprops(energy):
+    """T=0: every hidden error is 0 after the feed-forward init, so PC's update of the output layer is
+    backprop's gradient exactly (cos 1, norm ratio 1) and every other layer's is 0."""
+    net = network(activation="tanh", energy=energy)
+    d = pcdist.diagnose(trainer(net, T=5), *batch(), T=0)
+    assert abs(d["cosine"][-1] - 1) < 1e-12 and abs(d["norm_ratio"][-1] - 1) < 1e-12
+    assert d["cosine"][:-1] == [0.0] * 3 and d["norm_ratio"][:-1] == [0.0] * 3
+
+
+def test_small_output_precision_and_converged_inference_give_backprops_gradient_in_every_layer():
+    """Nudged limit on a linear network: with the output's precision beta -> 0 and inference run to its
+    fixed point, e_l / beta -> backprop's delta_l, so cos(PC update, BP gradient) -> 1 and the norm ratio
+    -> 1 in every layer (the deviation is O(beta)). beta = 1e-5: cos within 1e-6 of 1."""
+    beta = 1e-5
+    net = network(precision=[1.0, 1.0, 1.0, beta])
+    x, y = batch()
+    d = pcdist.diagnose(trainer(net, T=300, x_lr=0.3), x, y)
+    for l, (c, r) in enumerate(zip(d["cosine"], d["norm_ratio"]), 1):
+        assert abs(c - 1) < 1e-6, f"layer {l}: cos {c}"
+        assert abs(r - 1) < 1e-3, f"layer {l}: norm ratio {r}"
+    assert d["inference"] == "converging"
+
+
+def test_the_diagnostics_backprop_is_autograds():
+    """The norm ratio is taken against backprop's gradient as autograd computes it on the whole network:
+    at T=0 the output layer's PC update equals it, so the output ratio is 1; checked against autograd's
+    gradient norm here, independently of the diagnostics' sliced backward."""
+    net = network(activation="gelu", energy="ce")
+    x, y = batch()
+    tr = trainer(net, T=4)
+    d = pcdist.diagnose(tr, x, y)
+    bp = autograd_backprop(net, x, y)
+    pc = []
+    tr2 = trainer(net, T=4)  # PC's update as the trainer hands it to the optimizer, from a real step's inference
+    st = tr2.stage(len(x))
+    st.begin(x, y)
+    tr2.parallel.feedforward(st)
+    for t in range(4):
+        tr2._relax(st, t, None, more=t < 3)
+    tr2.parallel.errors(st, need_all_deltas=True, exchange=False)
+    tr2.parallel.weight_grads(st)
+    pc = [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
+    for l, (a, b) in enumerate(zip(pc, bp)):
+        cos = float(a @ b / (a.norm() * b.norm())) if a.norm() > 0 else 0.0
+        assert abs(d["cosine"][l] - cos) < 1e-9, l
+        assert abs(d["norm_ratio"][l] - (float(a.norm() / b.norm()) if a.norm() > 0 else 0.0)) < 1e-9, l
+
+
+def _worker(rank, world, layer, T, out):
+    init_distributed(timeout_s=60)
+    specs = network().specs
+    par = Parallel.from_mesh(ParallelDims(world // layer, layer), specs, timeout_s=60)
+    net = network(precision=[1.0, 1.0, 1.0, 1e-5], activation="tanh", layers=par.layers)
+    x, y = batch()
+    rows = torch.tensor_split(torch.arange(len(x)), world // layer)[par.data_rank]
+    d = pcdist.diagnose(trainer(net, T=T, parallel=par), x[rows], y[rows], global_batch=len(x))
+    if d is not None:
+        torch.save(d, out)
+
+
+@pytest.mark.parametrize("layer,world", [(2, 2), (2, 4)])
+def test_any_layer_split_gives_the_numbers_of_one_process(layer, world, tmp_path):
+    """Two layer ranks (and a 2 x 2 data x layer mesh) on real gloo processes: the energy trace, cos, norm
+    ratios and value changes equal one process's to 1e-9 (float64)."""
+    out = tmp_path / "d.pt"
+    run(_worker, world, layer, 6, str(out), timeout=120)
+    got = torch.load(out, weights_only=False)
+    want = pcdist.diagnose(trainer(network(precision=[1.0, 1.0, 1.0, 1e-5], activation="tanh"), T=6), *batch())
+    for key in ("cosine", "norm_ratio", "energy"):
+        assert got[key] == pytest.approx(want[key], abs=1e-9, rel=1e-9), key
+    assert got["energy_trace"] == pytest.approx(want["energy_trace"], abs=1e-12, rel=1e-9)
+    assert got["value_change"] == pytest.approx(want["value_change"], rel=1e-9)
+    assert got["activation_scale"] == pytest.approx(want["activation_scale"], rel=1e-9)
+
+
+def test_a_too_large_value_step_makes_the_energy_grow_and_the_fix_is_stable():
+    """Gradient descent on the energy with step x_lr diverges once x_lr exceeds 2 / (the largest curvature):
+    the trace grows and is called diverging; the suggested x_lr (from the growth rate) is below 2 / lambda
+    and, run again, the energy falls."""
+    net = network(activation="tanh")
+    x, y = batch()
+    d = pcdist.diagnose(trainer(net, T=20, x_lr=3.0), x, y)
+    e = d["energy"]
+    assert d["inference"] == "diverging" and e[-1] > 10 * e[0]
+    fix = stable_x_lr(e, 3.0)
+    d2 = pcdist.diagnose(trainer(net, T=20, x_lr=fix), x, y)
+    assert d2["inference"] != "diverging" and d2["energy"][-1] < d2["energy"][0]
+
+
+def test_classify_inference():
+    """The three states, from their definitions."""
+    assert classify_inference([3.0, 2.0, 1.0]) == "converging"
+    assert classify_inference([3.0, 4.0, 1.0]) == "oscillating"
+    assert classify_inference([3.0, 2.0, 5.0]) == "diverging"
+    assert classify_inference([3.0, math.inf]) == "diverging"
