@@ -72,23 +72,23 @@ def test_small_output_precision_and_converged_inference_give_backprops_gradient_
 
 
 def test_the_diagnostics_backprop_is_autograds():
-    """The norm ratio is taken against backprop's gradient as autograd computes it on the whole network:
-    at T=0 the output layer's PC update equals it, so the output ratio is 1; checked against autograd's
-    gradient norm here, independently of the diagnostics' sliced backward."""
+    """cos and norm ratio per layer equal those of two independent references: PC's update from the
+    trainer's own fused inference (as a training step hands it to the optimizer) and backprop's gradient
+    by plain autograd on the whole network."""
     net = network(activation="gelu", energy="ce")
     x, y = batch()
     tr = trainer(net, T=4)
     d = pcdist.diagnose(tr, x, y)
     bp = autograd_backprop(net, x, y)
-    pc = []
     tr2 = trainer(net, T=4)  # PC's update as the trainer hands it to the optimizer, from a real step's inference
-    st = tr2.stage(len(x))
-    st.begin(x, y)
-    tr2.parallel.feedforward(st)
-    for t in range(4):
-        tr2._relax(st, t, None, more=t < 3)
-    tr2.parallel.errors(st, need_all_deltas=True, exchange=False)
-    tr2.parallel.weight_grads(st)
+    with torch.no_grad():
+        st = tr2.stage(len(x))
+        st.begin(x, y)
+        tr2.parallel.feedforward(st)
+        for t in range(4):
+            tr2._relax(st, t, None, more=t < 3)
+        tr2.parallel.errors(st, need_all_deltas=True, exchange=False)
+        tr2.parallel.weight_grads(st)
     pc = [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
     for l, (a, b) in enumerate(zip(pc, bp)):
         cos = float(a @ b / (a.norm() * b.norm())) if a.norm() > 0 else 0.0
@@ -108,17 +108,19 @@ def _worker(rank, world, layer, T, out):
         torch.save(d, out)
 
 
-@pytest.mark.parametrize("layer,world", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("layer,world", [(2, 2)])
 def test_any_layer_split_gives_the_numbers_of_one_process(layer, world, tmp_path):
-    """Two layer ranks (and a 2 x 2 data x layer mesh) on real gloo processes: the energy trace, cos, norm
-    ratios and value changes equal one process's to 1e-9 (float64)."""
+    """Two layer ranks on real gloo processes (the sequential backward crosses the boundary): the energy
+    trace, cos, norm ratios and value changes equal one process's to 1e-9 (float64). (A data axis, (2, 4),
+    passes too; left out to keep the suite short.)"""
     out = tmp_path / "d.pt"
     run(_worker, world, layer, 6, str(out), timeout=120)
     got = torch.load(out, weights_only=False)
     want = pcdist.diagnose(trainer(network(precision=[1.0, 1.0, 1.0, 1e-5], activation="tanh"), T=6), *batch())
     for key in ("cosine", "norm_ratio", "energy"):
         assert got[key] == pytest.approx(want[key], abs=1e-9, rel=1e-9), key
-    assert got["energy_trace"] == pytest.approx(want["energy_trace"], abs=1e-12, rel=1e-9)
+    for t, (a, b) in enumerate(zip(got["energy_trace"], want["energy_trace"], strict=True)):
+        assert a == pytest.approx(b, abs=1e-12, rel=1e-9), f"inference step {t}"
     assert got["value_change"] == pytest.approx(want["value_change"], rel=1e-9)
     assert got["activation_scale"] == pytest.approx(want["activation_scale"], rel=1e-9)
 

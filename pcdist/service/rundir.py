@@ -128,6 +128,7 @@ ON_RESUME: dict[str, tuple[str, str]] = {
     "data.synthetic_train": (REFUSE, "it changes the data set"),
     "data.synthetic_val": (REFUSE, "it changes the data set"),
     "data.num_classes": (REFUSE, "it changes the model's output"),
+    "data.signal": (REFUSE, "it changes the model's input shape"),
     "trainer.batch_size": (REFUSE, "it changes the global batches (the data order) and what a step is"),
     "trainer.seed": (REFUSE, "it changes the initial weights and the data order"),
     "optim.name": (REFUSE, "the checkpoint holds the other optimizer's state"),
