@@ -15,6 +15,7 @@ never compared with a handicapped backprop.
     python benchmarks/fidelity.py --networks signals_cnn --seeds 0 1 2
     python benchmarks/fidelity.py --tiny                # a smoke test of the script (seconds)
     python benchmarks/fidelity.py --search signals_cnn --trials 40   # the recipe search (Optuna TPE)
+    python benchmarks/fidelity.py --pictures signals_cnn             # diagnosed runs, old and recipe: pictures
 
 The search never sees the validation set the table reports: it trains on 80% of the training set and
 scores on the other 20% (the signals: on a second draw of the generator, seed 1), seed 0. Every trial
@@ -53,9 +54,9 @@ NETWORKS = {
                    "recipe": []},
     "signals_cnn": {"title": "signals 1x64, 1-D CNN 3 x Conv1d(25, k5)", "base": SIGNALS_CNN, "old": OLD_PC,
                     "recipe": ["experiment=signals_cnn"]},
-    "signals_mlp": {"title": "signals 1x64, MLP 64-128-128-10", "base": ["data=signals", "trainer.max_steps=1000",
-                                                                          "trainer.eval_every=250"],
-                    "old": OLD_PC, "recipe": []},
+    "signals_mlp": {"title": "signals 1x64, MLP 64-128-128-10 (contrast)",
+                    "base": ["data=signals", "trainer.max_steps=1000", "trainer.eval_every=250"],
+                    "old": OLD_PC, "recipe": ["pc.T=5", "pc.x_lr=0.05"]},  # model=cnn's recipe; not shipped for mlp
     "mupc64_t8": {"title": "digits, μPC 64 layers x 128, T=8", "base": ["experiment=mupc_digits", "pc.T=8"],
                   "old": ["experiment=mupc_digits", "pc.T=8"], "recipe": ["experiment=mupc_digits_t8"]},
 }
@@ -168,6 +169,28 @@ def search(net: str, trials: int, tmp: Path, tiny: bool, out: Path) -> dict:
     return best
 
 
+def pictures(net: str, steps: int, every: int, tmp: Path) -> dict:
+    """Short runs of the old defaults and the recipe with pc.diagnostics=true; their diagnostics pictures
+    copied to benchmarks/results/fidelity_<network>_<old|recipe>_{energy,cosine}.png, their records returned."""
+    import shutil
+
+    from pcdist.service.diagnostics import read_diagnostics
+
+    out = {}
+    for which in ("old", "recipe"):
+        run_dir = tmp / f"{net}-{which}"
+        over = overrides(net, which, 0, False, [f"trainer.max_steps={steps}", f"trainer.eval_every={steps}",
+                                               "pc.diagnostics=true", f"pc.diagnostics_every={every}"])
+        r = pcdist.train([*over, f"run_dir={run_dir}"])
+        for kind in ("energy", "cosine"):
+            shutil.copy(run_dir / f"diagnostics_{kind}.png", OUT / f"fidelity_{net}_{which}_{kind}.png")
+        out[which] = {"accuracy": r["val/accuracy"], "overrides": over,
+                      "diagnostics": read_diagnostics(run_dir / "diagnostics.jsonl")}
+        print(f"{net} {which}: accuracy {r['val/accuracy']:.4f} after {steps} steps; pictures in {OUT}", flush=True)
+    (OUT / f"fidelity_{net}_diagnostics.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -197,10 +220,15 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="4 steps per run: a smoke test of the script")
     ap.add_argument("--search", choices=list(NETWORKS), help="run the recipe search for this network instead")
     ap.add_argument("--trials", type=int, default=40)
+    ap.add_argument("--pictures", choices=list(NETWORKS), help="diagnosed short runs (old, recipe) of this network")
+    ap.add_argument("--steps", type=int, default=250, help="--pictures: training steps")
     ap.add_argument("--out", default=None, help="the JSON to write (default under benchmarks/results/)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.pictures:
+            pictures(args.pictures, args.steps, max(1, args.steps // 10), Path(tmp))
+            return
         if args.search:
             out = Path(args.out or OUT / f"fidelity_search_{args.search}.json")
             search(args.search, args.trials, Path(tmp), args.tiny, out)
