@@ -114,10 +114,12 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
         for l in range(L):
             ax.plot(range(len(trace)), [max(t[l], 1e-30) for t in trace], color=colour(l), lw=1.1,
                     label=f"layer {l + 1}" if L <= 10 else None)
-        ax.plot(range(len(trace)), r["energy"], "k--", lw=1.5, label="total")
+        ax.plot(range(len(trace)), r["energy"], "k:", lw=1.2, label="total")
         ax.set_yscale("log")
+        pos = [e for t in trace for e in t if e > 0] or [1.0]
+        ax.set_ylim(max(min(pos), max(pos) * 1e-12) / 2, max(max(pos), max(r["energy"])) * 2)
         ax.set_xlabel("inference step (0: feed-forward init)")
-        ax.set_ylabel("batch-mean energy")
+        ax.set_ylabel("batch-mean energy (0: off the axis)")
         ax.set_title(f"step {r['step']}: inference {r['inference']} (x_lr {r['x_lr']:g}, T {r['T']})", fontsize=9)
         if L <= 10:
             ax.legend(fontsize=7, ncol=2)
@@ -130,7 +132,8 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
         ax.plot(steps, [r["cosine"][l] for r in records], "o-", ms=3, color=colour(l),
                 label=f"layer {l + 1}" if L <= 10 else None)
         ax2.plot(steps, [r["norm_ratio"][l] for r in records], "o-", ms=3, color=colour(l))
-    ax.set_ylim(-1.05, 1.05)
+    lowest = min(min(r["cosine"]) for r in records)
+    ax.set_ylim(min(-0.05, lowest - 0.05), 1.05)
     ax.axhline(1.0, color="grey", lw=0.6)
     ax.set_xlabel("training step")
     ax.set_ylabel("cos(PC update, backprop gradient)")
