@@ -37,7 +37,7 @@ __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCCon
            "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
            "passed_settings", "flat"]
 
-DATASETS = ("digits", "synthetic", "signals", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays")
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays", "signals")
 ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
 """The data sets read from the standard files in data.root."""
 PYTHON_DATA = "python"
