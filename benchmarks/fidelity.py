@@ -54,9 +54,9 @@ NETWORKS = {
                    "recipe": []},
     "signals_cnn": {"title": "signals 1x64, 1-D CNN 3 x Conv1d(25, k5)", "base": SIGNALS_CNN, "old": OLD_PC,
                     "recipe": ["experiment=signals_cnn"]},
-    "signals_mlp": {"title": "signals 1x64, MLP 64-128-128-10 (contrast)",
+    "signals_mlp": {"title": "signals 1x64, MLP 64-128-128-10",
                     "base": ["data=signals", "trainer.max_steps=1000", "trainer.eval_every=250"],
-                    "old": OLD_PC, "recipe": ["pc.T=5", "pc.x_lr=0.05"]},  # model=cnn's recipe; not shipped for mlp
+                    "old": OLD_PC, "recipe": ["experiment=signals_mlp"]},
     "mupc64_t8": {"title": "digits, μPC 64 layers x 128, T=8", "base": ["experiment=mupc_digits", "pc.T=8"],
                   "old": ["experiment=mupc_digits", "pc.T=8"], "recipe": ["experiment=mupc_digits_t8"]},
 }
