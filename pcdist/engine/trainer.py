@@ -117,7 +117,7 @@ class PCTrainer:
             for t in range(self.T):
                 self._relax(st, t, noise, more=t < self.T - 1)
             clock.append(time.perf_counter())
-            set_precision(st, self.net, self.precision_schedule, self.T)
+            self._set_precision(st, self.T)
             par.errors(st, need_all_deltas=True, exchange=False)
             if log or self.skip_above is not None:
                 energies = st.layer_energies()
@@ -125,7 +125,7 @@ class PCTrainer:
             self._optimizer_step(st, energies)
         else:
             for t in range(self.T):
-                set_precision(st, self.net, self.precision_schedule, t)
+                self._set_precision(st, t)
                 par.errors(st, need_all_deltas=True)
                 if (log and t == self.T - 1) or self.skip_above is not None:
                     energies = st.layer_energies()
@@ -186,12 +186,16 @@ class PCTrainer:
     def _relax(self, st: Stage, t: int, noise, more: bool) -> None:
         """Inference step t: errors with the fused value step, back-projections, the value step (+ noise)."""
         par = self.parallel
-        set_precision(st, self.net, self.precision_schedule, t)
+        self._set_precision(st, t)
         par.errors(st, step_lr=self.x_lr)
         par.backproject(st)
         par.update_values(st, self.x_lr, more=more)
         if noise is not None:
             noise(t)
+
+    def _set_precision(self, st: Stage, t: int) -> None:
+        """pi_l(t) on this slice's layers (``set_precision``)."""
+        set_precision(st, self.net, self.precision_schedule, t)
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
         """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
@@ -226,7 +230,7 @@ def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list
     par.feedforward(st)
     out = []
     for t in range(tr.T + 1):
-        set_precision(st, tr.net, tr.precision_schedule, t)
+        tr._set_precision(st, t)
         par.errors(st, exchange=t < tr.T)
         full = par.gather_layer_energies(st.layer_energies(), st.B, st.energy_index)
         if full is not None:
