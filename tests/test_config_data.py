@@ -12,9 +12,9 @@ import torch
 
 import pcdist
 from pcdist.service.data import DataError, load_dataset, read_idx
+from datafiles import make_cifar10, make_cifar100, make_mnist, write_idx
 
 ROOT = Path(__file__).resolve().parents[1]
-from datafiles import make_cifar10, make_cifar100, make_mnist, write_idx
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
