@@ -14,8 +14,6 @@ import pcdist
 from pcdist.service.data import DataError, load_dataset, read_idx
 from datafiles import make_cifar10, make_cifar100, make_mnist, write_idx
 
-ROOT = Path(__file__).resolve().parents[1]
-
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 SMALL = ["trainer.max_steps=3", "trainer.epochs=null", "trainer.eval_every=2", "trainer.log_every=1",
@@ -135,7 +133,7 @@ def test_a_mistyped_group_option_from_python_gets_the_did_you_mean_of_the_comman
     search-path report)."""
     with pytest.raises(pcdist.ConfigError) as info:
         pcdist.train({"model": "cnnn", "run_dir": str(tmp_path)})
-    options = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
+    options = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
     assert str(info.value) == f"model=cnnn: no such option in conf/model/ (options: {options}); did you mean cnn?"
 
 
