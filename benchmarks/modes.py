@@ -18,7 +18,7 @@ learning (digits, the service's split; figures with the settings of the presets 
 Writes benchmarks/results/modes.json, modes_samples.png and modes_reconstructions.png.
 
     python benchmarks/modes.py                 # both (about 10 minutes on 2 cores)
-    python benchmarks/modes.py --only speed    # or --only learning
+    python benchmarks/modes.py --only speed    # or --only learning (the other part's figures are kept)
     python benchmarks/modes.py --tiny          # a smoke test of the script (not a measurement)
 """
 
@@ -174,9 +174,11 @@ def main() -> None:
     if args.only != "speed":
         result["learning"] = learning(0.01 if args.tiny else 1.0, args.out, "_tiny" if args.tiny else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "modes_tiny.json" if args.tiny else "modes.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / name}")
+    path = args.out / ("modes_tiny.json" if args.tiny else "modes.json")
+    if args.only and path.exists():  # keep the other part's figures
+        result = {**json.loads(path.read_text()), **result}
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

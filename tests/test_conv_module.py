@@ -229,6 +229,20 @@ def test_from_sequential_explains_a_trailing_softmax_and_runs_other_elementwise_
         pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Hardswish()))
 
 
+def test_an_unfused_activation_in_the_first_layer_runs_as_a_module_without_an_input_shape():
+    """The warning's promise holds for layer 1 too: its nn.Linear tells the input node's width (it used to need
+    input_shape, and from_sequential failed after the warning)."""
+    seq = nn.Sequential(nn.Linear(4, 8), nn.SELU(), nn.Linear(8, 3)).double()
+    with pytest.warns(UserWarning, match=r"SELU \(module 1\) is not among the fused activations"):
+        net = pcdist.PCNetwork.from_sequential(seq, energy="ce")
+    assert [g.kind.kind for g in net.groups] == ["module", "dense"] and net.node_shapes[0] == (4,)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), seq(x), atol=1e-12, rtol=0)
+    for p, q in zip(net.to_sequential().parameters(), seq.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_conv_networks_need_their_input_shape_and_a_flatten():
     seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
     with pytest.raises(ValueError, match="give input_shape"):

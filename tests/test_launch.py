@@ -128,6 +128,7 @@ def test_the_installed_wheel_trains_without_a_checkout(wheel, tmp_path):
 NOT_RUN_HERE = {  # a part of a command -> why a test on a CPU box cannot run it
     "make test": "it runs the suite this test belongs to",
     "sbatch ": "needs a SLURM cluster",
+    "scancel ": "needs a SLURM cluster and a job",
     "launch/docker.sh": "needs a Docker engine",
     "/path/to/": "needs a data set pcdist does not download",
 }

@@ -84,7 +84,7 @@ def test_proctrack_cgroup_ran(cluster, tmp_path):
     if cluster.proctrack != "cgroup":
         pytest.skip(f"the SLURM tests ran under proctrack/linuxproc: {cluster.why_not_cgroup}")
     job = cluster.sbatch(["--output=cgroup.out", "--wrap", "srun cat /proc/self/cgroup"], cwd=tmp_path)
-    assert cluster.wait_finished(job, timeout=300)["JobState"] == "COMPLETED"
+    assert cluster.wait_finished(job, timeout=900)["JobState"] == "COMPLETED"
     assert re.search(rf"/slurm\S*/uid_\d+/job_{job}/step_0", (tmp_path / "cgroup.out").read_text()), \
         (tmp_path / "cgroup.out").read_text()
 
@@ -124,17 +124,17 @@ class Job:
     def fields(self) -> dict[str, str]:
         return self.cluster.job(self.id)
 
-    def wait(self, until, what: str, timeout: float = 600) -> dict[str, str]:
+    def wait(self, until, what: str, timeout: float = 900) -> dict[str, str]:
         try:
             return self.cluster.wait(self.id, until, timeout, what)
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- job log:\n{self.log[-6000:]}") from None
 
-    def wait_finished(self, timeout: float = 600) -> dict[str, str]:
+    def wait_finished(self, timeout: float = 900) -> dict[str, str]:
         return self.wait(lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
                          "a final state", timeout)
 
-    def wait_training(self, timeout: float = 300) -> None:
+    def wait_training(self, timeout: float = 900) -> None:
         """Until the run has logged its first step (so a stop signal now lands in its training loop)."""
         metrics = self.run_dir / "metrics.jsonl"
         deadline = time.monotonic() + timeout
@@ -331,7 +331,7 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
     restarted = workers(job.id)
     assert len(restarted) == 2 and not set(restarted) & set(crashed), (crashed, restarted)
     os.kill(restarted[0], signal.SIGKILL)
-    fields = job.wait_finished(timeout=300)
+    fields = job.wait_finished(timeout=900)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0" and fields["Restarts"] == "0", job.log
     assert re.search(r"resumed from \S+/step-\d{8} at step", job.log), job.log
     assert "requeue" not in job.log
@@ -351,7 +351,7 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
 def test_a_mistake_is_one_line_and_the_job_fails_before_any_worker_starts(cluster, tmp_path, sbatch_args, overrides,
                                                                           env, error):
     job = Job(cluster, tmp_path, sbatch_args, overrides, **env)
-    fields = job.wait_finished(timeout=300)
+    fields = job.wait_finished(timeout=900)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0" and fields["Restarts"] == "0", job.log
     errors = [line for line in job.log.splitlines() if not line.startswith("== ")]
     assert len(errors) == 1 and errors[0].startswith(error), job.log

@@ -1,6 +1,7 @@
 """The single-device PC engine: networks of fused layer groups and the phases of PC on them.
 
 * ``network.py``  PCNetwork: layer kinds grouped into stacked runs of equal layers
+* ``convert.py``  PCNetwork to and from plain torch modules (from_layers / from_sequential, to_layers / to_sequential)
 * ``layers/``     the layer kinds (dense, residual, conv, module) and their fused phases
 * ``stage.py``    Stage: one batch's value nodes (``nodes.py``) and the fused phases over every group
 * ``trainer.py``  PCTrainer: feed-forward init, T inference steps, weight update (pc / ipc)

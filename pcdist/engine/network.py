@@ -5,26 +5,28 @@ the output layer. Each layer is described by a kind (pcdist.layers: ``Dense``, `
 ``Conv``, ``ModuleKind``); consecutive equal layers form one group whose parameters are
 stacked [K, ...] tensors, so every phase of the K layers is one batched kernel. The network
 also fixes its energy: the output energy, each layer's precision pi_l and the prior of a
-free bottom node h_0 (pcdist/engine/layers/prior.py).
+free bottom node h_0 (pcdist/engine/layers/prior.py). The conversions to and from plain
+torch modules (``from_layers``, ``from_sequential``, ``to_layers``, ``to_sequential``) live in
+pcdist/engine/convert.py.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
-from collections import OrderedDict
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .activations import ELEMENTWISE_MODULES, SUPPORTED_MODULES, Activation, activation_from_module, get_activation
+from . import convert
+from .activations import Activation, get_activation
+from .convert import module_structure, split_sequential
 from .energies import check_energy
-from .layers import Dense, LayerGroup, LayerKind, group_layers, kind_from_module, seeded_generator
+from .layers import Dense, LayerGroup, LayerKind, group_layers, seeded_generator
 from .layers.prior import Prior, PriorGroup
 
-__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions", "module_structure"]
+__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions", "module_structure",
+           "check_specs", "network_input"]
 
 
 def precisions(precision, num_layers: int) -> tuple[float, ...] | None:
@@ -90,20 +92,8 @@ class PCNetwork(nn.Module):
         prior: Prior | None = None,
     ):
         super().__init__()
-        if not specs:
-            raise ValueError("a PCNetwork needs at least one layer")
-        self.specs = tuple(specs)
+        self.specs = check_specs(specs)
         L = len(self.specs)
-        for l, s in enumerate(self.specs, start=1):
-            if not isinstance(s, LayerKind):
-                raise TypeError(f"layer {l}: expected a layer kind (pcdist.layers.Dense, Residual, ...), got {s!r}")
-            s.check(l, l == L)
-        for l, (s, nxt) in enumerate(zip(self.specs, self.specs[1:]), start=1):
-            if s.out_shape != nxt.in_shape:
-                what = "features" if len(s.out_shape) == 1 else "shape"
-                a, b = (s.out_shape[0], nxt.in_shape[0]) if len(s.out_shape) == len(nxt.in_shape) == 1 else \
-                    (list(s.out_shape), list(nxt.in_shape))
-                raise ValueError(f"layer {l} outputs {a} {what} but layer {l + 1} expects {b}")
         self.energy = check_energy(energy)
         self.precision = precisions(precision, L)
         self.prior = prior if prior is not None else Prior()
@@ -145,26 +135,7 @@ class PCNetwork(nn.Module):
         (needed when the first layer is a convolution, e.g. (1, 8, 8)). ``layers_owned=(a, b)`` keeps
         only layers a..b-1 (a layer slice). ``precision`` and ``prior`` go to the constructor.
         """
-        mods = list(layers)
-        if not mods:
-            raise ValueError("from_layers needs at least one module")
-        picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
-        for l, m in enumerate(mods, start=1):
-            kind, params = kind_from_module(m, l, l == len(mods), shape)
-            picked.append((kind, params))  # shapes that do not chain are named by the constructor
-            shape = tuple(kind.out_shape)
-        p = next(iter(picked[0][1].values()))
-        net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
-                  init=False, **kw)
-        state = {f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1) for name, t in params.items()}
-        if net.groups and net.groups[0].first == 0:  # a learned prior mean starts at its init (zero)
-            state.update({f"layers.0.{name}": t.detach() for name, t in net.groups[0].public_params(0).items()})
-        net.load_layer_state_dict(state)
-        for l, (m, (_, params)) in enumerate(zip(mods, picked), start=1):  # to_layers gives these modules back
-            names = {id(t): n for n, t in m.named_parameters()}
-            net._templates[l] = (copy.deepcopy(m), {pub: names[id(t)] for pub, t in params.items()})
-            net.structure[l] = module_structure(m)
-        return net
+        return convert.from_layers(cls, layers, energy, input_shape, layers_owned, **kw)
 
     @classmethod
     def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,
@@ -176,13 +147,7 @@ class PCNetwork(nn.Module):
         ``from_layers`` (a network that starts with a convolution needs it). Anything else cannot be
         placed where a value node would go: build such networks with ``from_layers``.
         """
-        blocks = split_sequential(seq)
-        net = cls.from_layers(blocks, energy=energy, input_shape=input_shape, layers_owned=layers, **kw)
-        names = {id(t): n for n, t in seq.named_parameters()}
-        where = {(l, pub): names[id(b.get_parameter(name))]
-                 for l, b in enumerate(blocks, start=1) for pub, name in net._templates[l][1].items()}
-        net.__dict__["_sequential"] = (copy.deepcopy(seq), where)  # to_sequential gives this Sequential back
-        return net
+        return convert.from_sequential(cls, seq, energy, layers, input_shape, **kw)
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Each kind's init (dense: nn.Linear's default; residual: N(0, 1)), layer by layer.
@@ -273,169 +238,60 @@ class PCNetwork(nn.Module):
         images for a vector input are flattened, floats are cast to the weights' dtype; integer
         inputs are refused (scale them to floats as in training, e.g. uint8 / 255)."""
         if self.first == 1:
-            x = self._as_input(x)
+            x = network_input(self, x)
         for g in self.groups:
             x = g(x)
-        return x
-
-    def _as_input(self, x: Tensor) -> Tensor:
-        """x as the first layer's input node [B, *in_shape] in the weights' dtype, or a ValueError."""
-        shape = tuple(self.node_shapes[0])
-        p = next(self.parameters(), None)
-        if not torch.is_tensor(x):
-            raise TypeError(f"the network takes a tensor [batch, {', '.join(map(str, shape))}], got {type(x).__name__}")
-        if not (x.is_floating_point() or x.is_complex()):
-            raise ValueError(f"the network takes float inputs, got {x.dtype}: scale them as in training "
-                             "(uint8 images: x / 255, or pcdist.load(...).preprocess(x))")
-        if tuple(x.shape[1:]) != shape:
-            if x.ndim >= 2 and len(shape) == 1 and x[0].numel() == shape[0]:
-                x = x.flatten(1)  # images into a vector input, flattened as the service does
-            else:
-                raise ValueError(f"the network takes inputs [batch, {', '.join(map(str, shape))}], got "
-                                 f"{list(x.shape)}")
-        if p is not None and x.dtype != p.dtype:
-            x = x.to(p.dtype)
         return x
 
     def to_layers(self) -> nn.ModuleList:
         """The current weights as plain torch modules, one per PC layer: the modules given to
         ``from_layers`` (same classes, nesting and ``state_dict`` keys), else each kind's own
         (nested as ``structure`` records, e.g. for a network loaded from a run)."""
-        if not self.owns_all:
-            raise RuntimeError("to_layers needs all layers; this network owns a slice")
-        out = []
-        for g in self.groups:
-            if g.first == 0:  # the prior of h_0: not a layer
-                continue
-            for k, l in enumerate(g.layers):
-                if l in self._templates:
-                    out.append(self._from_template(g, k, l))
-                else:
-                    out.append(apply_structure(g.to_module(k), self.structure.get(l)))
-        return nn.ModuleList(out)
-
-    def _from_template(self, g, k: int, l: int) -> nn.Module:
-        template, names = self._templates[l]
-        m = copy.deepcopy(template)
-        p = next(g.parameters())
-        m.to(device=p.device, dtype=p.dtype)
-        with torch.no_grad():
-            for pub, t in g.public_params(k).items():
-                m.get_parameter(names[pub]).copy_(t)
-        return m
+        return convert.to_layers(self)
 
     def to_sequential(self) -> nn.Sequential:
         """The current weights as a plain nn.Sequential: the one given to ``from_sequential`` (same
         classes, nesting and ``state_dict`` keys), else ``to_layers()`` spliced into one flat
         Sequential (Linear, act, ..., Linear for an MLP; ``nn.Sequential(*net.to_layers())`` keeps
         each layer's own nesting)."""
-        if "_sequential" in self.__dict__ and self.owns_all:
-            seq, where = self.__dict__["_sequential"]
-            seq = copy.deepcopy(seq)
-            p = next(self.parameters())
-            seq.to(device=p.device, dtype=p.dtype)
-            with torch.no_grad():
-                for g in self.groups:
-                    for k, l in enumerate(g.layers if g.first > 0 else ()):  # the prior of h_0 is not a layer
-                        for pub, t in g.public_params(k).items():
-                            seq.get_parameter(where[l, pub]).copy_(t)
-            return seq
-        mods: list[nn.Module] = []
-        for m in self.to_layers():
-            mods.extend(m if isinstance(m, nn.Sequential) else [m])
-        return nn.Sequential(*mods)
+        return convert.to_sequential(self)
 
 
-def module_structure(m: nn.Module) -> dict:
-    """How a module nests its parts, as plain data (run directories record it): ``{"wrap": "bare"}``
-    or ``{"wrap": "sequential", "names": [child names]}``."""
-    if isinstance(m, nn.Sequential):
-        return {"wrap": "sequential", "names": [n for n, _ in m.named_children()]}
-    return {"wrap": "bare"}
+def check_specs(specs: Sequence[LayerKind]) -> tuple[LayerKind, ...]:
+    """``specs`` as a tuple, after each kind's own check and a check that each layer's output shape is the
+    next layer's input shape; a TypeError or ValueError naming the layer otherwise."""
+    if not specs:
+        raise ValueError("a PCNetwork needs at least one layer")
+    specs = tuple(specs)
+    L = len(specs)
+    for l, s in enumerate(specs, start=1):
+        if not isinstance(s, LayerKind):
+            raise TypeError(f"layer {l}: expected a layer kind (pcdist.layers.Dense, Residual, ...), got {s!r}")
+        s.check(l, l == L)
+    for l, (s, nxt) in enumerate(zip(specs, specs[1:]), start=1):
+        if s.out_shape != nxt.in_shape:
+            what = "features" if len(s.out_shape) == 1 else "shape"
+            a, b = (s.out_shape[0], nxt.in_shape[0]) if len(s.out_shape) == len(nxt.in_shape) == 1 else \
+                (list(s.out_shape), list(nxt.in_shape))
+            raise ValueError(f"layer {l} outputs {a} {what} but layer {l + 1} expects {b}")
+    return specs
 
 
-def apply_structure(m: nn.Module, structure: dict | None) -> nn.Module:
-    """A kind's own module ``m`` nested as ``structure`` (``module_structure``) says; an identity
-    activation the user did not write is dropped."""
-    if not structure:
-        return m
-    parts = list(m) if isinstance(m, nn.Sequential) else [m]
-    want = 1 if structure["wrap"] == "bare" else len(structure["names"])
-    while len(parts) > want and isinstance(parts[-1], nn.Identity):
-        parts.pop()
-    if len(parts) != want:
-        return m
-    if structure["wrap"] == "bare":
-        return parts[0]
-    return nn.Sequential(OrderedDict(zip(structure["names"], parts)))
-
-
-_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
-
-
-def split_sequential(seq: nn.Sequential) -> list[nn.Sequential]:
-    """The modules of ``seq`` (nested Sequentials flattened) as one nn.Sequential per PC layer:
-    [nn.Flatten,] (nn.Linear | nn.Conv1d | nn.Conv2d) [, activation] [, pooling]. The modules are
-    shared, not copied. A module that fits nowhere is named in a ValueError."""
-    mods = [m for m in seq.modules() if not isinstance(m, nn.Sequential)]
-    blocks: list[list[nn.Module]] = []
-    flatten: tuple[int, nn.Flatten] | None = None
-    hint = ("from_sequential puts a value node after each nn.Linear / nn.Conv with its activation and pooling; "
-            "for other blocks give one module per PC layer to PCNetwork.from_layers")
-    for i, m in enumerate(mods):
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-            blocks.append([m] if flatten is None else [flatten[1], m])
-            flatten = None
-        elif isinstance(m, nn.Flatten):
-            if flatten is not None:
-                raise ValueError(f"module {i} (Flatten) follows another nn.Flatten")
-            flatten = (i, m)
-        elif flatten is not None:
-            raise ValueError(f"module {i} ({type(m).__name__}) follows the nn.Flatten at module {flatten[0]}: "
-                             f"a Flatten goes right before an nn.Linear; {hint}")
-        elif not blocks:
-            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
+def network_input(net: PCNetwork, x: Tensor) -> Tensor:
+    """x as the first layer's input node of ``net`` [B, *in_shape] in the weights' dtype, or a ValueError."""
+    shape = tuple(net.node_shapes[0])
+    p = next(net.parameters(), None)
+    if not torch.is_tensor(x):
+        raise TypeError(f"the network takes a tensor [batch, {', '.join(map(str, shape))}], got {type(x).__name__}")
+    if not (x.is_floating_point() or x.is_complex()):
+        raise ValueError(f"the network takes float inputs, got {x.dtype}: scale them as in training "
+                         "(uint8 images: x / 255, or pcdist.load(...).preprocess(x))")
+    if tuple(x.shape[1:]) != shape:
+        if x.ndim >= 2 and len(shape) == 1 and x[0].numel() == shape[0]:
+            x = x.flatten(1)  # images into a vector input, flattened as the service does
         else:
-            cur = blocks[-1]
-            layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
-            has_act = any(_is_activation(x) or isinstance(x, ELEMENTWISE_MODULES) for x in cur
-                          if x is not layer and not isinstance(x, nn.Flatten))
-            has_pool = any(isinstance(x, _POOLS) for x in cur)
-            if (_is_activation(m) or isinstance(m, ELEMENTWISE_MODULES)) and not has_act and not has_pool:
-                cur.append(m)
-            elif isinstance(m, (nn.Softmax, nn.LogSoftmax)) and i == len(mods) - 1:
-                raise ValueError(f"module {i} ({type(m).__name__}) after the output layer: leave it out; energy='ce' "
-                                 f"applies the softmax to the output layer's u_L = a_L (the logits) itself")
-            elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
-                cur.append(m)
-            elif _is_activation(m):
-                raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row cannot be placed "
-                                 f"where a value node would go; {hint}")
-            else:
-                raise ValueError(f"module {i} ({type(m).__name__}) cannot be placed where a value node would go; "
-                                 f"{hint}")
-    if flatten is not None:
-        raise ValueError(f"module {flatten[0]} (Flatten) is not followed by an nn.Linear")
-    if not blocks:
-        raise ValueError("the Sequential has no nn.Linear or nn.Conv layer")
-    last = blocks[-1]
-    acts = [type(x).__name__ for x in last if isinstance(x, ELEMENTWISE_MODULES)]
-    acts += [activation_from_module(x).name for x in last if _is_activation(x)]
-    if acts and acts[0] != "identity":
-        raise ValueError(f"the output layer must not be followed by an activation (found {acts[0]}); "
-                         "the output energy acts on u_L = a_L")
-    unfused = [f"{type(x).__name__} (module {mods.index(x)})" for b in blocks for x in b
-               if isinstance(x, ELEMENTWISE_MODULES)]
-    if unfused:
-        warnings.warn(f"from_sequential: {', '.join(unfused)} {'is' if len(unfused) == 1 else 'are'} not among the "
-                      f"fused activations ({SUPPORTED_MODULES}); such a layer runs through the module kind "
-                      f"(autograd's VJPs, slower than a fused activation)", stacklevel=3)
-    return [nn.Sequential(*b) for b in blocks]
-
-
-def _is_activation(m: nn.Module) -> bool:
-    try:
-        activation_from_module(m)
-        return True
-    except ValueError:
-        return False
+            raise ValueError(f"the network takes inputs [batch, {', '.join(map(str, shape))}], got "
+                             f"{list(x.shape)}")
+    if p is not None and x.dtype != p.dtype:
+        x = x.to(p.dtype)
+    return x

@@ -24,7 +24,7 @@ from .schedules import PrecisionSchedule, warmup_cosine
 from .stage import INITS, Stage
 from .values import value_noise
 
-__all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS"]
+__all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
 
 ALGORITHMS = ("pc", "ipc")
 
@@ -71,9 +71,7 @@ class PCTrainer:
         noise_seed: int = 0,
     ):
         _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
-        parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
-        if (net.first, net.stop) != tuple(parallel.layers):
-            raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is {parallel.layers}")
+        parallel = _check_slice(net, parallel)
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above, self.skipped_updates = init, skip_above, 0
@@ -145,11 +143,7 @@ class PCTrainer:
         full = par.gather_layer_energies(energies, st.B, st.energy_index)
         if full is None:
             return {}
-        stats = {"energy": math.fsum(full.tolist()), "layer_energies": full[1:].tolist(),
-                 "phase_s": dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))}
-        if st.free_bottom:
-            stats["prior_energy"] = float(full[0])
-        return stats
+        return step_stats(full, clock, st.free_bottom)
 
     @torch.no_grad()
     def infer(self, x: Tensor | None = None, y: Tensor | None = None, T: int | None = None, noise: float = 0.0,
@@ -174,26 +168,13 @@ class PCTrainer:
         own = {n: st.node(n).clone() for n in range(0 if self.net.first == 1 else self.net.first, self.net.stop)}
         return own if not gather else par.gather_nodes(own, self.net.num_layers)
 
-    @torch.no_grad()
     def trace(self, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
         """Per-layer energies at the init and after each of the T inference steps, weights untouched
         (with a free h_0 each row starts with its prior's energy).
 
         Every rank must call it; the logging rank gets the list, others None.
         """
-        st, par = self._begin(x, y, None, None)
-        par.feedforward(st)
-        out = []
-        for t in range(self.T + 1):
-            self._set_precision(st, t)
-            par.errors(st, exchange=t < self.T)
-            full = par.gather_layer_energies(st.layer_energies(), st.B, st.energy_index)
-            if full is not None:
-                out.append(full.tolist()[0 if st.free_bottom else 1:])
-            if t < self.T:
-                par.backproject(st)
-                par.update_values(st, self.x_lr, more=t < self.T - 1)
-        return out if par.is_logging else None
+        return energy_trace(self, x, y)
 
     # -- the pieces ------------------------------------------------------------------
     def _begin(self, x: Tensor | None, y: Tensor | None, batch_size: int | None, global_batch: int | None):
@@ -213,14 +194,8 @@ class PCTrainer:
             noise(t)
 
     def _set_precision(self, st: Stage, t: int) -> None:
-        """pi_l(t) = pi_l * factor(l, t, L) on this slice's layers (the schedule's step t)."""
-        sched = self.precision_schedule
-        if sched is None:
-            return
-        net = self.net
-        base = net.precision or (1.0,) * net.num_layers
-        st.precision.copy_(torch.tensor([base[l - 1] * sched(l, t, net.num_layers) for l in range(net.first, net.stop)],
-                                        dtype=st.precision.dtype))
+        """pi_l(t) on this slice's layers (``set_precision``)."""
+        set_precision(st, self.net, self.precision_schedule, t)
 
     def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
         """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
@@ -246,6 +221,53 @@ class PCTrainer:
             raise RuntimeError("value_nodes() is only defined after a step()")
         st = self._stage
         return [st.node(n).clone() for n in range(self.net.first - 1, self.net.stop)]
+
+
+@torch.no_grad()
+def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
+    """``tr.trace(x, y)``: the per-layer energies of T inference steps from the init, weights untouched."""
+    st, par = tr._begin(x, y, None, None)
+    par.feedforward(st)
+    out = []
+    for t in range(tr.T + 1):
+        tr._set_precision(st, t)
+        par.errors(st, exchange=t < tr.T)
+        full = par.gather_layer_energies(st.layer_energies(), st.B, st.energy_index)
+        if full is not None:
+            out.append(full.tolist()[0 if st.free_bottom else 1:])
+        if t < tr.T:
+            par.backproject(st)
+            par.update_values(st, tr.x_lr, more=t < tr.T - 1)
+    return out if par.is_logging else None
+
+
+def step_stats(full: Tensor, clock: list[float], free_bottom: bool) -> dict:
+    """A step's stats from the gathered energies ``full`` (the prior's term, then one per layer) and the
+    host clock read at the phases' ends: the energy F, its per-layer terms, the prior's term with a free
+    h_0, and the seconds per phase (feed-forward init, inference, weight update)."""
+    stats = {"energy": math.fsum(full.tolist()), "layer_energies": full[1:].tolist(),
+             "phase_s": dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))}
+    if free_bottom:
+        stats["prior_energy"] = float(full[0])
+    return stats
+
+
+def set_precision(st: Stage, net: PCNetwork, sched: PrecisionSchedule | None, t: int) -> None:
+    """pi_l(t) = pi_l * factor(l, t, L) on the slice's layers (the schedule's step t); nothing without a schedule."""
+    if sched is None:
+        return
+    base = net.precision or (1.0,) * net.num_layers
+    st.precision.copy_(torch.tensor([base[l - 1] * sched(l, t, net.num_layers) for l in range(net.first, net.stop)],
+                                    dtype=st.precision.dtype))
+
+
+def _check_slice(net: PCNetwork, parallel: Parallel | None) -> Parallel:
+    """``parallel`` (the single-process case where None), checked to place the layers ``net`` owns."""
+    parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
+    if (net.first, net.stop) != tuple(parallel.layers):
+        raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is "
+                         f"{parallel.layers}")
+    return parallel
 
 
 def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:

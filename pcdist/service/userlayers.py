@@ -21,7 +21,8 @@ from typing import Callable
 
 from torch import nn
 
-from ..engine.network import PCNetwork, split_sequential
+from ..engine.convert import module_structure, split_sequential
+from ..engine.network import PCNetwork
 from ..errors import ConfigError
 
 __all__ = ["UserLayers", "factory_path", "call_factory"]
@@ -107,8 +108,6 @@ class UserLayers:
         return net.to(dtype=dtype, device=device)
 
     def structure(self) -> dict[int, dict]:
-        from ..engine.network import module_structure
-
         return {l: module_structure(m) for l, m in enumerate(self.modules, start=1)}
 
     def unbuildable(self, specs) -> list[int]:

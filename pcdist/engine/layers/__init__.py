@@ -138,11 +138,14 @@ def _residual_from_module(m: nn.Module, in_shape, is_output: bool):
 
 
 def _module_from_module(m: nn.Module, in_shape, is_output: bool, index: int = 0):
-    """Any other module: the generic kind (needs the input node's shape)."""
-    if in_shape is None:
-        return None
+    """Any other module: the generic kind (needs the input node's shape; a vector's, for a module that starts
+    with an nn.Linear, is its ``in_features``)."""
     inner = m.module if isinstance(m, AnyModule) else m
     first = list(inner)[0] if isinstance(inner, nn.Sequential) and len(inner) else inner
+    if in_shape is None:
+        if not isinstance(first, nn.Linear):
+            return None
+        in_shape = (first.in_features,)
     if isinstance(first, nn.Linear) and len(in_shape) > 1:
         return None  # an image node into a Linear: the error asks for the nn.Flatten
     kind = ModuleKind.of(inner, tuple(in_shape), index)

@@ -1,0 +1,206 @@
+"""Conversions between a PCNetwork and plain torch modules.
+
+``from_layers`` (one module per PC layer, each given the fastest layer kind that expresses it),
+``from_sequential`` (an nn.Sequential split where value nodes go, ``split_sequential``) and their
+inverses ``to_layers`` / ``to_sequential``, which give back the user's own modules (same classes,
+nesting and ``state_dict`` keys) with the current weights. ``module_structure`` records a module's
+nesting as plain data (run directories keep it) and ``apply_structure`` restores it. The
+``PCNetwork`` classmethods and methods of the same names are thin wrappers over these.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .activations import ELEMENTWISE_MODULES, SUPPORTED_MODULES, activation_from_module
+from .layers import kind_from_module
+
+__all__ = ["from_layers", "from_sequential", "to_layers", "to_sequential", "split_sequential", "module_structure",
+           "apply_structure"]
+
+
+def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shape: Sequence[int] | None = None,
+                layers_owned: tuple[int, int] | None = None, **kw):
+    """``cls.from_layers`` (PCNetwork.from_layers): a network of class ``cls`` with a copy of the weights of
+    ``layers``, one torch module per PC layer, which ``to_layers`` gives back."""
+    mods = list(layers)
+    if not mods:
+        raise ValueError("from_layers needs at least one module")
+    picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
+    for l, m in enumerate(mods, start=1):
+        kind, params = kind_from_module(m, l, l == len(mods), shape)
+        picked.append((kind, params))  # shapes that do not chain are named by the constructor
+        shape = tuple(kind.out_shape)
+    p = next(iter(picked[0][1].values()))
+    net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
+              init=False, **kw)
+    state = {f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1) for name, t in params.items()}
+    if net.groups and net.groups[0].first == 0:  # a learned prior mean starts at its init (zero)
+        state.update({f"layers.0.{name}": t.detach() for name, t in net.groups[0].public_params(0).items()})
+    net.load_layer_state_dict(state)
+    for l, (m, (_, params)) in enumerate(zip(mods, picked), start=1):  # to_layers gives these modules back
+        names = {id(t): n for n, t in m.named_parameters()}
+        net._templates[l] = (copy.deepcopy(m), {pub: names[id(t)] for pub, t in params.items()})
+        net.structure[l] = module_structure(m)
+    return net
+
+
+def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,
+                    input_shape: Sequence[int] | None = None, **kw):
+    """``cls.from_sequential`` (PCNetwork.from_sequential): ``from_layers`` on the blocks of
+    ``split_sequential(seq)``, remembering ``seq`` for ``to_sequential``."""
+    blocks = split_sequential(seq, stacklevel=4)
+    net = cls.from_layers(blocks, energy=energy, input_shape=input_shape, layers_owned=layers, **kw)
+    names = {id(t): n for n, t in seq.named_parameters()}
+    where = {(l, pub): names[id(b.get_parameter(name))]
+             for l, b in enumerate(blocks, start=1) for pub, name in net._templates[l][1].items()}
+    net.__dict__["_sequential"] = (copy.deepcopy(seq), where)  # to_sequential gives this Sequential back
+    return net
+
+
+def to_layers(net) -> nn.ModuleList:
+    """``net.to_layers()``: the current weights as plain torch modules, one per PC layer."""
+    if not net.owns_all:
+        raise RuntimeError("to_layers needs all layers; this network owns a slice")
+    out = []
+    for g in net.groups:
+        if g.first == 0:  # the prior of h_0: not a layer
+            continue
+        for k, l in enumerate(g.layers):
+            if l in net._templates:
+                out.append(_from_template(net, g, k, l))
+            else:
+                out.append(apply_structure(g.to_module(k), net.structure.get(l)))
+    return nn.ModuleList(out)
+
+
+def _from_template(net, g, k: int, l: int) -> nn.Module:
+    template, names = net._templates[l]
+    m = copy.deepcopy(template)
+    p = next(g.parameters())
+    m.to(device=p.device, dtype=p.dtype)
+    with torch.no_grad():
+        for pub, t in g.public_params(k).items():
+            m.get_parameter(names[pub]).copy_(t)
+    return m
+
+
+def to_sequential(net) -> nn.Sequential:
+    """``net.to_sequential()``: the current weights as a plain nn.Sequential."""
+    if "_sequential" in net.__dict__ and net.owns_all:
+        seq, where = net.__dict__["_sequential"]
+        seq = copy.deepcopy(seq)
+        p = next(net.parameters())
+        seq.to(device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            for g in net.groups:
+                for k, l in enumerate(g.layers if g.first > 0 else ()):  # the prior of h_0 is not a layer
+                    for pub, t in g.public_params(k).items():
+                        seq.get_parameter(where[l, pub]).copy_(t)
+        return seq
+    mods: list[nn.Module] = []
+    for m in net.to_layers():
+        mods.extend(m if isinstance(m, nn.Sequential) else [m])
+    return nn.Sequential(*mods)
+
+
+def module_structure(m: nn.Module) -> dict:
+    """How a module nests its parts, as plain data (run directories record it): ``{"wrap": "bare"}``
+    or ``{"wrap": "sequential", "names": [child names]}``."""
+    if isinstance(m, nn.Sequential):
+        return {"wrap": "sequential", "names": [n for n, _ in m.named_children()]}
+    return {"wrap": "bare"}
+
+
+def apply_structure(m: nn.Module, structure: dict | None) -> nn.Module:
+    """A kind's own module ``m`` nested as ``structure`` (``module_structure``) says; an identity
+    activation the user did not write is dropped."""
+    if not structure:
+        return m
+    parts = list(m) if isinstance(m, nn.Sequential) else [m]
+    want = 1 if structure["wrap"] == "bare" else len(structure["names"])
+    while len(parts) > want and isinstance(parts[-1], nn.Identity):
+        parts.pop()
+    if len(parts) != want:
+        return m
+    if structure["wrap"] == "bare":
+        return parts[0]
+    return nn.Sequential(OrderedDict(zip(structure["names"], parts)))
+
+
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
+
+
+def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequential]:
+    """The modules of ``seq`` (nested Sequentials flattened) as one nn.Sequential per PC layer:
+    [nn.Flatten,] (nn.Linear | nn.Conv1d | nn.Conv2d) [, activation] [, pooling]. The modules are
+    shared, not copied. A module that fits nowhere is named in a ValueError. ``stacklevel``: the
+    warning's about unfused activations (3: the caller of the function that calls this one)."""
+    mods = [m for m in seq.modules() if not isinstance(m, nn.Sequential)]
+    blocks: list[list[nn.Module]] = []
+    flatten: tuple[int, nn.Flatten] | None = None
+    hint = ("from_sequential puts a value node after each nn.Linear / nn.Conv with its activation and pooling; "
+            "for other blocks give one module per PC layer to PCNetwork.from_layers")
+    for i, m in enumerate(mods):
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            blocks.append([m] if flatten is None else [flatten[1], m])
+            flatten = None
+        elif isinstance(m, nn.Flatten):
+            if flatten is not None:
+                raise ValueError(f"module {i} (Flatten) follows another nn.Flatten")
+            flatten = (i, m)
+        elif flatten is not None:
+            raise ValueError(f"module {i} ({type(m).__name__}) follows the nn.Flatten at module {flatten[0]}: "
+                             f"a Flatten goes right before an nn.Linear; {hint}")
+        elif not blocks:
+            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
+        else:
+            cur = blocks[-1]
+            layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
+            has_act = any(_is_activation(x) or isinstance(x, ELEMENTWISE_MODULES) for x in cur
+                          if x is not layer and not isinstance(x, nn.Flatten))
+            has_pool = any(isinstance(x, _POOLS) for x in cur)
+            if (_is_activation(m) or isinstance(m, ELEMENTWISE_MODULES)) and not has_act and not has_pool:
+                cur.append(m)
+            elif isinstance(m, (nn.Softmax, nn.LogSoftmax)) and i == len(mods) - 1:
+                raise ValueError(f"module {i} ({type(m).__name__}) after the output layer: leave it out; energy='ce' "
+                                 f"applies the softmax to the output layer's u_L = a_L (the logits) itself")
+            elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
+                cur.append(m)
+            elif _is_activation(m):
+                raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row cannot be placed "
+                                 f"where a value node would go; {hint}")
+            else:
+                raise ValueError(f"module {i} ({type(m).__name__}) cannot be placed where a value node would go; "
+                                 f"{hint}")
+    if flatten is not None:
+        raise ValueError(f"module {flatten[0]} (Flatten) is not followed by an nn.Linear")
+    if not blocks:
+        raise ValueError("the Sequential has no nn.Linear or nn.Conv layer")
+    last = blocks[-1]
+    acts = [type(x).__name__ for x in last if isinstance(x, ELEMENTWISE_MODULES)]
+    acts += [activation_from_module(x).name for x in last if _is_activation(x)]
+    if acts and acts[0] != "identity":
+        raise ValueError(f"the output layer must not be followed by an activation (found {acts[0]}); "
+                         "the output energy acts on u_L = a_L")
+    unfused = [f"{type(x).__name__} (module {mods.index(x)})" for b in blocks for x in b
+               if isinstance(x, ELEMENTWISE_MODULES)]
+    if unfused:
+        warnings.warn(f"from_sequential: {', '.join(unfused)} {'is' if len(unfused) == 1 else 'are'} not among the "
+                      f"fused activations ({SUPPORTED_MODULES}); such a layer runs through the module kind "
+                      f"(autograd's VJPs, slower than a fused activation)", stacklevel=stacklevel)
+    return [nn.Sequential(*b) for b in blocks]
+
+
+def _is_activation(m: nn.Module) -> bool:
+    try:
+        activation_from_module(m)
+        return True
+    except ValueError:
+        return False
