@@ -162,7 +162,10 @@ def search(net: str, trials: int, tmp: Path, tiny: bool, out: Path) -> dict:
         return acc
 
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
-    study.enqueue_trial({})  # the old defaults first (TPE then fills in from there)
+    c = make_config(base)  # the old defaults first (TPE then fills in from there)
+    old = {"pc.x_lr": c.pc.x_lr, "pc.T": c.pc.T, "pc.x_momentum": c.pc.x_momentum, "pc.algorithm": c.pc.algorithm,
+           "optim.lr": c.optim.lr, "model.energy": c.model.energy}
+    study.enqueue_trial({k: v for k, v in old.items() if not (k == "pc.T" and fixed_T)})
     study.optimize(objective, n_trials=trials)
     best = max(records, key=lambda r: r["accuracy"])
     print(f"{net}: best {best['accuracy']:.4f} with {' '.join(best['overrides'])}")
