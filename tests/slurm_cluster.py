@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,11 +121,29 @@ def cgroup_setup() -> tuple[str, str, str | None]:
     return "", "", "no cgroup v1 freezer controller and no cgroup v2 hierarchy is mounted"
 
 
+SOCKET_PATH_MAX = 107
+"""The longest path of a Unix socket; slurmstepd makes ``<spool>/<node>_<job id>.<step id>`` (about 30 characters
+past the spool folder), munged its socket in the root."""
+
+
+def _short(root: Path) -> Path:
+    """``root``, or, where slurmstepd's sockets under it would pass the length limit (deep pytest folders, e.g. under
+    pytest-xdist), a short folder in the temp dir that ``root`` links to (the files stay reachable through it)."""
+    if len(str(root / "spool")) + 40 <= SOCKET_PATH_MAX:
+        return root
+    short = Path(tempfile.mkdtemp(prefix="slurm-"))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    if root.is_dir() and not root.is_symlink():
+        root.rmdir()  # an empty folder made for the cluster (a non-empty one is an error: not ours)
+    root.symlink_to(short, target_is_directory=True)
+    return short
+
+
 class SlurmCluster:
     """munged + slurmctld + slurmd under ``root``; ``proctrack`` is ``cgroup`` or ``linuxproc``."""
 
     def __init__(self, root: Path, proctrack: str = "cgroup"):
-        self.root = Path(root)
+        self.root = _short(Path(root))
         self.proctrack = proctrack
         self.procs: dict[str, subprocess.Popen] = {}
         self.node = _node_name()
