@@ -116,8 +116,9 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
     ``x`` / ``y`` None: h_0 / h_L free. A free h_0 has the prior 0.5 pi_0 ||h_0 - m_0||^2
     (``prior_precision``, ``prior_mean`` [*S]: a tensor; put it in ``params`` if learned).
     ``precision``: pi_1..pi_L (None: 1); ``schedule(l, t, L)`` scales them at step t.
-    ``noise``: tau; xi of node n at step t drawn as randn(total, *S) from a generator seeded
-    ``noise_seed(noise_seed_, call, t, n)`` and cut to ``rows`` (default the whole batch).
+    ``noise``: tau; at every step t one randn over the whole global batch (``total`` rows) of every
+    node h_0 .. h_L in order, from a generator seeded ``noise_seed(noise_seed_, call)`` at the start
+    of the call; node n's xi is its block [total, *S_n], cut to ``rows`` (default the whole batch).
     ``batch_size``: the batch when both ends are free.
 
     Returns ``(stats, hs)``: stats = {"energy": float, "layer_energies": [L floats], "prior_energy"}
@@ -154,13 +155,16 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
                  "prior_energy": prior.mean().item()}
         return g_h, list(g_w), stats
 
+    gen = torch.Generator().manual_seed(noise_seed(noise_seed_, call))
+    sizes = [total * math.prod(h.shape[1:]) for h in hs]
+
     def value_step(g_h, t):
+        xis = torch.randn(sum(sizes), generator=gen, dtype=hs[0].dtype).split(sizes) if noise else None
         for n in free:
             vs[n] = g_h[n] + x_momentum * vs[n]
             hs[n] = hs[n] - x_lr * vs[n]
             if noise:
-                gen = torch.Generator().manual_seed(noise_seed(noise_seed_, call, t, n))
-                xi = torch.randn(total, *hs[n].shape[1:], generator=gen, dtype=hs[n].dtype)[rows]
+                xi = xis[n].view(total, *hs[n].shape[1:])[rows]
                 hs[n] = hs[n] + math.sqrt(2 * x_lr * noise) * xi
 
     def weight_step(g_w):

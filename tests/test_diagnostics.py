@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pcdist
+from pcdist.engine.inference import relax
 from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
 from pcdist.engine.diagnostics import classify_inference, stable_x_lr
 from spawn import run
@@ -85,9 +86,7 @@ def test_the_diagnostics_backprop_is_autograds():
         st = tr2.stage(len(x))
         st.begin(x, y)
         tr2.parallel.feedforward(st)
-        for t in range(4):
-            tr2._relax(st, t, None, more=t < 3)
-        tr2.parallel.errors(st, need_all_deltas=True, exchange=False)
+        relax(st, tr2.parallel, 4, tr2.x_lr, fused=True, final=True)
         tr2.parallel.weight_grads(st)
     pc = [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
     for l, (a, b) in enumerate(zip(pc, bp)):

@@ -29,14 +29,17 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("part", ["engine", "distributed"])
-def test_the_engine_and_the_distributed_layer_do_not_import_the_service(part):
-    """The service (config, runs, data, checkpoints) builds on the other two, never the other way round."""
+@pytest.mark.parametrize("part, above", [("engine", ["distributed", "service"]), ("distributed", ["service"])])
+def test_each_part_imports_nothing_of_the_parts_built_on_it(part, above):
+    """The service (config, runs, data, checkpoints) builds on the other two and the distributed layer on the
+    engine, never the other way round: the PC maths stays plain and parallelism is applied from outside
+    (the engine declares the exchange it needs, pcdist/engine/exchange.py; distributed/ implements it)."""
     found = {f"{f.relative_to(PKG)}: {m}" for f in (PKG / part).rglob("*.py") for m in imported_modules(f)
-             if m == "pcdist.service" or m.startswith("pcdist.service.")}
+             for a in above if m == f"pcdist.{a}" or m.startswith(f"pcdist.{a}.")}
     assert not found
-    assert {"pcdist.distributed.parallel", "pcdist.engine.network"} <= imported_modules(PKG / "engine/trainer.py"), \
+    assert {"pcdist.engine.exchange", "pcdist.engine.network"} <= imported_modules(PKG / "engine/trainer.py"), \
         "relative imports are resolved"
+    assert "pcdist.engine.exchange" in imported_modules(PKG / "distributed/exchange.py")
 
 
 @pytest.mark.parametrize("path, name", [("engine/stage.py", "Stage"), ("engine/network.py", "PCNetwork"),

@@ -43,14 +43,14 @@ def pcdist_twin(ref: MuPCReference, phi: str, energy: str, bias: bool, make_opt,
     return net, pcdist.PCTrainer(net, make_opt(net.parameters()), **trainer_kw)
 
 
-def assert_matches(net, trainer, ref, stats, ref_stats, x, what):
+def assert_matches(net, trainer, ref, stats, ref_stats, x, what, w_atol=ATOL):
     for l, (h, r) in enumerate(zip(trainer.value_nodes(), ref.hs)):
         assert_close(h, r, atol=ATOL, rtol=0, msg=lambda m: f"{what}: h_{l}: {m}")
     assert stats["energy"] == pytest.approx(ref_stats["energy"], abs=ATOL, rel=0), f"{what}: energy"
     assert stats["layer_energies"] == pytest.approx(ref_stats["layer_energies"], abs=ATOL, rel=0), f"{what}: layers"
     state = net.layer_state_dict()
     for l, (W, b) in enumerate(zip(ref.weights, ref.biases), 1):
-        assert_close(state[f"layers.{l}.weight"], W.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{what}: W_{l}: {m}")
+        assert_close(state[f"layers.{l}.weight"], W.detach(), atol=w_atol, rtol=0, msg=lambda m: f"{what}: W_{l}: {m}")
         if b is not None:
             assert_close(state[f"layers.{l}.bias"], b.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{what}: b_{l}: {m}")
     with torch.no_grad():
@@ -93,7 +93,10 @@ def test_inference_moves_values_and_lowers_the_energy(depth):
         for l in range(1, depth):
             ff.append(ref.predict(l, ff[-1]))
     stats, ref_stats = trainer.step(x, y), ref.step(x, y)
-    assert_matches(net, trainer, ref, stats, ref_stats, x, "step")
+    # AdamW divides by sqrt(v) + eps: where a gradient element is near eps it scales the gradient's rounding
+    # by up to lr / (4 eps), so after 14 inference steps through 12 layers the weights agree to 1e-9 (1.1e-10
+    # apart on some BLAS builds), the nodes and energies to 1e-10.
+    assert_matches(net, trainer, ref, stats, ref_stats, x, "step", w_atol=1e-9)
     assert stats["energy"] < sum(f_init) - 1e-6
     assert all(float((h - u).abs().max()) > 1e-9 for h, u in zip(ref.hs[1:-1], ff[1:])), "every hidden node moved"
     state = net.layer_state_dict()

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..engine.capture import on_host
+
 __all__ = ["GradBuckets"]
 
 
@@ -28,10 +30,6 @@ class GradBuckets:
         self._key = None
         self._reducing: list = []
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._reducing)
-
     def start(self, st) -> None:
         """Write every group's batch-sum gradients into its bucket and start its all-reduce,
         largest bucket first (its all-reduce is the longest and gets the most overlap)."""
@@ -40,7 +38,7 @@ class GradBuckets:
             st.weight_grads([st.groups[i]], scale=-1.0)
             if i == len(buckets) - 1:
                 buckets[i][-1] = st.B
-            self._reducing.append(dist.all_reduce(buckets[i], group=self.group, async_op=True))
+            on_host(lambda b=buckets[i]: self._reducing.append(dist.all_reduce(b, group=self.group, async_op=True)))
 
     def _buckets_for(self, st) -> list[Tensor]:
         """One flat buffer per group (plus the batch-count slot in the last), rebuilt when a

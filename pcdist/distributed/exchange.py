@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..engine.capture import on_host
+from ..engine.exchange import Local
 from ..engine.stage import Stage
 from ..errors import PeerError
 
@@ -54,30 +56,32 @@ def _wait(reqs) -> float:
 
 
 
-class LayerExchange:
+class LayerExchange(Local):
     """The point-to-point schedule of one rank of the layer axis (``prev`` / ``next``: the global
-    ranks of its neighbours, None at the ends)."""
+    ranks of its neighbours, None at the ends).
+
+    Every send, receive and wait runs through ``on_host``: a step captured as CUDA graphs replays
+    them between its segments (pcdist/engine/capture.py). The state they share (``_pending``,
+    ``_recvs``, ``_sends``) is read and written only inside those host calls."""
 
     def __init__(self, prev: int | None = None, next: int | None = None, micro_batches: int = 1,
-                 timeout_s: float = 300.0, prepost: bool = False):
+                 timeout_s: float = 300.0, prepost: bool = False, num_layers: int = 1):
+        super().__init__(num_layers)
         self.prev, self.next = prev, next
         self.timeout = timedelta(seconds=timeout_s)
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"parallel.micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
         self._pending: list = []  # the boundary exchange in flight (posted by errors)
+        self._sends: list = []  # the feed-forward's sends in flight
         # gloo only: the next step's receives, posted as soon as this step's are consumed.
         self.prepost = prepost
         self._recvs: list = []
-        self.comm_seconds = 0.0  # time blocked on boundary messages (benchmarks read it)
 
     @property
-    def is_first(self) -> bool:
-        return self.prev is None
-
-    @property
-    def is_last(self) -> bool:
-        return self.next is None
+    def alone(self) -> bool:
+        """No neighbour on the layer axis: every exchange is empty."""
+        return self.prev is None and self.next is None
 
     def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
              *more) -> list:
@@ -99,21 +103,30 @@ class LayerExchange:
         works = dist.batch_isend_irecv(ops)
         return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
 
+    def _wait(self, reqs) -> None:
+        self.comm_seconds += _wait(reqs)
+
     def feedforward(self, st: Stage) -> None:
         """The feed-forward init, pipelined over micro-batches across the layer slices."""
-        if self.prev is None and self.next is None:
+        if self.alone:
             st.feedforward()
             return
         M = min(self.micro_batches, st.B)
         bounds = [st.B * m // M for m in range(M + 1)]
-        sends = []
         for lo, hi in zip(bounds, bounds[1:]):
             rows = slice(lo, hi)
-            self.comm_seconds += _wait(self._p2p(None, None, st.recv_input[rows], self.prev, "feed-forward"))
+            if self.prev is not None:
+                on_host(lambda rows=rows: self._wait(self._p2p(None, None, st.recv_input[rows], self.prev,
+                                                               "feed-forward")))
             st.feedforward(rows)
             if self.next is not None:
-                sends += self._p2p(st.send_node[rows], self.next, None, None, "feed-forward")
-        self.comm_seconds += _wait(sends)
+                on_host(lambda rows=rows: self._sends.extend(self._p2p(st.send_node[rows], self.next, None, None,
+                                                                       "feed-forward")))
+        on_host(self._finish_sends)
+
+    def _finish_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        self._wait(sends)
 
     def errors(self, st: Stage, need_all_deltas: bool = False, exchange: bool = True,
                step_lr: float | None = None) -> None:
@@ -127,7 +140,7 @@ class LayerExchange:
         here waits. ``exchange=False`` (an evaluation after the last update) sends nothing.
         ``step_lr``: fuse the value step into the passes (see ``Stage.errors``).
         """
-        if not exchange or (self.prev is None and self.next is None):
+        if not exchange or self.alone:
             st.errors(None, need_all_deltas, step_lr)
             return
         first, last = st.groups[0], st.groups[-1]
@@ -136,6 +149,11 @@ class LayerExchange:
             st.backproject([first])
         if last is not first:
             st.errors([last], need_all_deltas, step_lr)
+        on_host(lambda: self._post(st))
+        st.errors(st.groups[1:-1], need_all_deltas, step_lr)
+
+    def _post(self, st: Stage) -> None:
+        """Post the boundary exchange (its receives too, unless posted a step ahead)."""
         if self._recvs:  # the receives were posted at the end of the last step
             self._pending = self._recvs + self._p2p(st.send_error, self.next, None, None, "boundary exchange",
                                                     st.send_backproj, self.prev, None, None)
@@ -143,7 +161,6 @@ class LayerExchange:
         else:
             self._pending = self._p2p(st.send_error, self.next, st.recv_backproj, self.next, "boundary exchange",
                                       st.send_backproj, self.prev, st.recv_error, self.prev)
-        st.errors(st.groups[1:-1], need_all_deltas, step_lr)
 
     def backproject(self, st: Stage) -> None:
         """Back-projections of the groups ``errors`` has not done (all but a replica-fed first layer)."""
@@ -159,34 +176,40 @@ class LayerExchange:
         threads to get a core that the compute threads hold. NCCL matches sends and
         receives by order within one batch and keeps the single batch_isend_irecv.
         """
-        if self._pending:
-            self.comm_seconds += _wait(self._pending)
-        self._pending = []
+        if not self.alone:
+            on_host(self._finish_exchange)
         st.update_values(x_lr)
-        if more and self.prepost and (self.prev is not None or self.next is not None):
-            self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
-                                    None, None, st.recv_error, self.prev)
+        if more and self.prepost and not self.alone:
+            on_host(lambda: self._prepost(st))
+
+    def _finish_exchange(self) -> None:
+        pending, self._pending = self._pending, []
+        self._wait(pending)
+
+    def _prepost(self, st: Stage) -> None:
+        self._recvs = self._p2p(None, None, st.recv_backproj, self.next, "boundary exchange",
+                                None, None, st.recv_error, self.prev)
 
     def recv_from_next(self, buf: Tensor) -> Tensor:
         """Receive ``buf`` from the downstream neighbour (a diagnostic's sequential backward; nothing
         without one)."""
-        self.comm_seconds += _wait(self._p2p(None, None, buf, self.next, "backward"))
+        self._wait(self._p2p(None, None, buf, self.next, "backward"))
         return buf
 
     def send_to_prev(self, t: Tensor) -> None:
         """Send ``t`` to the upstream neighbour and wait (nothing without one)."""
-        self.comm_seconds += _wait(self._p2p(t.contiguous(), self.prev, None, None, "backward"))
+        self._wait(self._p2p(t.contiguous(), self.prev, None, None, "backward"))
 
     def predict(self, net, x: Tensor) -> Tensor | None:
         """Feed-forward prediction through every slice; the logits on the last slice, None elsewhere."""
-        if self.prev is None and self.next is None:
+        if self.alone:
             return net(x)
         h = x
         if self.prev is not None:
             h = torch.empty(x.shape[0], *net.node_shapes[net.first - 1], dtype=x.dtype, device=x.device)
-            self.comm_seconds += _wait(self._p2p(None, None, h, self.prev, "prediction"))
+            self._wait(self._p2p(None, None, h, self.prev, "prediction"))
         out = net(h).contiguous()
         if self.next is not None:
-            self.comm_seconds += _wait(self._p2p(out, self.next, None, None, "prediction"))
+            self._wait(self._p2p(out, self.next, None, None, "prediction"))
             return None
         return out

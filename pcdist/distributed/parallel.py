@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .buckets import GradBuckets
+from ..engine.capture import on_host
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
 from .exchange import LayerExchange, first_line
@@ -152,8 +153,8 @@ class Parallel(LayerExchange):
                  data_group=None, data_size: int = 1, layer_rank: int = 0, layer_size: int = 1,
                  logging_rank: int | None = None, micro_batches: int = 1, data_rank: int = 0,
                  timeout_s: float = 300.0, prepost: bool = False):
-        super().__init__(prev, next, micro_batches, timeout_s, prepost)
-        self.layers, self.num_layers = layers, num_layers
+        super().__init__(prev, next, micro_batches, timeout_s, prepost, num_layers)
+        self.layers = layers
         self.data_group, self.data_size = data_group, data_size
         self.layer_rank, self.layer_size = layer_rank, layer_size
         self.data_rank = data_rank
@@ -201,20 +202,24 @@ class Parallel(LayerExchange):
     def feedforward(self, st: Stage) -> None:
         """The pipelined feed-forward init (``LayerExchange.feedforward``), which begins a training
         step: recorded in the store so a failed collective can name who fell behind."""
-        self.steps_begun += 1
-        if self.data_group is not None or self.prev is not None or self.next is not None:
-            _mark_progress(self.steps_begun)
+        on_host(self._begin_step)
         super().feedforward(st)
 
+    def _begin_step(self) -> None:
+        self.steps_begun += 1
+        if self.data_group is not None or not self.alone:
+            _mark_progress(self.steps_begun)
+
     # -- collectives ----------------------------------------------------------------
-    def any_rank(self, flag: bool, device: torch.device | str = "cpu") -> bool:
-        """True on every rank if ``flag`` is true on any rank (one tiny all-reduce; none in one process)."""
-        if self.logging_rank is None:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        with collective("the stop-signal all-reduce"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """``flag`` maxed over every rank, in place (one tiny all-reduce; none in one process)."""
+        if self.logging_rank is not None:
+            on_host(lambda: self._max(flag))
+        return flag
+
+    def _max(self, flag: Tensor) -> None:
+        with collective("the skipped-update all-reduce"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
         """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
@@ -236,13 +241,16 @@ class Parallel(LayerExchange):
 
     def reduce_grads(self) -> None:
         """Finish the data-axis gradient all-reduces: wait, then divide the sums by the global batch."""
-        if self._grads is None or not self._grads.pending:
+        if self._grads is None:
             return
+        on_host(self._wait_grads)
+        self._grads.average()
+
+    def _wait_grads(self) -> None:
         t0 = time.perf_counter()
         with collective("the data-axis gradient all-reduce", self.data_group):
             self._grads.wait(self.timeout)
         self.comm_seconds += time.perf_counter() - t0
-        self._grads.average()
 
     def sum_over_data(self, tensors: list[Tensor]) -> None:
         """Sum each tensor over the data axis, in place (nothing without a data axis)."""
@@ -253,21 +261,19 @@ class Parallel(LayerExchange):
                 dist.all_reduce(t, group=self.data_group)
 
     def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:
-        """The whole network's batch-mean energies [L + 1] on the logging rank (None elsewhere): entry 0
-        the prior of a free h_0 (0 when clamped), entry l layer l. ``local`` holds this rank's
+        """The whole network's batch-mean energies [..., L + 1] on the logging rank (None elsewhere): entry 0
+        the prior of a free h_0 (0 when clamped), entry l layer l. ``local`` [..., n] holds this rank's
         entries from global index ``first_index`` on (default: its first layer)."""
-        lo = self.layers[0] if first_index is None else first_index
-        vec = torch.zeros(self.num_layers + 1 + (self.logging_rank is not None), dtype=local.dtype if
-                          self.logging_rank is None else torch.float64, device=local.device)
         if self.logging_rank is None:
-            vec[lo : lo + len(local)] = local
-            return vec
-        vec[lo : lo + len(local)] = local.to(torch.float64) * local_batch
+            return super().gather_layer_energies(local, local_batch, first_index)
+        lo = self.layers[0] if first_index is None else first_index
+        vec = torch.zeros(*local.shape[:-1], self.num_layers + 2, dtype=torch.float64, device=local.device)
+        vec[..., lo : lo + local.shape[-1]] = local.to(torch.float64) * local_batch
         if self.layer_rank == 0:
-            vec[-1] = local_batch
+            vec[..., -1] = local_batch
         with collective("the energy reduce"):
             dist.reduce(vec, dst=self.logging_rank)
-        return vec[:-1] / vec[-1] if self.is_logging else None
+        return vec[..., :-1] / vec[..., -1:] if self.is_logging else None
 
     def gather_nodes(self, own: dict[int, Tensor], num_layers: int) -> list[Tensor] | None:
         """Value nodes h_0 .. h_L of the whole batch on the logging rank (None elsewhere), from every

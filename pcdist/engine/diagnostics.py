@@ -33,6 +33,7 @@ import math
 import torch
 from torch import Tensor
 
+from .inference import relax
 from .trainer import PCTrainer, check_batch
 
 __all__ = ["diagnose", "classify_inference", "INFERENCE_STATES", "unstable_hint", "stable_x_lr"]
@@ -98,22 +99,16 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     net, par = trainer.net, trainer.parallel
     L, first, stop = net.num_layers, net.first, net.stop
     B = check_batch(net, x, y)
-    st = trainer.stage(B)
-    st.begin(x if par.is_first else None, y if par.is_last else None)
+    st = trainer._begin(x, y, None)
     par.feedforward(st)
     x_in = st.node(first - 1).clone()  # this slice's input at the init: x, or the upstream node
     free = [(lo + i, h[i]) for lo, h, _, _ in st.nodes.free for i in range(h.shape[0])]
     h0 = {n: h.clone() for n, h in free}
-    trace, energy_index = [], st.energy_index
-    for t in range(T + 1):
-        trainer._set_precision(st, t)
-        par.errors(st, need_all_deltas=t == T, exchange=t < T)
-        full = par.gather_layer_energies(st.layer_energies(), B, energy_index)
-        if full is not None:
-            trace.append(full.tolist()[1:])
-        if t < T:
-            par.backproject(st)
-            par.update_values(st, trainer.x_lr, more=t < T - 1)
+    rows = torch.zeros(T + 1, len(st.energy_log), dtype=st.energy_log.dtype, device=st.energy_log.device)
+    relax(st, par, T, trainer.x_lr, fused=False, schedule=trainer.precision_schedule,
+          record=lambda t: rows[t].copy_(st.layer_energies()), final=True)
+    full = par.gather_layer_energies(rows, B, st.energy_index)
+    trace = [] if full is None else [row[1:] for row in full.tolist()]
     groups = [gr.g for gr in st.groups if gr.g.first > 0]
     par.weight_grads(st)
     par.reduce_grads()

@@ -86,7 +86,9 @@ class OutputEnergy:
         return self._scale(d_BO)
 
     def value(self, u_BO: Tensor, y_BO: Tensor, d_BO: Tensor) -> Tensor:
-        """Batch SUM of pi E_out (se read from the signal d = pi (y - u): 0.5 ||d||^2 / pi)."""
+        """Batch SUM of pi E_out (se read from the signal d = pi (y - u): 0.5 ||d||^2 / pi), in float32 at least."""
+        if u_BO.dtype.itemsize < 4:  # bfloat16 nodes: the energy sums in float32
+            u_BO, y_BO, d_BO = u_BO.float(), y_BO.float(), d_BO.float()
         n = self.name
         if n == "se":
             sq = 0.5 * d_BO.square().sum()

@@ -45,7 +45,7 @@ from .network import PCNetwork
 from .nodes import ValueNodes
 from .values import ValueOptimizer
 
-__all__ = ["Stage", "INITS"]
+__all__ = ["Stage", "INITS", "energy_dtype"]
 
 INITS = ("ff", "deeppcr")
 
@@ -94,6 +94,10 @@ class Stage:
         self.send_error, self.recv_backproj = nd.send_error, nd.recv_backproj
         self.values = ValueOptimizer(nd, mu, not separate)
         self.energy_index = 0 if self.groups[0].first == 0 else first  # global index of layer_energies()[0]
+        # What a step's core writes for the host to read at log points, and the precision schedule's rows.
+        self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(p.dtype), device=p.device)
+        self.precision_rows: dict[int, Tensor] = {}
+        self.noise: dict = {}  # (tau, global batch) -> its ValueNoise (pcdist/engine/values.py)
 
     def _bind(self, g, static_weights: bool, free_top: bool) -> BoundGroup:
         net, L = self.net, self.net.num_layers
@@ -214,4 +218,9 @@ class Stage:
     def layer_energies(self) -> Tensor:
         """Batch-mean energy of each owned group's layers, from the last ``errors``: the global layers
         ``energy_index`` .. stop - 1, where index 0 is the prior of a free h_0."""
-        return torch.cat([gr.energies() for gr in self.groups]) / self.B
+        return torch.cat([gr.energies().to(self.energy_log.dtype) for gr in self.groups]) / self.B
+
+
+def energy_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Energies are summed in float32 at least (bfloat16 value nodes, float32 sums)."""
+    return torch.promote_types(dtype, torch.float32)

@@ -18,11 +18,15 @@ import time
 import torch
 from torch import Tensor
 
-from ..distributed.parallel import Parallel
+from .capture import Runner, compile_mode
+from .exchange import Local
+from .inference import relax, set_precision
 from .network import PCNetwork
+from .precision import MixedPrecision
 from .schedules import PrecisionSchedule, warmup_cosine
 from .stage import INITS, Stage
-from .values import value_noise
+from .update import WeightUpdate
+from .values import ValueNoise, stage_noise
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
 
@@ -32,26 +36,27 @@ ALGORITHMS = ("pc", "ipc")
 class PCTrainer:
     """Runs PC training steps: feed-forward init, T Jacobi inference steps, weight update.
 
-    ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation
-    after inference; ``"ipc"`` takes a weight step at every inference step from the
-    same evaluation as the value step. ``scheduler`` (any torch LR scheduler) is
-    stepped after every optimizer step.
+    ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation after inference;
+    ``"ipc"`` one at every inference step from the same evaluation as the value step. ``scheduler``
+    (any torch LR scheduler) is stepped after every optimizer step, skipped or not.
 
-    ``parallel`` places a layer slice of a torch.distributed job (see
-    ``pcdist.parallel.Parallel.from_mesh``); ``net`` then owns exactly that slice.
-    Without it the trainer is the single-process case of the same schedule.
+    ``parallel``: the exchange of a layer slice in a torch.distributed job
+    (``pcdist.distributed.Parallel.from_mesh``); ``net`` then owns exactly that slice. Without it the
+    trainer is the single-process case of the same schedule (``engine.exchange.Local``).
+    ``init``: "ff" (the feed-forward pass) or "deeppcr" (pcdist.deeppcr).
 
-    ``init``: "ff" (the feed-forward pass) or "deeppcr" (each fused group's chain
-    solved in O(log K) parallel steps, see pcdist.deeppcr).
-
-    ``skip_above``: check the energy before every weight update and skip the update
-    (counted in ``skipped_updates``) when it is not finite or exceeds this value on
-    any rank. It costs one synchronisation per update, so it is off by default.
+    ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the energy is not
+    finite or exceeds this value on any rank; decided on the device (pcdist/engine/update.py).
 
     ``precision_schedule``: ``factor(layer, t, num_layers)`` scaling each layer's precision at
     inference step t (pcdist.engine.schedules.top_down). ``value_noise``: the temperature tau of
-    MCPC's Langevin term h += sqrt(2 x_lr tau) xi in every training step's inference, xi drawn per
-    (``noise_seed``, step, inference step, node) so any layer or data split draws alike.
+    MCPC's Langevin term h += sqrt(2 x_lr tau) xi in every training step's inference, drawn per
+    (``noise_seed``, step) so any layer or data split draws alike (``engine.values.ValueNoise``).
+
+    ``compile``: "none" runs each step eagerly; "graph" captures each stage's step (and inference)
+    as CUDA graphs and replays them (on a CPU the same capturable core runs eagerly); "auto" is graph
+    on CUDA devices (pcdist/engine/capture.py). ``precision``: "fp32", "tf32" or "bf16"
+    (pcdist/engine/precision.py). ``say``: where one-line notes go (a stage that cannot be captured).
     """
 
     def __init__(
@@ -63,33 +68,53 @@ class PCTrainer:
         x_momentum: float = 0.0,
         algorithm: str = "pc",
         scheduler=None,
-        parallel: Parallel | None = None,
+        parallel=None,
         skip_above: float | None = None,
         init: str = "ff",
         precision_schedule: PrecisionSchedule | None = None,
         value_noise: float = 0.0,
         noise_seed: int = 0,
+        compile: str = "auto",
+        precision: str = "fp32",
+        say=print,
     ):
         _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = _check_slice(net, parallel)
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
-        self.init, self.skip_above, self.skipped_updates = init, skip_above, 0
+        self.init, self.skip_above = init, skip_above
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}
         self._stage: Stage | None = None
+        self.mixed = MixedPrecision(precision, net)
+        device = next(net.parameters()).device
+        self.compile = compile_mode(compile, device)
+        graph = self.compile == "graph"
+        self.update = WeightUpdate(optimizer, scheduler, parallel, skip_above, planned=graph,
+                                   steps=T if algorithm == "ipc" else 1, device=device,
+                                   grads=self.mixed.grads if self.mixed.pairs else None,
+                                   sync=self.mixed.weights if self.mixed.pairs else None)
+        self._generator = torch.Generator(device=device)  # value noise (graph-safe: seeded per call on the host)
+        self.runner = Runner(self.compile, device, say, (self._generator,) if device.type == "cuda" else (),
+                             self.update.make_capturable)
+
+    @property
+    def skipped_updates(self) -> int:
+        """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged)."""
+        return self.update.skipped_updates
 
     def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
         storage changes (e.g. after ``net.to(...)``)."""
-        ptrs = tuple(p.data_ptr() for p in self.net.parameters())
+        net = self.mixed.compute
+        ptrs = tuple(p.data_ptr() for p in net.parameters())
         key = (batch_size, free_bottom, free_top)
         cached = self._stages.get(key)
         if cached is None or cached[0] != ptrs:
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
-            st = Stage(self.net, batch_size, self.x_momentum, self.init, static_weights=self.algorithm == "pc",
+            st = Stage(net, batch_size, self.x_momentum, self.init, static_weights=self.algorithm == "pc",
                        free_bottom=free_bottom, free_top=free_top,
                        dynamic_precision=self.precision_schedule is not None)
             cached = self._stages[key] = (ptrs, st)
@@ -101,49 +126,46 @@ class PCTrainer:
         """One training step on a batch: h_0 clamped to ``x`` and h_L to ``y`` (None: free); returns the
         batch-mean energy F, its per-layer terms and, with a free h_0, its prior's term.
 
-        With ``log=False`` no energy is computed or gathered (nothing to synchronise
-        on); in a parallel run only the logging rank gets the stats, others get {}.
-        ``stats["phase_s"]`` holds this rank's host seconds per phase (feed-forward
-        init, inference, weight update; on GPUs kernels may still be in flight).
+        With ``log=False`` nothing is read back on the host; in a parallel run only the logging rank gets
+        the stats, others get {}. ``stats["phase_s"]`` holds this rank's host seconds per phase
+        (feed-forward init, inference, weight update; a replayed step has one phase, ``step``).
         ``global_batch``: the batch size over the data axis (value noise draws the global batch).
         """
-        st, par = self._begin(x, y, None, global_batch)
+        st = self._begin(x, y, None)
+        noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
+        self.update.prepare()
         clock = [time.perf_counter()]
-        par.feedforward(st)
-        clock.append(time.perf_counter())
-        energies = None
-        noise = value_noise(st, self.parallel, self.x_lr, self.value_noise, self.noise_seed, self.steps_done, global_batch)
-        if self.algorithm == "pc":
-            for t in range(self.T):
-                self._relax(st, t, noise, more=t < self.T - 1)
-            clock.append(time.perf_counter())
-            self._set_precision(st, self.T)
-            par.errors(st, need_all_deltas=True, exchange=False)
-            if log or self.skip_above is not None:
-                energies = st.layer_energies()
-            par.weight_grads(st)
-            self._optimizer_step(st, energies)
-        else:
-            for t in range(self.T):
-                self._set_precision(st, t)
-                par.errors(st, need_all_deltas=True)
-                if (log and t == self.T - 1) or self.skip_above is not None:
-                    energies = st.layer_energies()
-                par.backproject(st)
-                par.weight_grads(st)
-                par.update_values(st, self.x_lr, more=t < self.T - 1)
-                if noise is not None:
-                    noise(t)
-                self._optimizer_step(st, energies)
-            clock.append(time.perf_counter())
+        self.runner(("step", st), lambda: self._train(st, noise, log, clock))
         clock.append(time.perf_counter())
         self.steps_done += 1
-        if energies is None or not log:
+        if not log:
             return {}
-        full = par.gather_layer_energies(energies, st.B, st.energy_index)
+        full = self.parallel.gather_layer_energies(st.energy_log, st.B, st.energy_index)
         if full is None:
             return {}
-        return step_stats(full, clock, st.free_bottom)
+        names = ("init", "inference", "weights") if len(clock) == 5 else ("step",)  # eager, or a replay
+        return step_stats(full, dict(zip(names, (b - a for a, b in zip(clock, clock[1:])))), st.free_bottom)
+
+    def _train(self, st: Stage, noise, log: bool, clock: list) -> None:
+        """The core of a training step (capturable: no host reads, no branch on device values)."""
+        par, T = self.parallel, self.T
+        want = log or self.skip_above is not None or self.compile == "graph"
+        record = (lambda t: st.energy_log.copy_(st.layer_energies())) if want else None
+        par.feedforward(st)
+        clock.append(time.perf_counter())
+        if self.algorithm == "pc":
+            relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=noise,
+                  record=(lambda t: t == T and record(t)) if want else None, final=True)
+            clock.append(time.perf_counter())
+            par.weight_grads(st)
+            self.update(st)
+        else:
+            keep = (lambda t: record(t) if self.skip_above is not None or t == T - 1 else None) if want else None
+            relax(st, par, T, self.x_lr, fused=False, schedule=self.precision_schedule, noise=noise, record=keep,
+                  each_step=lambda t: par.weight_grads(st), after_step=lambda t: self.update(st, t),
+                  need_all_deltas=True)
+            clock.append(time.perf_counter())
+        clock.append(time.perf_counter())
 
     @torch.no_grad()
     def infer(self, x: Tensor | None = None, y: Tensor | None = None, T: int | None = None, noise: float = 0.0,
@@ -159,13 +181,18 @@ class PCTrainer:
         """
         T = self.T if T is None else _check_T(T)
         _check_noise(noise)
-        st, par = self._begin(x, y, batch_size, global_batch)
-        par.feedforward(st)
-        draw = value_noise(st, par, self.x_lr, noise, self.noise_seed, -1 - self._inferred, global_batch)
+        st, par = self._begin(x, y, batch_size), self.parallel
+        draw = self._noise(st, noise, global_batch, -1 - self._inferred)
         self._inferred += 1
-        for t in range(T):
-            self._relax(st, t, draw, more=t < T - 1)
-        own = {n: st.node(n).clone() for n in range(0 if self.net.first == 1 else self.net.first, self.net.stop)}
+
+        def core() -> None:
+            par.feedforward(st)
+            relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw)
+
+        self.runner(("infer", st, T, noise), core)
+        dtype = next(self.net.parameters()).dtype
+        own = {n: st.node(n).to(dtype, copy=True) for n in range(0 if self.net.first == 1 else self.net.first,
+                                                                 self.net.stop)}
         return own if not gather else par.gather_nodes(own, self.net.num_layers)
 
     def trace(self, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
@@ -177,39 +204,20 @@ class PCTrainer:
         return energy_trace(self, x, y)
 
     # -- the pieces ------------------------------------------------------------------
-    def _begin(self, x: Tensor | None, y: Tensor | None, batch_size: int | None, global_batch: int | None):
+    def _begin(self, x: Tensor | None, y: Tensor | None, batch_size: int | None) -> Stage:
+        """The stage of this batch, with the batch copied in and the compute weights current (host work)."""
         B = check_batch(self.net, x, y, batch_size)
         st = self.stage(B, x is None, y is None)
+        self.mixed.weights()
         st.begin(x if self.parallel.is_first else None, y if self.parallel.is_last else None)
-        return st, self.parallel
+        return st
 
-    def _relax(self, st: Stage, t: int, noise, more: bool) -> None:
-        """Inference step t: errors with the fused value step, back-projections, the value step (+ noise)."""
-        par = self.parallel
-        self._set_precision(st, t)
-        par.errors(st, step_lr=self.x_lr)
-        par.backproject(st)
-        par.update_values(st, self.x_lr, more=more)
-        if noise is not None:
-            noise(t)
+    def _noise(self, st: Stage, tau: float, global_batch: int | None, call: int) -> ValueNoise | None:
+        return stage_noise(st, self.parallel, self.x_lr, tau, global_batch, self._generator, self.noise_seed, call)
 
     def _set_precision(self, st: Stage, t: int) -> None:
         """pi_l(t) on this slice's layers (``set_precision``)."""
-        set_precision(st, self.net, self.precision_schedule, t)
-
-    def _optimizer_step(self, st: Stage, energies: Tensor | None = None) -> None:
-        """Finish the gradient reduce; step the optimizer and the schedule, or skip both if the
-        energy diverged on any rank."""
-        self.parallel.reduce_grads()
-        if self.skip_above is not None:
-            bad = not bool(torch.isfinite(energies).all()) or float(energies.sum()) > self.skip_above
-            if self.parallel.any_rank(bad, energies.device):
-                self.skipped_updates += 1
-                return
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        st.weights_changed()
+        set_precision(st, self.precision_schedule, t)
 
     def value_nodes(self) -> list[Tensor]:
         """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference.
@@ -226,44 +234,28 @@ class PCTrainer:
 @torch.no_grad()
 def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
     """``tr.trace(x, y)``: the per-layer energies of T inference steps from the init, weights untouched."""
-    st, par = tr._begin(x, y, None, None)
+    st, par = tr._begin(x, y, None), tr.parallel
+    rows = torch.zeros(tr.T + 1, len(st.energy_log), dtype=st.energy_log.dtype, device=st.energy_log.device)
     par.feedforward(st)
-    out = []
-    for t in range(tr.T + 1):
-        tr._set_precision(st, t)
-        par.errors(st, exchange=t < tr.T)
-        full = par.gather_layer_energies(st.layer_energies(), st.B, st.energy_index)
-        if full is not None:
-            out.append(full.tolist()[0 if st.free_bottom else 1:])
-        if t < tr.T:
-            par.backproject(st)
-            par.update_values(st, tr.x_lr, more=t < tr.T - 1)
-    return out if par.is_logging else None
+    relax(st, par, tr.T, tr.x_lr, fused=False, schedule=tr.precision_schedule,
+          record=lambda t: rows[t].copy_(st.layer_energies()), final=True)
+    full = par.gather_layer_energies(rows, st.B, st.energy_index)
+    return None if full is None else [row[0 if st.free_bottom else 1:] for row in full.tolist()]
 
 
-def step_stats(full: Tensor, clock: list[float], free_bottom: bool) -> dict:
+def step_stats(full: Tensor, phases: dict[str, float], free_bottom: bool) -> dict:
     """A step's stats from the gathered energies ``full`` (the prior's term, then one per layer) and the
-    host clock read at the phases' ends: the energy F, its per-layer terms, the prior's term with a free
-    h_0, and the seconds per phase (feed-forward init, inference, weight update)."""
-    stats = {"energy": math.fsum(full.tolist()), "layer_energies": full[1:].tolist(),
-             "phase_s": dict(zip(("init", "inference", "weights"), (b - a for a, b in zip(clock, clock[1:]))))}
+    host seconds per phase: the energy F, its per-layer terms, the prior's term with a free h_0, and
+    ``phase_s``."""
+    stats = {"energy": math.fsum(full.tolist()), "layer_energies": full[1:].tolist(), "phase_s": phases}
     if free_bottom:
         stats["prior_energy"] = float(full[0])
     return stats
 
 
-def set_precision(st: Stage, net: PCNetwork, sched: PrecisionSchedule | None, t: int) -> None:
-    """pi_l(t) = pi_l * factor(l, t, L) on the slice's layers (the schedule's step t); nothing without a schedule."""
-    if sched is None:
-        return
-    base = net.precision or (1.0,) * net.num_layers
-    st.precision.copy_(torch.tensor([base[l - 1] * sched(l, t, net.num_layers) for l in range(net.first, net.stop)],
-                                    dtype=st.precision.dtype))
-
-
-def _check_slice(net: PCNetwork, parallel: Parallel | None) -> Parallel:
-    """``parallel`` (the single-process case where None), checked to place the layers ``net`` owns."""
-    parallel = parallel if parallel is not None else Parallel.single(net.num_layers)
+def _check_slice(net: PCNetwork, parallel):
+    """``parallel`` (the single-process exchange where None), checked to place the layers ``net`` owns."""
+    parallel = parallel if parallel is not None else Local(net.num_layers)
     if (net.first, net.stop) != tuple(parallel.layers):
         raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is "
                          f"{parallel.layers}")

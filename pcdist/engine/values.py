@@ -6,7 +6,7 @@ Per inference step, with g the per-sample energy gradient of a free node (its ow
 pi e plus the back-projection of the layer above: g = pi e - P), the value step is
 
     v <- g + mu v;   h <- h - x_lr v                       (v reset every batch)
-    h <- h + sqrt(2 x_lr tau) xi,   xi ~ N(0, 1)           (value noise, MCPC; ``add_noise``)
+    h <- h + sqrt(2 x_lr tau) xi,   xi ~ N(0, 1)           (value noise, MCPC; ``ValueNoise``)
 
 The back-projections accumulate into v during ``Stage.backproject`` with the weight ``beta``
 on the old v (every free node but h_L gets exactly one back-projection, so momentum is
@@ -26,21 +26,18 @@ owner takes, from ``recv_error`` and ``send_backproj``, in the same floating-poi
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from .nodes import ValueNodes
 
-__all__ = ["ValueOptimizer", "noise_seed", "scale_", "value_noise"]
+__all__ = ["ValueOptimizer", "ValueNoise", "noise_seed", "scale_", "stage_noise"]
 
 
-def noise_seed(seed: int, call: int, t: int, node: int) -> int:
-    """The seed of node ``node``'s value noise at inference step ``t`` of training step (or infer call)
-    ``call``: xi = randn(global batch, *shape) from a generator seeded with it, so every rank that
-    holds the node, whatever the layer or data split, draws the same numbers."""
-    return (seed * 0x9E3779B1 + call * 0x85EBCA77 + t * 0xC2B2AE3D + node * 0x27D4EB2F) % 2**63
+def noise_seed(seed: int, call: int) -> int:
+    """The seed of the value noise of training step (or infer call) ``call`` (see ``ValueNoise``)."""
+    return (seed * 0x9E3779B1 + call * 0x85EBCA77 + 0x27D4EB2F) % 2**63
 
 
 def scale_(v: Tensor, beta: float) -> Tensor:
@@ -103,40 +100,66 @@ class ValueOptimizer:
         self.step += 1
         self.step_lr, self.done, self.deferred = None, [], []
 
-    def add_noise(self, std: float, draw: Callable[[int, tuple[int, ...]], Tensor]) -> None:
-        """h += std * xi on every node this slice updates, the replica included; ``draw(n, shape)``
-        gives node n's noise [B, *shape] (the same on every rank that holds node n)."""
-        nd = self.nodes
-        for lo, h, _, _ in nd.free:
-            for i in range(h.shape[0]):
-                h[i].add_(draw(lo + i, tuple(h.shape[2:])), alpha=std)
+
+class ValueNoise:
+    """MCPC's Langevin term on a Stage: h += std xi after the value step of every inference step, on every node
+    this rank updates (the replica of the upstream node included), std = sqrt(2 x_lr tau).
+
+    The draw is graph-safe and the same whatever the split: at the start of training step (or infer call)
+    ``call`` a generator is seeded with ``noise_seed(seed, call)`` (``seed_call``, on the host); at each
+    inference step one ``randn(n)`` draws the noise of the whole global batch of every node h_0 .. h_L, in
+    that order, each node's block [global batch, *shape] (n = global batch x the sum of the node sizes).
+    Node h_n's xi is its block, cut to this data rank's rows. Every rank draws the whole vector, so it does
+    not matter which nodes or rows it owns; a captured step reads the generator's seed at each replay.
+    """
+
+    def __init__(self, st, par, std: float, global_batch: int | None, generator: torch.Generator):
+        B = st.B
+        total = B if par.data_size == 1 else global_batch
+        if total is None:
+            raise ValueError("value noise on a data axis needs the global batch size: pass global_batch=")
+        rows = torch.tensor_split(torch.arange(total), par.data_size)[par.data_rank]
+        if len(rows) != B:
+            raise ValueError(f"global_batch={total} over {par.data_size} data ranks gives this rank {len(rows)} rows, "
+                             f"but its batch has {B}")
+        lo = int(rows[0]) if len(rows) else 0
+        shapes = st.net.node_shapes
+        offsets = [0]
+        for shape in shapes:
+            offsets.append(offsets[-1] + total * math.prod(shape))
+        like = st.node(st.net.stop - 1)
+        self.flat = torch.empty(offsets[-1], dtype=like.dtype, device=like.device)
+        self.std, self.generator = std, generator
+
+        def block(n: int, N: int) -> Tensor:  # xi of nodes n .. n + N - 1, this rank's rows
+            xi = self.flat[offsets[n] : offsets[n + N]].view(N, total, *shapes[n])
+            return xi[:, lo : lo + B]
+
+        nd = st.values.nodes
+        self.pairs = [(h, block(n, h.shape[0])) for n, h, _, _ in nd.free]
         if nd.has_replica:
-            h = nd.blocks[0].h[0]
-            h.add_(draw(nd.blocks[0].lo, tuple(h.shape[1:])), alpha=std)
+            self.pairs.append((nd.blocks[0].h[:1], block(nd.blocks[0].lo, 1)))
+
+    def seed_call(self, seed: int, call: int) -> None:
+        """Seed this call's draws (host work, before the step's core runs)."""
+        self.generator.manual_seed(noise_seed(seed, call))
+
+    def __call__(self, t: int) -> None:
+        """Inference step t's noise on every node this rank updates."""
+        torch.randn(self.flat.shape, generator=self.generator, out=self.flat)
+        for h, xi in self.pairs:
+            h.add_(xi, alpha=self.std)
 
 
-def value_noise(st, par, x_lr: float, tau: float, seed: int, call: int, global_batch: int | None):
-    """The value noise of one training step or infer call ``call`` on a Stage: ``add(t)`` puts
-    sqrt(2 x_lr tau) xi on every node this rank updates at inference step t, xi of node n drawn from
-    ``noise_seed(seed, call, t, n)`` for the global batch and cut to this data rank's rows (``par``: the
-    rank's Parallel); None when tau is 0."""
+def stage_noise(st, par, x_lr: float, tau: float, global_batch: int | None, generator: torch.Generator,
+                seed: int, call: int) -> ValueNoise | None:
+    """The Stage's value noise at temperature ``tau`` (made once per stage and tau), seeded for ``call``;
+    None without noise."""
     if not tau:
         return None
-    B = st.B
-    total = B if par.data_size == 1 else global_batch
-    if total is None:
-        raise ValueError("value noise on a data axis needs the global batch size: pass global_batch=")
-    rows = torch.tensor_split(torch.arange(total), par.data_size)[par.data_rank]
-    if len(rows) != B:
-        raise ValueError(f"global_batch={total} over {par.data_size} data ranks gives this rank {len(rows)} rows, "
-                         f"but its batch has {B}")
-    lo, std, like = int(rows[0]) if len(rows) else 0, math.sqrt(2.0 * x_lr * tau), st.node(st.net.stop - 1)
-
-    def add(t: int) -> None:
-        def draw(n: int, shape: tuple[int, ...]) -> Tensor:
-            gen = torch.Generator(device=like.device).manual_seed(noise_seed(seed, call, t, n))
-            return torch.randn(total, *shape, generator=gen, dtype=like.dtype, device=like.device)[lo : lo + B]
-
-        st.values.add_noise(std, draw)
-
-    return add
+    key = (tau, global_batch)
+    noise = st.noise.get(key)
+    if noise is None:
+        noise = st.noise[key] = ValueNoise(st, par, math.sqrt(2.0 * x_lr * tau), global_batch, generator)
+    noise.seed_call(seed, call)
+    return noise

@@ -198,7 +198,8 @@ class BoundGroup:
         ``h_out`` and signal ``d`` (a kind that can be the output layer keeps those three)."""
         if self.is_output:
             return self.energy.value(self.u[0], self.h_out[0], self.d[0]).reshape(1)
-        sq = 0.5 * torch.linalg.vector_norm(self.e_out.flatten(1), dim=1).square()
+        e = self.e_out.flatten(1)
+        sq = 0.5 * torch.linalg.vector_norm(e if e.dtype.itemsize >= 4 else e.float(), dim=1).square()
         if self.prec is None:
             return sq
         return torch.where(self.prec > 0, sq / self.prec.clamp_min(torch.finfo(sq.dtype).tiny), 0.0)

@@ -1,0 +1,294 @@
+"""The step as CUDA graphs: captured once per stage, replayed every step (docs/gpu.md).
+
+On a GPU a small or medium PC step is bound by host work: every dispatched op costs several
+microseconds of Python and dispatch, a replayed kernel about two. So the trainer splits a step:
+
+* bookkeeping, once per stage (batch size, free ends): buffers, the exchange, the schedules' tables;
+* the core: the device work of one step. It never reads a device value on the host, allocates
+  nothing after warm-up and branches only on Python values fixed for the stage.
+
+``Runner`` runs the core of each stage: with ``compile="none"`` eagerly; with ``"graph"`` it first
+runs it once under ``HostReads`` (a device read on the host would break a capture: the stage then
+stays eager, with one line naming why), then on a CUDA device warms it up on a side stream and
+captures it as a ``Program``, replayed from then on. On a CPU the same core runs eagerly.
+
+A ``Program`` is the core captured as CUDA graphs between host calls: a layer-parallel rank's
+boundary exchanges (``on_host``) run on the host between the replayed segments of its compute, in
+the order they were recorded. ``HostReads`` counts the ops a step dispatches and every device value
+read on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, D2H copies): the GPU cost model
+a CPU can measure.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["COMPILE", "HostReads", "Program", "Runner", "on_host", "compile_mode"]
+
+COMPILE = ("auto", "none", "graph")
+WARMUP = 2  # eager calls on the capture stream before a stage is captured (lazy init: optimizer state, cuBLAS)
+
+_recording: "Program | None" = None
+
+
+def on_host(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (host work of the core: a boundary exchange, a collective) now, or, while a step is being
+    captured, at this point of every replay, between the segments captured before and after it."""
+    if _recording is None:
+        fn()
+    else:
+        _recording.host(fn)
+
+
+def compile_mode(mode: str, device: torch.device) -> str:
+    """"none" or "graph" for ``mode`` on ``device`` ("auto": graph on CUDA devices, none elsewhere)."""
+    if mode not in COMPILE:
+        raise ValueError(f"unknown compile mode {mode!r}; allowed: {', '.join(COMPILE)}")
+    if mode == "auto":
+        return "graph" if device.type == "cuda" else "none"
+    return mode
+
+
+# -- counting what a step dispatches and reads --------------------------------------------------------
+_VIEWS = {"view", "_unsafe_view", "as_strided", "unsqueeze", "squeeze", "transpose", "t", "permute", "select",
+          "slice", "expand", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
+          "flatten", "reshape", "unflatten", "diagonal", "view_as", "movedim", "_reshape_alias", "lift_fresh"}
+_READ_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
+_READ_METHODS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__format__",
+                 "__repr__"}
+
+
+def _name(op) -> str:
+    return op._schema.name.split("::")[-1]
+
+
+def _on_device(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts every aten op; a scalar read or a copy into host memory of a device tensor is a host read."""
+
+    def __init__(self, owner: "HostReads"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        o, name = self.owner, _name(func)
+        o.ops += 1
+        o.views += name in _VIEWS
+        o.by_op[name] += 1
+        if name in _READ_OPS and (o.strict or _on_device(args)):
+            o.read(f"aten.{name}")
+        elif name == "_to_copy" and _on_device(args[:1]) and str(kwargs.get("device", "")).startswith("cpu"):
+            o.read("a copy to the host")
+        elif name == "copy_" and args[0].device.type == "cpu" and _on_device(args[1:2]):
+            o.read("a copy to the host")
+        return func(*args, **kwargs)
+
+
+class _Methods(TorchFunctionMode):
+    """A tensor method that reads values on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, ...)."""
+
+    def __init__(self, owner: "HostReads"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name in _READ_METHODS or (name == "to" and _to_host(args, kwargs))) and \
+                (self.owner.strict or _on_device(args[:1])):
+            self.owner.read(f"Tensor.{name}")
+        return func(*args, **kwargs)
+
+
+def _to_host(args, kwargs) -> bool:
+    return any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
+               for a in (*args[1:], kwargs.get("device")))
+
+
+class HostReads:
+    """Counts, while active, the aten ops dispatched (``ops``; ``views`` of them launch no kernel) and every
+    read of a tensor's value on the host (``reads``: where it happened).
+
+    ``strict``: treat every tensor as a device tensor (on a CPU, a read of any tensor would be a
+    device read on a GPU), so the count a CPU run gives is the count a GPU run would give."""
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
+        self.ops = self.views = 0
+        self.by_op: Counter = Counter()
+        self.reads: list[str] = []
+        self._modes = (_Methods(self), _Ops(self))
+
+    def read(self, what: str) -> None:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-3] if "pcdist" in f.filename and "capture.py" not in f.filename]
+        where = f" in {frames[-1].filename.split('pcdist/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+        self.reads.append(what + where)
+
+    @property
+    def kernels(self) -> int:
+        """Ops that launch work on a device (every op but views)."""
+        return self.ops - self.views
+
+    def __enter__(self) -> "HostReads":
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+# -- capture and replay -------------------------------------------------------------------------------
+class Program:
+    """A function captured as CUDA graphs between host calls (``on_host``), replayed in the recorded order.
+
+    ``generators``: the CUDA generators the function draws from (value noise), registered with every
+    graph so that each replay draws from their state at that time, as an eager call would."""
+
+    def __init__(self, device: torch.device, stream, pool, generators=()):
+        self.device, self.stream, self.pool, self.generators = device, stream, pool, tuple(generators)
+        self.parts: list = []
+        self._open = None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        global _recording
+        _recording = self
+        try:
+            with torch.cuda.stream(self.stream):
+                self._begin()
+                fn()
+                self._end()
+        except BaseException:
+            if self._open is not None:
+                try:
+                    self._open.capture_end()
+                except Exception:
+                    pass
+                self._open = None
+            raise
+        finally:
+            _recording = None
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            g.register_generator_state(gen)
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self._open = g
+
+    def _end(self) -> None:
+        g, self._open = self._open, None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            g.capture_end()
+        self.parts.append(g)
+
+    def host(self, fn: Callable[[], None]) -> None:
+        self._end()
+        self.parts.append(fn)
+        self._begin()
+
+    def replay(self) -> None:
+        for p in self.parts:
+            if isinstance(p, torch.cuda.CUDAGraph):
+                p.replay()
+            else:
+                p()
+
+
+class Runner:
+    """Runs the core of each stage (``key``): eagerly (``mode="none"``), or checked, warmed up, captured and
+    replayed (``"graph"``; see the module docstring). ``say``: where the one-line notes go.
+
+    ``prepare()``: called before a stage is captured (the optimizer made capturable)."""
+
+    def __init__(self, mode: str, device: torch.device, say: Callable[[str], None] = print,
+                 generators=(), prepare: Callable[[], None] | None = None):
+        self.mode, self.device, self.say = mode, torch.device(device), say
+        self.generators, self.prepare = generators, prepare
+        self.calls: Counter = Counter()
+        self.programs: dict = {}
+        self.eager: dict = {}  # key -> why that stage runs eagerly
+        self._stream = self._pool = None
+
+    def __call__(self, key, fn: Callable[[], None]) -> None:
+        if self.mode == "none" or key in self.eager:
+            fn()
+            return
+        program = self.programs.get(key)
+        if program is not None:
+            program.replay()
+            return
+        n = self.calls[key]
+        self.calls[key] += 1
+        if n == 0:
+            self._checked(key, fn)
+        elif self.device.type != "cuda":
+            fn()  # a CPU runs the same core eagerly
+        elif n < WARMUP:
+            self._side(fn)
+        else:
+            self._capture(key, fn)
+
+    def _checked(self, key, fn) -> None:
+        with HostReads(strict=self.device.type == "cpu") as reads:
+            fn()
+        if reads.reads:
+            self._fallback(key, f"the step reads a device value on the host ({reads.reads[0]})")
+
+    def _side(self, fn) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        s = self._capture_stream()
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            fn()
+        cur.wait_stream(s)
+
+    def _capture_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._stream
+
+    def _capture(self, key, fn) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        cur = torch.cuda.current_stream(self.device)
+        s = self._capture_stream()
+        s.wait_stream(cur)
+        program = Program(self.device, s, self._pool, self.generators)
+        try:
+            program.capture(fn)
+        except Exception as e:  # not capturable after all: this stage stays eager
+            torch.cuda.synchronize(self.device)
+            self._fallback(key, f"capturing it failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+            fn()
+            return
+        cur.wait_stream(s)
+        self.programs[key] = program
+        program.replay()
+
+    def _fallback(self, key, why: str) -> None:
+        self.eager[key] = why
+        self.say(f"compile=graph: {describe(key)} runs eagerly: {why}")
+
+
+def describe(key) -> str:
+    """A key in words: ("step", stage, ...) -> "the training step at batch size B"."""
+    if isinstance(key, tuple) and key and key[0] in ("step", "infer"):
+        what = "the training step" if key[0] == "step" else "inference"
+        return f"{what} at batch size {getattr(key[1], 'B', key[1])}"
+    return str(key)

@@ -1,0 +1,70 @@
+"""Numeric precision of a trainer's step: fp32, tf32 or bf16.
+
+    fp32   float32 everywhere; on GPUs the matmuls and convolutions in IEEE float32 (TF32 off)
+    tf32   float32 value nodes and weights, the matmuls and convolutions of float32 tensors in TF32
+           on GPUs that have it (Ampere and later; a CPU has no TF32 and computes in float32)
+    bf16   value nodes, errors and every matmul in bfloat16; float32 master weights and optimizer
+           state; energies summed in float32
+
+bf16 runs the phases on a bfloat16 *compute copy* of the network: every step starts from the master
+weights cast into it, its weight gradients (bfloat16 GEMMs, float32 accumulation inside) are cast
+into the master weights' .grad, the optimizer steps the master weights, and the copy is refreshed.
+Checkpoints, ``pcdist.load`` and evaluation see only the float32 master network.
+
+The TF32 switches are process-wide (torch.backends), set when a trainer is built.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32"]
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def set_tf32(on: bool) -> None:
+    """TF32 for float32 matmuls and convolutions on CUDA devices, on or off (process-wide)."""
+    mode = "tf32" if on else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:  # torch < 2.9
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+
+
+class MixedPrecision:
+    """The network a trainer computes with (``compute``) beside the one its optimizer steps (``master``)."""
+
+    def __init__(self, name: str, master: torch.nn.Module):
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
+        self.name, self.master = name, master
+        p = next(master.parameters())
+        if p.device.type == "cuda":
+            set_tf32(name == "tf32")
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.compute = master
+        if name == "bf16":
+            if p.dtype != torch.float32:
+                raise ValueError(f"precision='bf16' keeps float32 master weights: build the network in float32, "
+                                 f"got {p.dtype}")
+            self.compute = copy.deepcopy(master).to(torch.bfloat16)
+            self.pairs = list(zip(master.parameters(), self.compute.parameters()))
+
+    @torch.no_grad()
+    def weights(self) -> None:
+        """The master weights cast into the compute copy (nothing when they are one network)."""
+        for m, c in self.pairs:
+            c.copy_(m)
+
+    @torch.no_grad()
+    def grads(self) -> None:
+        """The compute copy's weight gradients cast into the master weights' .grad."""
+        for m, c in self.pairs:
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            m.grad.copy_(c.grad)

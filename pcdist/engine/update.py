@@ -1,0 +1,152 @@
+"""The weight update of a step: the data-axis reduce, a skip of diverged updates, the optimizer and its schedule.
+
+Every decision is taken on the device, so a step never waits for the host:
+
+* ``skip_above``: an update is skipped where the energy is not finite or exceeds the limit on any rank.
+  The flag is a device tensor (maxed over the ranks by one all-reduce); fused Adam, AdamW and SGD skip
+  the update themselves when handed it as ``found_inf`` (as under AMP's GradScaler), any other optimizer's
+  parameters and state are restored where it is set (state the optimizer creates in a skipped first
+  step is left at zeros: a fresh state for Adam, AdamW and SGD without dampening). Skipped updates are
+  counted on the device too.
+* The learning rate schedule advances once per optimizer step, skipped or not (the schedule counts
+  training steps, as a resumed run positions it).
+* Under a captured step (``planned``) the learning rates are device tensors: before each step the host
+  steps the schedule through the step's optimizer steps (1 for pc, T for ipc) and copies their rates
+  into a device table ``plan`` [steps + 1, groups]; the optimizer reads row i at its i-th step (each
+  group's ``lr`` points at that row while it steps, and is a float again for the schedule after).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["WeightUpdate"]
+
+_FOUND_INF = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class WeightUpdate:
+    """The weight step of a trainer (see the module docstring). ``steps``: optimizer steps per training step.
+
+    ``sync``: called after every optimizer step (the compute copy of mixed precision); ``grads``: before
+    it (the compute copy's gradients into the master weights')."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler, par, skip_above: float | None, planned: bool,
+                 steps: int, device: torch.device, grads=None, sync=None):
+        self.optimizer, self.scheduler, self.par = optimizer, scheduler, par
+        self.skip_above, self.planned, self.steps = skip_above, planned, steps
+        self.grads, self.sync = grads, sync
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.flag = torch.zeros((), dtype=torch.float32, device=device)  # 1.0: skip this update
+        groups = optimizer.param_groups
+        # fused CUDA kernels read a float32 rate; the CPU ones read a double (the float rate exactly)
+        dtype = torch.float32 if device.type == "cuda" else torch.float64
+        self.plan = torch.zeros(steps + 1, len(groups), dtype=dtype, device=device) if planned else None
+        self._restore: dict = {}
+
+    # -- host work, around a step's core --------------------------------------------------
+    def prepare(self) -> None:
+        """Before a step's core runs: under a plan, its learning rates, stepping the schedule as the step will."""
+        if self.plan is None:
+            return
+        rows = []
+        for _ in range(self.steps):
+            rows.append([g["lr"] for g in self.optimizer.param_groups])
+            if self.scheduler is not None:
+                self.scheduler.step()
+        rows.append([g["lr"] for g in self.optimizer.param_groups])
+        host = torch.tensor(rows, dtype=torch.float64).to(self.plan.dtype)
+        if self.plan.device.type == "cuda":
+            host = host.pin_memory()
+        self.plan.copy_(host, non_blocking=True)
+
+    def make_capturable(self) -> None:
+        """Before a step is captured: optimizers that have the option step with device-side counters."""
+        for g in self.optimizer.param_groups:
+            if "capturable" in g:
+                g["capturable"] = True
+        for state in self.optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, Tensor) and step.device != self.flag.device:
+                state["step"] = step.to(self.flag.device, torch.float32)
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped so far (a host read: call it where the step is logged)."""
+        return int(self.skipped)
+
+    # -- the core --------------------------------------------------------------------------
+    def __call__(self, st, i: int = 0) -> None:
+        """Optimizer step i of this training step, from the gradients in .grad; skipped where the energy
+        ``st.energy_log`` diverged (with ``skip_above``)."""
+        self.par.reduce_grads()
+        if self.grads is not None:
+            self.grads()
+        if self.skip_above is None:
+            self._step(i)
+        else:
+            e = st.energy_log
+            torch.logical_or(~torch.isfinite(e).all(), e.sum() > self.skip_above, out=self._bool(e))
+            self.flag.copy_(self._bad)
+            self.par.any_rank(self.flag)
+            self._guarded(i)
+            self.skipped.add_(self.flag.to(torch.int64))
+        if self.plan is None and self.scheduler is not None:
+            self.scheduler.step()
+        if self.sync is not None:
+            self.sync()
+        st.weights_changed()
+
+    def _bool(self, e: Tensor) -> Tensor:
+        if getattr(self, "_bad", None) is None:
+            self._bad = torch.zeros((), dtype=torch.bool, device=e.device)
+        return self._bad
+
+    def _step(self, i: int) -> None:
+        """optimizer.step(), reading the planned rates (row i) under a plan."""
+        opt = self.optimizer
+        if self.plan is None:
+            opt.step()
+            return
+        rates = [g["lr"] for g in opt.param_groups]
+        for j, g in enumerate(opt.param_groups):
+            g["lr"] = self.plan[i, j]
+        try:
+            opt.step()
+        finally:
+            for g, lr in zip(opt.param_groups, rates):
+                g["lr"] = lr
+
+    def _guarded(self, i: int) -> None:
+        """The step, with no effect where ``flag`` is set."""
+        opt = self.optimizer
+        if isinstance(opt, _FOUND_INF) and all(g.get("fused") for g in opt.param_groups):
+            opt.found_inf = self.flag  # the fused kernels skip the update (and undo the step count) themselves
+            try:
+                self._step(i)
+            finally:
+                del opt.found_inf
+            return
+        saved = {}
+        for key, t in self._tensors():
+            saved[key] = b = self._restore.get(key)
+            if b is None:
+                saved[key] = self._restore[key] = b = torch.empty_like(t)
+            b.copy_(t)
+        self._step(i)
+        bad = self.flag > 0
+        for key, t in self._tensors():
+            if key in saved:
+                torch.where(bad, saved[key], t, out=t)
+            else:  # state the optimizer created in this step: as if never stepped (zeros)
+                t.masked_fill_(bad, 0)
+
+    def _tensors(self) -> list[tuple[tuple, Tensor]]:
+        """Everything an optimizer step writes, keyed: the parameters and the tensors of their state."""
+        out = []
+        for i, g in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(g["params"]):
+                out.append(((i, j), p.data))
+                out += [((i, j, k), v) for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, Tensor)]
+        return out
