@@ -50,13 +50,15 @@ class Case:
     precision: float | tuple | None = None
     schedule: float | None = None  # the decay of a top_down precision schedule
     noise: float = 0.0
+    compile: str = "none"  # "graph": the capturable core (device-side skip and learning rates), eager on a CPU
+    skip: float | None = None  # skip_above; step 1's target is then scaled by 1e3, so that step diverges
 
 
 def pc_kwargs(case):
-    """The network's energy and the trainer's schedule and noise of a case."""
+    """The network's energy and the trainer's schedule, noise, skip and compile mode of a case."""
     net = dict(energy=case.energy, precision=case.precision, prior=Prior(*case.prior))
     trainer = dict(precision_schedule=None if case.schedule is None else top_down(case.schedule),
-                   value_noise=case.noise, noise_seed=3)
+                   value_noise=case.noise, noise_seed=3, compile=case.compile, skip_above=case.skip)
     return net, trainer
 
 
@@ -100,6 +102,13 @@ CASES = {
                                              x_momentum=0.5),
     "mixed-unsupervised-D2xP2-bce": Case((), layer=2, data=2, net="mixed", bottom="free", energy="bce",
                                          prior=(1.0, "learned"), noise=0.02),
+    # The capturable core: learning rates from the device, a diverged update skipped by every rank alike
+    # (only the last slice sees the diverged target), boundary exchanges as host calls between its segments.
+    "graph-core-P2-skip": Case((6, 8, 8, 8, 4), layer=2, compile="graph", skip=1e3, optimizer="adamw-fused",
+                               micro_batches=2),
+    "graph-core-D2xP2-ipc-skip-noise": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", compile="graph",
+                                            skip=1e3, optimizer="sgd-fused", noise=0.02, x_momentum=0.5),
+    "skip-masked-restore-P3": Case((6, 8, 8, 8, 8, 4), layer=3, skip=1e3, optimizer="sgd", energy="ce"),
 }
 
 
@@ -129,9 +138,10 @@ def specs_of(case):
 
 
 def make_optimizer(case, params):
-    if case.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    fused = case.optimizer.endswith("-fused")
+    if case.optimizer.startswith("sgd"):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=fused)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, fused=fused)
 
 
 def batches(case):
@@ -147,6 +157,8 @@ def batches(case):
             y = torch.rand(case.B, d_out, generator=g, dtype=DT)
         elif case.bottom == "free" or case.energy == "bce":  # unsupervised: data in [0, 1] at h_L
             y = torch.rand(case.B, d_out, generator=g, dtype=DT)
+        if case.skip is not None and len(out) == 1:
+            y = y * 1e3
         out.append((None if case.bottom == "free" else x, None if case.top == "free" else y))
     return out
 
@@ -173,6 +185,9 @@ def single_process(case):
     for x, y in batches(case):
         stats.append(tr.step(x, y))
         nodes.append(tr.value_nodes())
+    if case.skip is not None:
+        assert tr.skipped_updates == (case.steps if case.algorithm == "pc" else case.steps * case.T) // case.steps, \
+            "the diverged step's updates (and only those) are skipped"
     return net.layer_state_dict(), stats, nodes
 
 
@@ -194,7 +209,8 @@ def worker(rank, world, case, out_dir):
         stats.append(tr.step(rows_of(x, rows), rows_of(y, rows), global_batch=case.B))
         nodes.append(tr.value_nodes())
     torch.save({"layers": par.layers, "rows": rows, "state": net.layer_state_dict(), "stats": stats,
-                "nodes": nodes, "logging": par.is_logging}, f"{out_dir}/rank{rank}.pt")
+                "nodes": nodes, "logging": par.is_logging, "eager": list(tr.runner.eager.values()),
+                "skipped": tr.skipped_updates}, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -231,6 +247,9 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         torch.testing.assert_close(torch.tensor(got["layer_energies"]), torch.tensor(want["layer_energies"]), atol=1e-9, rtol=0)
     others = [res for res in results if not res["logging"]]
     assert all(s == {} for res in others for s in res["stats"])
+    assert all(res["eager"] == [] for res in results), "the capturable core reads nothing on the host"
+    if case.skip is not None:
+        assert len({res["skipped"] for res in results}) == 1, "every rank skips the same updates"
     # The split really happened: every rank owns fewer layers than the whole (P > 1 cases).
     assert all(res["layers"][1] - res["layers"][0] < len(specs_of(case)) for res in results)
     if case.net is not None:

@@ -211,15 +211,15 @@ class Parallel(LayerExchange):
             _mark_progress(self.steps_begun)
 
     # -- collectives ----------------------------------------------------------------
-    def any_rank(self, flag: Tensor) -> Tensor:
-        """``flag`` maxed over every rank, in place (one tiny all-reduce; none in one process)."""
+    def all_sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over every rank, in place (one tiny all-reduce; none in one process)."""
         if self.logging_rank is not None:
-            on_host(lambda: self._max(flag))
-        return flag
+            on_host(lambda: self._sum(t))
+        return t
 
-    def _max(self, flag: Tensor) -> None:
+    def _sum(self, t: Tensor) -> None:
         with collective("the skipped-update all-reduce"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t)
 
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
         """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""

@@ -7,10 +7,11 @@ microseconds of Python and dispatch, a replayed kernel about two. So the trainer
 * the core: the device work of one step. It never reads a device value on the host, allocates
   nothing after warm-up and branches only on Python values fixed for the stage.
 
-``Runner`` runs the core of each stage: with ``compile="none"`` eagerly; with ``"graph"`` it first
-runs it once under ``HostReads`` (a device read on the host would break a capture: the stage then
-stays eager, with one line naming why), then on a CUDA device warms it up on a side stream and
-captures it as a ``Program``, replayed from then on. On a CPU the same core runs eagerly.
+``Runner`` runs the core of each stage: with ``compile="none"`` eagerly; with ``"graph"`` it runs the
+first call eagerly (it builds what the stage keeps: traced layers, optimizer state), the second under
+``HostReads`` (a device read on the host would break a capture: the stage then stays eager, with one
+line naming why), then on a CUDA device warms it up on a side stream and captures it as a ``Program``,
+replayed from then on. On a CPU the same core runs eagerly.
 
 A ``Program`` is the core captured as CUDA graphs between host calls: a layer-parallel rank's
 boundary exchanges (``on_host``) run on the host between the replayed segments of its compute, in
@@ -104,8 +105,9 @@ class _Methods(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if (name in _READ_METHODS or (name == "to" and _to_host(args, kwargs))) and \
-                (self.owner.strict or _on_device(args[:1])):
+        on_device = _on_device(args[:1])
+        if (name in _READ_METHODS and (self.owner.strict or on_device)) or (name == "to" and on_device
+                                                                            and _to_host(args, kwargs)):
             self.owner.read(f"Tensor.{name}")
         return func(*args, **kwargs)
 
@@ -120,7 +122,9 @@ class HostReads:
     read of a tensor's value on the host (``reads``: where it happened).
 
     ``strict``: treat every tensor as a device tensor (on a CPU, a read of any tensor would be a
-    device read on a GPU), so the count a CPU run gives is the count a GPU run would give."""
+    device read on a GPU), so a CPU run finds the reads a GPU run would make: ``.item()``, ``bool(t)``,
+    ``float(t)``, ``.tolist()``, ``.numpy()``, ``.cpu()``. (A ``.to(device)`` cannot tell the host from the
+    device on a CPU; on a GPU every copy into host memory is found where it is dispatched.)"""
 
     def __init__(self, strict: bool = True):
         self.strict = strict
@@ -130,10 +134,19 @@ class HostReads:
         self._modes = (_Methods(self), _Ops(self))
 
     def read(self, what: str) -> None:
+        """Record a host read: what, where (the innermost frame outside torch's machinery) and from which
+        line of pcdist."""
         import traceback
 
-        frames = [f for f in traceback.extract_stack()[:-3] if "pcdist" in f.filename and "capture.py" not in f.filename]
-        where = f" in {frames[-1].filename.split('pcdist/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+        frames = [f for f in traceback.extract_stack()[:-3] if "capture.py" not in f.filename
+                  and "/torch/utils/" not in f.filename and "/torch/overrides" not in f.filename
+                  and "/torch/_tensor" not in f.filename and "/torch/_compile" not in f.filename
+                  and "/torch/_dynamo" not in f.filename]
+        ours = [f for f in frames if "/pcdist/" in f.filename]
+        here = lambda f: f"{f.filename.split('/pcdist/')[-1].split('site-packages/')[-1]}:{f.lineno} ({f.name})"  # noqa: E731
+        where = f" in {here(frames[-1])}" if frames else ""
+        if ours and frames and ours[-1] is not frames[-1]:
+            where += f", from {here(ours[-1])}"
         self.reads.append(what + where)
 
     @property
@@ -235,10 +248,12 @@ class Runner:
         n = self.calls[key]
         self.calls[key] += 1
         if n == 0:
+            fn()  # the first call builds what the stage keeps (traced layers, optimizer state, schedule rows)
+        elif n == 1:
             self._checked(key, fn)
         elif self.device.type != "cuda":
             fn()  # a CPU runs the same core eagerly
-        elif n < WARMUP:
+        elif n < 1 + WARMUP:
             self._side(fn)
         else:
             self._capture(key, fn)

@@ -18,7 +18,7 @@ What an exchange provides (attributes and methods the engine reads):
     feedforward(st)              the init (pipelined over slices)
     errors(st, ...), backproject(st), update_values(st, x_lr, more)   one inference step's phases
     weight_grads(st), reduce_grads()                                   gradients (+ data-axis reduce)
-    any_rank(flag)               a device flag set where any rank set it (a skipped update)
+    all_sum(t)                   a device tensor summed over every rank (a skipped update's vote)
     gather_layer_energies(...), gather_nodes(...), gather_batch(t), predict(net, x),
     sum_to_logging(values), sum_over_data(tensors), recv_from_next(buf), send_to_prev(t)
 
@@ -76,9 +76,9 @@ class Local:
     def reduce_grads(self) -> None:
         pass
 
-    def any_rank(self, flag: Tensor) -> Tensor:
-        """``flag`` (a device tensor, > 0 where set) maxed over every rank, in place."""
-        return flag
+    def all_sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over every rank, in place, on the device (a skipped update's vote)."""
+        return t
 
     # -- results ------------------------------------------------------------------------
     def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:

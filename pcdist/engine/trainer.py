@@ -45,8 +45,8 @@ class PCTrainer:
     trainer is the single-process case of the same schedule (``engine.exchange.Local``).
     ``init``: "ff" (the feed-forward pass) or "deeppcr" (pcdist.deeppcr).
 
-    ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the energy is not
-    finite or exceeds this value on any rank; decided on the device (pcdist/engine/update.py).
+    ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the step's energy F
+    is not finite or exceeds this value; decided on the device (pcdist/engine/update.py).
 
     ``precision_schedule``: ``factor(layer, t, num_layers)`` scaling each layer's precision at
     inference step t (pcdist.engine.schedules.top_down). ``value_noise``: the temperature tau of
@@ -143,7 +143,7 @@ class PCTrainer:
         full = self.parallel.gather_layer_energies(st.energy_log, st.B, st.energy_index)
         if full is None:
             return {}
-        names = ("init", "inference", "weights") if len(clock) == 5 else ("step",)  # eager, or a replay
+        names = ("init", "inference", "weights") if len(clock) == 5 else ("replay",)  # eager, or a replay
         return step_stats(full, dict(zip(names, (b - a for a, b in zip(clock, clock[1:])))), st.free_bottom)
 
     def _train(self, st: Stage, noise, log: bool, clock: list) -> None:

@@ -2,8 +2,9 @@
 
 Every decision is taken on the device, so a step never waits for the host:
 
-* ``skip_above``: an update is skipped where the energy is not finite or exceeds the limit on any rank.
-  The flag is a device tensor (maxed over the ranks by one all-reduce); fused Adam, AdamW and SGD skip
+* ``skip_above``: an update is skipped where the step's energy F (the mean over the global batch of every
+  layer's energy) is not finite or exceeds the limit. It is summed on the device over every rank by one
+  tiny all-reduce, so every rank decides alike; fused Adam, AdamW and SGD skip
   the update themselves when handed it as ``found_inf`` (as under AMP's GradScaler), any other optimizer's
   parameters and state are restored where it is set (state the optimizer creates in a skipped first
   step is left at zeros: a fresh state for Adam, AdamW and SGD without dampening). Skipped updates are
@@ -17,6 +18,8 @@ Every decision is taken on the device, so a step never waits for the host:
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -44,6 +47,8 @@ class WeightUpdate:
         dtype = torch.float32 if device.type == "cuda" else torch.float64
         self.plan = torch.zeros(steps + 1, len(groups), dtype=dtype, device=device) if planned else None
         self._restore: dict = {}
+        self._vote: Tensor | None = None
+        self._bad = torch.zeros((), dtype=torch.bool, device=device)
 
     # -- host work, around a step's core --------------------------------------------------
     def prepare(self) -> None:
@@ -54,7 +59,9 @@ class WeightUpdate:
         for _ in range(self.steps):
             rows.append([g["lr"] for g in self.optimizer.param_groups])
             if self.scheduler is not None:
-                self.scheduler.step()
+                with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
+                    self.scheduler.step()
         rows.append([g["lr"] for g in self.optimizer.param_groups])
         host = torch.tensor(rows, dtype=torch.float64).to(self.plan.dtype)
         if self.plan.device.type == "cuda":
@@ -86,10 +93,7 @@ class WeightUpdate:
         if self.skip_above is None:
             self._step(i)
         else:
-            e = st.energy_log
-            torch.logical_or(~torch.isfinite(e).all(), e.sum() > self.skip_above, out=self._bool(e))
-            self.flag.copy_(self._bad)
-            self.par.any_rank(self.flag)
+            self._decide(st)
             self._guarded(i)
             self.skipped.add_(self.flag.to(torch.int64))
         if self.plan is None and self.scheduler is not None:
@@ -98,10 +102,19 @@ class WeightUpdate:
             self.sync()
         st.weights_changed()
 
-    def _bool(self, e: Tensor) -> Tensor:
-        if getattr(self, "_bad", None) is None:
-            self._bad = torch.zeros((), dtype=torch.bool, device=e.device)
-        return self._bad
+    def _decide(self, st) -> None:
+        """flag = 1 where F is not finite or above the limit: [non-finite terms, sum of B x energies, B] summed
+        over the ranks (each data replica's batch counted once, by its first layer slice)."""
+        e = st.energy_log
+        if self._vote is None:
+            self._vote = torch.zeros(3, dtype=torch.float64, device=e.device)
+        v = self._vote
+        v[0].copy_((~torch.isfinite(e)).sum())
+        v[1].copy_(e.sum()).mul_(st.B)
+        v[2].fill_(st.B if self.par.layer_rank == 0 else 0)
+        self.par.all_sum(v)
+        torch.logical_or(v[0] > 0, v[1] > self.skip_above * v[2], out=self._bad)
+        self.flag.copy_(self._bad)
 
     def _step(self, i: int) -> None:
         """optimizer.step(), reading the planned rates (row i) under a plan."""

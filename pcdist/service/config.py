@@ -30,6 +30,8 @@ from ..engine.layers.dense import INITS as DENSE_INITS
 from ..engine.layers.prior import PRIOR_MEANS, Prior
 from ..engine.modes import MODES
 from ..engine.schedules import PRECISION_SCHEDULES
+from ..engine.capture import COMPILE
+from ..engine.precision import PRECISIONS
 from ..engine.trainer import ALGORITHMS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
@@ -248,7 +250,13 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
     dtype: str = "float32"
-    """float32 or float64."""
+    """float32 or float64 (the master weights under precision=bf16: float32)."""
+    precision: str = "fp32"
+    """fp32, tf32 (TF32 matmuls and convolutions on GPUs) or bf16 (bfloat16 value nodes, errors and
+    matmuls, float32 master weights and optimizer state): docs/gpu.md."""
+    compile: str = "auto"
+    """auto (graph on CUDA devices, none on CPUs), graph (each stage's step captured once as CUDA
+    graphs and replayed; on a CPU the same core runs eagerly) or none (eager): docs/gpu.md."""
     threads: int = 0
     """torch threads per rank on CPU; 0: OMP_NUM_THREADS if set, else cores / ranks on this machine."""
     progress: str = "auto"
@@ -577,6 +585,10 @@ def validate(c: Config) -> None:
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
     _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")
+    _check(t.precision in PRECISIONS, "trainer.precision", t.precision, ", ".join(PRECISIONS))
+    _check(t.precision != "bf16" or t.dtype == "float32", "trainer.dtype", t.dtype,
+           "float32 under trainer.precision=bf16 (its float32 master weights)")
+    _check(t.compile in COMPILE, "trainer.compile", t.compile, ", ".join(COMPILE))
     _check(t.threads >= 0, "trainer.threads", t.threads, "an integer >= 0 (0: automatic)")
     _check(t.progress in ("auto", "on", "off"), "trainer.progress", t.progress, "auto, on, off")
     _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")

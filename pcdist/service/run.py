@@ -63,12 +63,15 @@ def _device(c: Config) -> torch.device:
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
 
 
-def _optimizer(c: Config, params, total_steps: int):
+def _optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
+    """The configured optimizer and LR schedule; fused kernels, so that a captured step can skip an update
+    and read its learning rate from the device (pcdist/engine/update.py)."""
     o = c.optim
     if o.name == "adamw":
         opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
     else:
-        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                              fused=device is not None and device.type == "cuda")
     warm = min(o.warmup_steps, total_steps)
     if o.schedule == "cosine":
         return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
@@ -354,7 +357,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         load_checkpoint(resume.checkpoint, net, None)
         done.network = net
         return done
-    opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps)
+    opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps, device)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     if c.pc.algorithm == "bp":
         trainer = BackpropTrainer(net, opt, scheduler=sched, skip_above=skip)
@@ -362,7 +365,8 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
                             scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
                             precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
-                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed)
+                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
+                            precision=c.trainer.precision)
         trainer.steps_done = start  # the value noise of step s is drawn from s, resumed or not
     if resume.checkpoint is not None:
         meta = load_checkpoint(resume.checkpoint, net, opt)
@@ -374,6 +378,8 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
                 g["lr"] = meta["lr"]
         torch.set_rng_state(meta["rng"])
     logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
+    if isinstance(trainer, PCTrainer):
+        trainer.runner.say = logger.say  # a stage that cannot be captured says so in train.log
     try:
         if mesh is not None:
             logger.say(mesh)
@@ -474,9 +480,16 @@ def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
 def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
     """This data rank's share of a global batch, on the device, labels one-hot."""
     idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
-    x = ds.x_train[idx].to(device=device, dtype=dtype)
-    y = one_hot(ds.y_train[idx], ds.num_classes, dtype).to(device)
-    return x, y
+    return to_device(ds.x_train[idx], device, dtype), to_device(one_hot(ds.y_train[idx], ds.num_classes, dtype),
+                                                                 device, dtype)
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype) -> torch.Tensor:
+    """A host batch on the device: on a GPU through pinned memory without waiting (the step queued before it
+    keeps running), elsewhere a plain conversion."""
+    if torch.device(device).type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    return t.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
 def _val_chunks(ds, par: Parallel, device, dtype):
@@ -510,10 +523,12 @@ class _StopVote:
     MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by
     then, so the vote never holds a rank up (a blocking all-reduce per step would line the ranks
     up at every step). Every rank reads the same votes in the same steps, so all stop after the
-    same step, at most two steps after the signal."""
+    same step, at most two steps after the signal. The vote is a host tensor over a gloo group (on
+    GPUs too), so reading it never waits for the device."""
 
     def __init__(self, distributed: bool, device: torch.device):
-        self.distributed, self.device = distributed, device
+        self.distributed = distributed
+        self.group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
         self._posted: tuple | None = None
 
     def __call__(self, flag: bool) -> bool:
@@ -522,8 +537,8 @@ class _StopVote:
         if not self.distributed:
             self._posted = (None, flag)
             return stop
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
+        t = torch.tensor([1.0 if flag else 0.0])
+        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
         return stop
 
     def finish(self) -> bool:

@@ -1,0 +1,272 @@
+"""The step's core is capturable, proven on a CPU (docs/gpu.md).
+
+A step captured as a CUDA graph replays exactly what its capture recorded: any value the host reads
+in it, any branch on a device value, any learning rate or seed held in a Python number would be
+frozen. So the core must read nothing on the host between log points, and every decision a real
+run takes inside a step (the learning rate schedule, skipping a diverged update, value noise,
+precision schedules) must happen on the device with the same result as on the host:
+
+* every layer kind and mode, pc and ipc, with a schedule, skips, noise and momentum: a step with
+  ``log=False`` reads nothing on the host (counted with pcdist.engine.capture.HostReads, which
+  treats every tensor as a device tensor), and ``compile="graph"`` finds nothing to fall back on;
+* ``compile="graph"`` (the capturable core: learning rates read from a device table, the skip
+  decided on the device) equals ``compile="none"`` bit for bit, and its learning rates equal the
+  float schedule's to 1e-15;
+* the device-side skip equals a host decision made in the test from the step's logged energy, for
+  an optimizer that skips by itself (fused AdamW / SGD) and one restored by mask (SGD with momentum);
+* a module that branches on a value of its input falls back to eager with one line naming why;
+* bfloat16 steps stay within bfloat16's rounding of float32 steps, with float32 master weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pcdist
+from pcdist.engine.capture import HostReads
+from pcdist.engine.layers.prior import Prior
+from pcdist.engine.schedules import top_down
+
+DT = torch.float64
+
+
+class Gated(nn.Module):
+    """A LayerNorm + Linear block: the module kind (autograd VJPs, vmapped over the stack)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(n), nn.Linear(n, n)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(self.norm(h)))
+
+
+class Branchy(nn.Module):
+    """A layer with data-dependent control flow: it reads a value of its input on the host."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) if h.sum() > 0 else torch.relu(self.lin(h))
+
+
+def network(kind: str, dtype=DT, **kw):
+    torch.manual_seed(3)
+    if kind == "mlp":
+        return pcdist.PCNetwork.from_dims([6, 8, 8, 8, 4], "tanh", dtype=dtype, seed=1, **kw)
+    if kind == "mupc":
+        return pcdist.PCNetwork(pcdist.mupc_specs(6, 8, 6, 4, "relu"), dtype=dtype, seed=1, **kw)
+    if kind == "conv":
+        seq = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 3, 3, padding=1),
+                            nn.Tanh(), nn.Flatten(), nn.Linear(48, 4)).to(dtype)
+        return pcdist.PCNetwork.from_sequential(seq, input_shape=(1, 8, 8), **kw)
+    if kind == "module":
+        layers = [nn.Sequential(nn.Linear(6, 8), nn.Tanh()), Gated(8), Gated(8), nn.Linear(8, 4)]
+        return pcdist.PCNetwork.from_layers([m.to(dtype) for m in layers], **kw)
+    if kind == "branchy":
+        layers = [nn.Sequential(nn.Linear(6, 8), nn.Tanh()), Branchy(8), nn.Linear(8, 4)]
+        return pcdist.PCNetwork.from_layers([m.to(dtype) for m in layers], **kw)
+    raise ValueError(kind)
+
+
+# name: (network, its options, trainer options, which ends are clamped: "xy" supervised, "y" free h_0,
+#        "x" free h_L, "onehot-y" generative)
+CASES = {
+    "mlp-pc-se": ("mlp", {}, {}, "xy"),
+    "mlp-ipc-ce-momentum-schedule-skip": ("mlp", dict(energy="ce"), dict(algorithm="ipc", x_momentum=0.5,
+                                                                         skip_above=1e6, lr_schedule=True), "xy"),
+    "mupc-pc-top-down-precisions": ("mupc", dict(precision=0.5), dict(precision_schedule=top_down(0.3)), "xy"),
+    "conv-pc-ce-momentum": ("conv", dict(energy="ce"), dict(x_momentum=0.3), "xy"),
+    "module-ipc-se": ("module", {}, dict(algorithm="ipc"), "xy"),
+    "generative-pc-noise-skip": ("mlp", dict(energy="bce"), dict(value_noise=0.05, skip_above=1e6), "onehot-y"),
+    "unsupervised-learned-prior-noise-schedule": ("mlp", dict(prior=Prior(0.5, "learned")),
+                                                  dict(value_noise=0.05, lr_schedule=True), "y"),
+    "free-top-ipc-noise": ("mlp", dict(precision=(0.5, 2.0, 1.5, 1.0)), dict(algorithm="ipc", value_noise=0.02), "x"),
+}
+
+
+def batch(net, ends: str, B: int, seed: int, dtype=DT):
+    g = torch.Generator().manual_seed(seed)
+    shape_in, d_out = net.node_shapes[0], net.node_shapes[-1][0]
+    x = torch.randn(B, *shape_in, generator=g, dtype=dtype)
+    y = torch.eye(d_out, dtype=dtype)[torch.randint(0, d_out, (B,), generator=g)]
+    if ends == "onehot-y":
+        x = torch.eye(shape_in[0], dtype=dtype)[torch.randint(0, shape_in[0], (B,), generator=g)]
+        y = torch.rand(B, d_out, generator=g, dtype=dtype)
+    if ends == "y":
+        x, y = None, torch.rand(B, d_out, generator=g, dtype=dtype)
+    if ends == "x":
+        y = None
+    return x, y
+
+
+def trainer_for(net, compile: str, opts: dict, optimizer: str = "adamw", steps: int = 8, T: int = 4):
+    opts = dict(opts)
+    sched_on = opts.pop("lr_schedule", False)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01, fused=True)
+    elif optimizer == "sgd-fused":
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=True)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sched = pcdist.warmup_cosine(opt, 2, steps * (T if opts.get("algorithm") == "ipc" else 1)) if sched_on else None
+    notes = []
+    tr = pcdist.PCTrainer(net, opt, T=T, x_lr=0.1, scheduler=sched, compile=compile, noise_seed=4, say=notes.append,
+                          **opts)
+    return tr, notes
+
+
+def run(name: str, compile: str, steps: int = 6, log_every: int = 3):
+    kind, net_kw, opts, ends = CASES[name]
+    net = network(kind, **net_kw)
+    tr, notes = trainer_for(net, compile, opts, steps=steps)
+    trail = []
+    for s in range(steps):
+        x, y = batch(net, ends, 6, 100 + s)
+        stats = tr.step(x, y, log=(s + 1) % log_every == 0)
+        trail.append((stats, [p.detach().clone() for p in net.parameters()], tr.value_nodes()))
+    return net, tr, notes, trail
+
+
+@pytest.mark.parametrize("compile", ["none", "graph"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_step_reads_nothing_on_the_host_between_log_points(name, compile):
+    """Steps with log=False read no value on the host (a captured step could not); the graph core's own
+    check (run on each stage's first step, logging included) finds nothing to fall back on."""
+    kind, net_kw, opts, ends = CASES[name]
+    net = network(kind, **net_kw)
+    tr, notes = trainer_for(net, compile, opts)
+    x, y = batch(net, ends, 6, 0)
+    tr.step(x, y, log=True)  # the first step of a stage builds what the stage keeps (bookkeeping)
+    with HostReads() as reads:
+        for s in range(3):
+            tr.step(*batch(net, ends, 6, 1 + s), log=False)
+    assert reads.reads == [], reads.reads
+    assert reads.kernels > 0
+    assert notes == [] and tr.runner.eager == {}
+    stats = tr.step(x, y, log=True)  # a log point: the energies come back
+    assert math.isfinite(stats["energy"]) and len(stats["layer_energies"]) == net.num_layers
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_capturable_core_equals_the_eager_step(name):
+    """compile="graph" (learning rates from a device table, skips decided on the device, energies always
+    recorded) trains bit for bit as compile="none": weights, value nodes and logged energies."""
+    *_, eager = run(name, "none")
+    *_, graph = run(name, "graph")
+    for s, ((st_e, w_e, h_e), (st_g, w_g, h_g)) in enumerate(zip(eager, graph)):
+        assert all(torch.equal(a, b) for a, b in zip(w_e, w_g)), f"step {s}: weights"
+        assert all(torch.equal(a, b) for a, b in zip(h_e, h_g)), f"step {s}: value nodes"
+        assert st_e.keys() == st_g.keys() and st_e.get("layer_energies") == st_g.get("layer_energies"), s
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_the_tensor_learning_rate_schedule_equals_the_float_one(algorithm):
+    """Under a plan the optimizer reads each step's rate from a device tensor: the rates it read equal the
+    float schedule's (warm-up then cosine) to 1e-15, for every optimizer step (T per training step in ipc)."""
+    steps, T = 7, 3
+    net_g, net_e = network("mlp"), network("mlp")
+    opts = dict(algorithm=algorithm, lr_schedule=True)
+    tr_g, _ = trainer_for(net_g, "graph", opts, steps=steps, T=T)
+    tr_e, _ = trainer_for(net_e, "none", opts, steps=steps, T=T)
+    per = T if algorithm == "ipc" else 1
+    seen = []
+    tr_e.optimizer.register_step_pre_hook(lambda opt, *a: seen.append(opt.param_groups[0]["lr"]))
+    planned = []
+    for s in range(steps):
+        x, y = batch(net_g, "xy", 6, s)
+        tr_g.step(x, y, log=False)
+        planned += tr_g.update.plan[:per, 0].tolist()
+        tr_e.step(x, y, log=False)
+    assert len(planned) == len(seen) == steps * per
+    assert max(abs(a - b) for a, b in zip(planned, seen)) <= 1e-15
+    assert seen[0] < seen[2] and seen[-1] < max(seen), "the schedule warms up and decays"
+    assert all(torch.equal(a, b) for a, b in zip(net_g.parameters(), net_e.parameters()))
+    assert tr_g.optimizer.param_groups[0]["lr"] == tr_e.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-fused", "sgd"])
+@pytest.mark.parametrize("compile", ["none", "graph"])
+def test_the_device_side_skip_equals_the_host_decision(optimizer, compile):
+    """Skipping a diverged update on the device does exactly what a host decision does: the reference
+    steps a copy without a limit and, where the step's logged energy F is above it (or not finite),
+    puts the weights and optimizer state back as they were. Same skips, same weights, bit for bit."""
+    if compile == "graph" and optimizer == "sgd":  # the tensor rate needs the fused kernel (the core would read it)
+        optimizer = "sgd-fused"
+    net = network("mlp", energy="ce")
+    ref_net = copy.deepcopy(net)
+    energies = []
+    probe = copy.deepcopy(net)
+    tr_probe, _ = trainer_for(probe, "none", {})
+    for s in range(8):
+        energies.append(tr_probe.step(*batch(net, "xy", 6, s))["energy"])
+    limit = sorted(energies)[len(energies) // 2]  # about half the batches of a run from these weights diverge
+    tr, _ = trainer_for(net, compile, dict(skip_above=limit), optimizer)
+    ref, _ = trainer_for(ref_net, "none", {}, optimizer)
+    skipped = 0
+    batches = [batch(net, "xy", 6, s) for s in range(8)]
+    batches[5] = (torch.full_like(batches[5][0], float("nan")), batches[5][1])  # not finite: always skipped
+    for x, y in batches:
+        before = (copy.deepcopy(ref_net.state_dict()), copy.deepcopy(ref.optimizer.state_dict()))
+        e = ref.step(x, y)["energy"]
+        if not math.isfinite(e) or e > limit:
+            skipped += 1
+            ref_net.load_state_dict(before[0])
+            ref.optimizer.load_state_dict(before[1])
+        tr.step(x, y, log=False)
+        assert tr.skipped_updates == skipped
+        assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref_net.parameters()))
+    assert 0 < skipped < len(batches)
+    for p in net.parameters():
+        state, ref_state = tr.optimizer.state[p], ref.optimizer.state[dict(zip(net.parameters(),
+                                                                               ref_net.parameters()))[p]]
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v.to(ref_state[k].dtype), ref_state[k]), k
+
+
+def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
+    """A layer that reads a value of its input on the host cannot be captured: the stage says so once, in one
+    line that names the stage and the read, and then trains exactly as compile="none"."""
+    nets = [network("branchy"), network("branchy")]
+    (tr_g, notes), (tr_e, _) = trainer_for(nets[0], "graph", {}), trainer_for(nets[1], "none", {})
+    for s in range(3):
+        x, y = batch(nets[0], "xy", 6, s)
+        tr_g.step(x, y)
+        tr_e.step(x, y)
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("compile=graph: the training step at batch size 6 runs eagerly: the step reads a "
+                               "device value on the host (Tensor.__bool__"), notes[0]
+    assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in nets)))
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(algorithm):
+    """precision="bf16": value nodes, errors and matmuls in bfloat16, the optimizer on float32 master weights.
+    From the same weights, the energies of each step agree with float32's to bfloat16's rounding (relative
+    2^-8 per op; 5% over a step), SGD moves the weights the same way (its step is linear in the gradients,
+    so their direction and size agree to that rounding), and the master weights and optimizer state stay
+    float32."""
+    nets = {p: network("mlp", dtype=torch.float32) for p in ("fp32", "bf16")}
+    trs = {p: pcdist.PCTrainer(n, torch.optim.SGD(n.parameters(), lr=0.05, momentum=0.5), T=8, x_lr=0.1,
+                               algorithm=algorithm, precision=p) for p, n in nets.items()}
+    w0 = [p.detach().clone() for p in nets["fp32"].parameters()]
+    for s in range(5):
+        x, y = batch(nets["fp32"], "xy", 32, s, torch.float32)
+        e = {p: tr.step(x, y)["energy"] for p, tr in trs.items()}
+        assert e["bf16"] == pytest.approx(e["fp32"], rel=0.05), s
+        if s == 0:
+            assert trs["bf16"]._stage.node(1).dtype == torch.bfloat16
+    moved = {p: torch.cat([(a.detach() - b).flatten() for a, b in zip(n.parameters(), w0)]) for p, n in nets.items()}
+    cos = torch.nn.functional.cosine_similarity(moved["fp32"], moved["bf16"], dim=0)
+    assert cos > 0.99 and moved["bf16"].norm() == pytest.approx(float(moved["fp32"].norm()), rel=0.05)
+    assert all(p.dtype == torch.float32 for p in nets["bf16"].parameters())
+    assert all(v.dtype == torch.float32 for st in trs["bf16"].optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
