@@ -62,21 +62,22 @@ def networks(tiny: bool) -> dict:
 class ConvLimit:
     """The convolutions and matmuls of one pcdist step, alone (see the module docstring)."""
 
-    def __init__(self, net: pcdist.PCNetwork, B: int, T: int):
+    def __init__(self, net: pcdist.PCNetwork, B: int, T: int, device=None, dtype=torch.float32):
         self.T, self.layers = T, []
+        kw = dict(dtype=dtype, device=device)
         for g in net.groups:
             for k in range(g.K):
                 s = g.kind
-                w = g.weight[k].detach().clone()
-                x = torch.randn(B, *s.in_shape)
+                w = g.weight[k].detach().to(**kw).clone()
+                x = torch.randn(B, *s.in_shape, **kw)
                 if isinstance(s, Conv):
                     conv = (list(s.stride), list(s.padding), list(s.dilation), False, [0, 0], s.groups)
                     a = _aten.convolution(x, w, None, *conv)
                     self.layers.append(("conv", x, w, conv, torch.empty_like(a), torch.randn_like(a)))
                 else:
                     x = x.reshape(B, -1)
-                    self.layers.append(("mm", x, w, None, torch.empty(B, w.shape[1]), torch.randn(B, w.shape[1]),
-                                        torch.empty_like(x), torch.empty_like(w)))
+                    self.layers.append(("mm", x, w, None, torch.empty(B, w.shape[1], **kw),
+                                        torch.randn(B, w.shape[1], **kw), torch.empty_like(x), torch.empty_like(w)))
 
     def _predict(self, layer) -> None:
         kind, x, w, conv, a = layer[:5]

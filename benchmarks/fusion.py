@@ -114,13 +114,14 @@ class MatmulLimit:
     row-major copy of w^T made once per batch; the copy is not a matmul and not counted here).
     """
 
-    def __init__(self, net: pcdist.PCNetwork, B: int, T: int):
+    def __init__(self, net: pcdist.PCNetwork, B: int, T: int, device=None, dtype=torch.float32):
         self.T = T
-        kw = dict(dtype=torch.float32)
+        kw = dict(dtype=dtype, device=device)
         self.groups = []
         for g in net.groups:
             K, I, O = g.weight.shape
-            self.groups.append(dict(K=K, w=g.weight.detach().clone(), wT=g.weight.detach().transpose(1, 2).contiguous(),
+            w = g.weight.detach().to(**kw)
+            self.groups.append(dict(K=K, w=w.clone(), wT=w.transpose(1, 2).contiguous(),
                                     h=torch.randn(K, B, I, **kw),
                                     a=torch.empty(K, B, O, **kw), d=torch.randn(K, B, O, **kw),
                                     bp=torch.empty(K, B, I, **kw), gw=torch.empty(K, I, O, **kw)))

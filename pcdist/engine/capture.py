@@ -197,6 +197,8 @@ class Program:
 
     def _begin(self) -> None:
         g = torch.cuda.CUDAGraph()
+        if self.generators and not hasattr(g, "register_generator_state"):
+            raise RuntimeError("this PyTorch cannot register a generator with a CUDA graph (value noise needs it)")
         for gen in self.generators:
             g.register_generator_state(gen)
         g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
@@ -235,7 +237,7 @@ class Runner:
         self.calls: Counter = Counter()
         self.programs: dict = {}
         self.eager: dict = {}  # key -> why that stage runs eagerly
-        self._stream = self._pool = None
+        self._stream = None
 
     def __call__(self, key, fn: Callable[[], None]) -> None:
         if self.mode == "none" or key in self.eager:
@@ -275,7 +277,6 @@ class Runner:
     def _capture_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-            self._pool = torch.cuda.graph_pool_handle()
         return self._stream
 
     def _capture(self, key, fn) -> None:
@@ -284,7 +285,7 @@ class Runner:
         cur = torch.cuda.current_stream(self.device)
         s = self._capture_stream()
         s.wait_stream(cur)
-        program = Program(self.device, s, self._pool, self.generators)
+        program = Program(self.device, s, torch.cuda.graph_pool_handle(), self.generators)  # a pool per stage
         try:
             program.capture(fn)
         except Exception as e:  # not capturable after all: this stage stays eager

@@ -44,6 +44,7 @@ class MixedPrecision:
             raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         self.name, self.master = name, master
         p = next(master.parameters())
+        self.master_dtype = p.dtype
         if p.device.type == "cuda":
             set_tf32(name == "tf32")
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -113,6 +113,7 @@ class Stage:
         gr = g.bind(h_in, h_out, e_out, Binding(self.B, static_weights, self.init, g.first > 1 or self.free_bottom,
                                                 energy, is_output and free_top, prec))
         gr.v_in = v_in  # where the group's back-projection accumulates (the value gradient)
+        gr.params = list(g.parameters())
         return gr
 
     def node(self, n: int) -> Tensor:
@@ -205,7 +206,7 @@ class Stage:
         """
         scale = -1.0 / self.B if scale is None else scale
         for gr in self.groups if groups is None else groups:
-            for p in gr.g.parameters():
+            for p in gr.params:
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
             gr.weight_grads(scale)

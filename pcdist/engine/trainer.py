@@ -109,7 +109,9 @@ class PCTrainer:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
         storage changes (e.g. after ``net.to(...)``)."""
         net = self.mixed.compute
-        ptrs = tuple(p.data_ptr() for p in net.parameters())
+        if getattr(self, "_params", None) is None:
+            self._params = list(net.parameters())  # the same Parameter objects for the trainer's life
+        ptrs = tuple(p.data_ptr() for p in self._params)
         key = (batch_size, free_bottom, free_top)
         cached = self._stages.get(key)
         if cached is None or cached[0] != ptrs:
@@ -190,7 +192,7 @@ class PCTrainer:
             relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw)
 
         self.runner(("infer", st, T, noise), core)
-        dtype = next(self.net.parameters()).dtype
+        dtype = self.mixed.master_dtype
         own = {n: st.node(n).to(dtype, copy=True) for n in range(0 if self.net.first == 1 else self.net.first,
                                                                  self.net.stop)}
         return own if not gather else par.gather_nodes(own, self.net.num_layers)

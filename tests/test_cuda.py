@@ -1,0 +1,125 @@
+"""On a CUDA device, the step replayed as CUDA graphs equals the eager step (docs/gpu.md).
+
+These run wherever CUDA is present and skip elsewhere (tests/test_capture.py proves on a CPU what a
+CPU can: no host reads, device-side schedules and skips equal to host ones). Here, in float64:
+
+* for every layer kind and mode of tests/test_capture.py (pc and ipc, a learning-rate schedule,
+  value noise, skip_above, momentum, free ends), 10 steps alternating two batch sizes (two stages,
+  two captured programs) with ``compile="graph"`` equal ``compile="none"``;
+* the replayed step dispatches a handful of host ops whatever the depth (host work O(1) per step);
+* through the service (``pcdist.train``), graph and none give the same metrics, and a run resumed
+  under a captured step continues exactly.
+
+The learning rates are chosen exactly representable in float32 (the fused kernels read a captured
+step's rate as a float32 tensor); a cosine schedule's rates are not, so there the runs agree to the
+rounding of the rate (|dw| <= steps x lr x 2^-24 per weight, here below 1e-9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pcdist
+from pcdist.engine.capture import HostReads
+from test_capture import CASES, batch, network
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DT = torch.float64
+LR = 2.0 ** -7  # exactly representable in float32
+
+
+def cuda_trainer(net, compile: str, opts: dict, steps: int, T: int = 4, schedule: str = "warmup"):
+    opts = dict(opts)
+    sched_on = opts.pop("lr_schedule", False)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=2.0 ** -6, fused=True)
+    per = T if opts.get("algorithm") == "ipc" else 1
+    sched = None
+    if sched_on and schedule == "warmup":  # rates k/4 x 2^-7: exact in float32
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    elif sched_on:
+        sched = pcdist.warmup_cosine(opt, 2, steps * per)
+    notes = []
+    tr = pcdist.PCTrainer(net, opt, T=T, x_lr=0.1, scheduler=sched, compile=compile, noise_seed=4, say=notes.append,
+                          **opts)
+    return tr, notes
+
+
+def trajectory(name: str, compile: str, steps: int = 10, schedule: str = "warmup"):
+    kind, net_kw, opts, ends = CASES[name]
+    net = network(kind, **net_kw).cuda()
+    tr, notes = cuda_trainer(net, compile, opts, steps, schedule=schedule)
+    out = []
+    for s in range(steps):
+        x, y = batch(net, ends, 6 if s % 2 else 10, 100 + s)
+        x = None if x is None else x.cuda()
+        y = None if y is None else y.cuda()
+        stats = tr.step(x, y, log=s % 3 == 2)
+        out.append((stats, [p.detach().clone() for p in net.parameters()], tr.value_nodes()))
+    torch.cuda.synchronize()
+    return tr, notes, out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_replayed_step_equals_the_eager_step(name):
+    """Two batch sizes, so two stages each warmed up, captured and replayed; every step's weights, value
+    nodes and logged energies equal the eager run's (conv: cuDNN's float64 kernels to 1e-10)."""
+    tr_g, notes, graph = trajectory(name, "graph")
+    _, _, eager = trajectory(name, "none")
+    assert notes == [] and tr_g.runner.eager == {}
+    assert len(tr_g.runner.programs) == 2, "both stages were captured"
+    atol = 1e-10 if name.startswith("conv") else 1e-12
+    for s, ((st_g, w_g, h_g), (st_e, w_e, h_e)) in enumerate(zip(graph, eager)):
+        for a, b in zip(w_g + h_g, w_e + h_e):
+            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m: f"step {s}: {m}")
+        if st_e:
+            assert st_g["layer_energies"] == pytest.approx(st_e["layer_energies"], abs=atol, rel=0)
+
+
+def test_a_cosine_schedule_agrees_to_the_float32_rounding_of_its_rates():
+    name = "mlp-ipc-ce-momentum-schedule-skip"
+    _, _, graph = trajectory(name, "graph", schedule="cosine")
+    _, _, eager = trajectory(name, "none", schedule="cosine")
+    bound = 10 * 4 * LR * 2.0 ** -24 * 4  # steps x updates per step x lr x float32 rounding, Adam's |m/sqrt(v)| <~ 4
+    for (_, w_g, _), (_, w_e, _) in zip(graph, eager):
+        assert max(float((a - b).abs().max()) for a, b in zip(w_g, w_e)) <= bound
+
+
+@pytest.mark.parametrize("hidden", [2, 64])
+def test_a_replayed_step_costs_the_host_the_same_whatever_the_depth(hidden):
+    """Once captured, a step dispatches only its batch copies and the replay: the same handful of ops
+    for 2 hidden layers as for 64, and none of them reads the device."""
+    net = pcdist.PCNetwork.from_dims([32] + [64] * hidden + [10], "tanh", seed=0, device="cuda")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    tr = pcdist.PCTrainer(net, opt, T=20, x_lr=0.1, scheduler=pcdist.warmup_cosine(opt, 5, 100), compile="graph")
+    x, y = torch.randn(64, 32, device="cuda"), torch.eye(10, device="cuda")[torch.arange(64) % 10]
+    for _ in range(5):
+        tr.step(x, y, log=False)
+    with HostReads(strict=False) as reads:
+        tr.step(x, y, log=False)
+    torch.cuda.synchronize()
+    assert reads.reads == [] and len(tr.runner.programs) == 1
+    assert reads.ops <= 25, reads.by_op
+
+
+def test_the_service_trains_alike_captured_and_eager(tmp_path):
+    """pcdist.train on the GPU in float64 with a schedule, logging and skips: compile=graph and none log the
+    same energies and reach the same accuracy; a captured run stopped and resumed ends where it would have."""
+    common = {"logger": "none", "trainer": {"device": "cuda", "dtype": "float64", "max_steps": 24, "log_every": 4,
+                                            "eval_every": 12, "ckpt_every": 12, "on_divergence": "skip",
+                                            "max_energy": 1e6, "progress": "off"}}
+
+    def train(compile: str, where: str, **trainer):
+        cfg = {**common, "run_dir": str(tmp_path / where)}
+        cfg["trainer"] = {**common["trainer"], "compile": compile, **trainer}
+        return pcdist.train(cfg)
+
+    g, e = train("graph", "graph"), train("none", "none")
+    assert g["val/accuracy"] == pytest.approx(e["val/accuracy"], abs=1e-12)
+    assert g["train/energy"] == pytest.approx(e["train/energy"], rel=1e-9)
+    train("graph", "stopped", stop_at=12)
+    resumed = train("graph", "stopped")
+    assert resumed["step"] == 24 and resumed["val/accuracy"] == pytest.approx(g["val/accuracy"], abs=1e-12)
+    assert math.isfinite(resumed["train/energy"])
