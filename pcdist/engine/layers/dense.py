@@ -204,9 +204,13 @@ class DenseBound(BoundGroup):
         if init == "deeppcr" and self.K > 1 and not self.is_output:
             self._chain_deeppcr(h, rows)
             return
+        relu = act is not None and act.name == "relu"  # bias + relu as the GEMM's epilogue: one kernel a layer
         for b, w, a, u in self.layers:
             if rows is not None:
                 a, u = a[rows], u[rows]
+            if relu:
+                h = torch._addmm_activation(b, h, w, out=u)
+                continue
             torch.addmm(b, h, w, out=a)
             h = a if act is None else act.forward(a, out=u)
         if not self.is_output or self.free_output:
