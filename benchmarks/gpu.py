@@ -18,7 +18,8 @@ against each one's matmul limit.
 
 Host work, measurable anywhere (pcdist.engine.capture.HostReads): the aten ops one step dispatches
 (``ops``; ``kernels``: those that are not views) and the values it reads on the host (``reads``), for
-the eager step and the step under ``compile="graph"`` (on a GPU: a replay; on a CPU: the core, eager).
+the eager step and the step under ``compile="graph"`` (on a GPU: a replay; on a CPU: the core, eager). The
+``ops`` section counts them against depth with the fused CPU kernel off (PCDIST_NATIVE=0), as a GPU runs.
 
 The variants of a network run interleaved (round-robin, the device synchronised around each timed
 batch of calls); each ratio is the median over rounds of the ratio within a round.
@@ -251,6 +252,7 @@ def main() -> None:
                                                 precision=precision)
     if want("ops"):
         result["ops"] = {}  # host work per step against depth: flat when replayed, linear when eager
+        os.environ["PCDIST_NATIVE"] = "0"  # count the ops a GPU runs: no fused CPU kernel
         for n in ([2, 4] if args.tiny else [4, 16, 64, 256]):
             _, work = variants(make_layers((16, [16] * n, 4, "mlp"), "tanh"), (16,), 8, 20, "se", device, False)
             result["ops"][n] = work

@@ -131,6 +131,7 @@ NOT_RUN_HERE = {  # a part of a command -> why a test on a CPU box cannot run it
     "scancel ": "needs a SLURM cluster and a job",
     "launch/docker.sh": "needs a Docker engine",
     "/path/to/": "needs a data set pcdist does not download",
+    "trainer.device=cuda": "needs a CUDA device (tests/test_cuda.py runs the GPU path where one is present)",
 }
 PROGRESS = re.compile(r"^step \d+/\d+ ", re.M)
 

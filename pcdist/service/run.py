@@ -254,6 +254,8 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
         n, why = cpu_threads(c.trainer.threads, os.environ)
         torch.set_num_threads(n)
         threads = f"; {n} torch thread{'s' * (n > 1)} per rank ({why})"
+    else:  # every stage has fixed shapes: let cuDNN time its convolution algorithms once
+        torch.backends.cudnn.benchmark = True
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)
