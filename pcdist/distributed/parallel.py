@@ -64,14 +64,16 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device: torch.device | str | None = None, timeout_s: float = 300.0) -> torch.device:
+def init_distributed(device: torch.device | str | None = None, timeout_s: float = 300.0,
+                     backend: str | None = None) -> torch.device:
     """Join the process group torchrun describes (env:// rendezvous); returns this rank's device.
 
     On GPUs every rank binds ``cuda:LOCAL_RANK`` and the NCCL group is created
     eagerly; on CPUs the backend is gloo. A peer that stops answering raises after
     ``timeout_s`` instead of hanging. Started without torchrun (no RANK and
     WORLD_SIZE in the environment), the process forms a group of one, so the same
-    script also runs as ``python script.py``.
+    script also runs as ``python script.py``. ``backend``: "nccl" or "gloo" instead of the device's
+    (gloo on GPUs: collectives only, for debugging; it cannot send GPU tensors between layer slices).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
@@ -79,14 +81,15 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kw = {"device_id": device} if device.type == "cuda" else {}
+    backend = backend or backend_for(device)
+    kw = {"device_id": device} if device.type == "cuda" and backend == "nccl" else {}
     if dist.is_initialized():
         warn_if_restarts_unsafe()
     elif "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
                                 rank=0, world_size=1, **kw)
     else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/distributed/rendezvous.py)
-        join_process_group(backend_for(device), timedelta(seconds=timeout_s), **kw)
+        join_process_group(backend, timedelta(seconds=timeout_s), **kw)
     return device
 
 

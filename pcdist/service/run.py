@@ -60,7 +60,18 @@ def _device(c: Config) -> torch.device:
         raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
     if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return gpu_of_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                       torch.cuda.device_count())
+
+
+def gpu_of_rank(local_rank: int, local_world: int, gpus: int) -> torch.device:
+    """cuda:LOCAL_RANK, or a ConfigError naming both counts when this node runs more processes than it has GPUs."""
+    if local_rank >= gpus or local_world > gpus:
+        raise ConfigError(f"this node runs {max(local_world, local_rank + 1)} processes but has {gpus} GPU"
+                          f"{'s' * (gpus != 1)}: each process needs a GPU of its own; start at most {gpus} per node "
+                          f"(torchrun --nproc_per_node={gpus}, or NPROC={gpus} launch/local.sh / make train), or "
+                          "train on the CPU with trainer.device=cpu")
+    return torch.device(f"cuda:{local_rank}")
 
 
 def _optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
@@ -258,7 +269,8 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
         torch.backends.cudnn.benchmark = True
     distributed = world > 1
     if distributed:
-        init_distributed(device, timeout_s=c.parallel.timeout_s)
+        init_distributed(device, timeout_s=c.parallel.timeout_s,
+                         backend=None if c.parallel.backend == "auto" else c.parallel.backend)
     try:
         return _run(c, device, distributed, data, user=user, resume=resume,
                     mesh=mesh + threads if distributed else None)
@@ -274,8 +286,13 @@ def check(c: Config, world: int) -> str:
     if c.pc.algorithm == "bp" and world > 1:
         raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
                           "run it without torchrun")
-    if c.parallel.backend == "nccl" and _device(c).type != "cuda":
+    device = _device(c)
+    if c.parallel.backend == "nccl" and device.type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    if c.parallel.backend == "gloo" and device.type == "cuda" and c.parallel.layer > 1:
+        raise ConfigError(f"config parallel.backend=gloo cannot send CUDA tensors between the {c.parallel.layer} layer "
+                          "slices (torch's gloo has no GPU send/receive); use parallel.backend=auto (NCCL), "
+                          "parallel.layer=1, or trainer.device=cpu")
     check_logger(c.logger)
     check_files(c.data.name, c.data.root)
     return mesh
