@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .. import native
+from .. import chain, native
 from ..activations import Activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight
 
@@ -196,6 +196,10 @@ class DenseBound(BoundGroup):
         self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u,
                                     prec=self.prec) \
             if not self.is_output and native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
+        # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
+        kind = g.kind
+        self.fused_chain = None if self.is_output or kind.input_shape is not None or not self.h_out.is_contiguous() \
+            else chain.usable(self.a, self.act, K, kind.in_features, kind.out_features) or None
 
     # -- feed-forward init ----------------------------------------------------------
     def feedforward(self, rows: slice | None, init: str) -> None:
@@ -203,6 +207,10 @@ class DenseBound(BoundGroup):
         h = self.h_in[0] if rows is None else self.h_in[0][rows]
         if init == "deeppcr" and self.K > 1 and not self.is_output:
             self._chain_deeppcr(h, rows)
+            return
+        if self.fused_chain and self._chain_agrees():
+            chain.dense_chain(self.h_in[0], self.w_KIO, self.g.b_KO, self.a, self.u, self.h_out, act, rows)
+            self.cached = True
             return
         relu = act is not None and act.name == "relu"  # bias + relu as the GEMM's epilogue: one kernel a layer
         for b, w, a, u in self.layers:
@@ -219,6 +227,24 @@ class DenseBound(BoundGroup):
             else:
                 self.h_out[:, rows].copy_(self.u[:, rows])
         self.cached = True
+
+    def _chain_agrees(self) -> bool:
+        """The fused chain against the torch chain on a probe, once (bookkeeping of the first step)."""
+        if self.fused_chain is True:
+            ok = True
+            with torch.no_grad():
+                h0 = torch.randn(self.h_in.shape[1:], generator=torch.Generator(self.a.device).manual_seed(0),
+                                 device=self.a.device).to(self.a.dtype)
+                a, u, h = torch.empty_like(self.a), torch.empty_like(self.u), torch.empty_like(self.a)
+                u = a if self.u is self.a else u
+                chain.dense_chain(h0, self.w_KIO, self.g.b_KO, a, u, h, self.act)
+                x, want = h0, []
+                for k in range(self.K):
+                    x = self.act(torch.addmm(self.g.b_KO[k], x, self.w_KIO[k]))
+                    want.append(x)
+                ok = chain.agree([u, h], [torch.stack(want)] * 2, f"dense layers {self.first}..{self.first + self.K - 1}")
+            self.fused_chain = "yes" if ok else None
+        return self.fused_chain is not None
 
     def _chain_deeppcr(self, h_BI: Tensor, rows: slice | None) -> None:
         """The group's K chained predictions solved at once; a and u then follow from one GEMM."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import native
+from .. import chain, native
 from ..activations import Activation, get_activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate
 
@@ -167,12 +167,16 @@ class ResidualGroup(LayerGroup):
         return m
 
     def forward(self, h: Tensor) -> Tensor:
-        s = self.kind
         for k in range(self.K):
-            b = None if self.bias is None else self.bias[k]
-            u = s.scale * F.linear(s.activation(h), self.weight[k].T, b)
-            h = u + h if s.skip else u
+            h = self.forward_layer(k, h)
         return h
+
+    def forward_layer(self, k: int, h: Tensor) -> Tensor:
+        """Layer k of the group on h: skip * h + scale * (phi(h) W_k + b_k)."""
+        s = self.kind
+        b = None if self.bias is None else self.bias[k]
+        u = s.scale * F.linear(s.activation(h), self.weight[k].T, b)
+        return u + h if s.skip else u
 
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ResidualBound":
         return ResidualBound(self, h_in, h_out, e_out, b)
@@ -202,6 +206,9 @@ class ResidualBound(BoundGroup):
         # phi, the error with the value step, and the back-projection's elementwise part, one pass each (CPU).
         self.kernel = native.ResidualKernel(self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t, self.prec) \
             if native.usable(self.act, self.u) and h_in.is_contiguous() and self.d.is_contiguous() else None
+        # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
+        self.fused_chain = None if self.is_output or not (h_in.is_contiguous() and h_out.is_contiguous()) \
+            else chain.usable(self.u, self.act, K, I, O) or None
 
     def _predict(self, h: Tensor, s: Tensor, x: Tensor | None, w: Tensor, b: Tensor | None, u: Tensor) -> None:
         """u = skip * h + a (phi(h) @ w + b) for one layer ([B, I] operands) or all K ([K, B, I])."""
@@ -228,6 +235,11 @@ class ResidualBound(BoundGroup):
         if init == "deeppcr" and self.K > 1 and not self.is_output:
             self._chain_deeppcr(sel)
             return
+        if self.fused_chain and self._chain_agrees():
+            chain.residual_chain(self.h_in[0], self.w_KIO, self.g.bias, None if self.identity else self.s, self.x,
+                                 self.u, self.h_out, self.act, self.a, self.skip, rows)
+            self.cached = True
+            return
         h = self.h_in[0][sel]
         for k in range(self.K):
             s = h if self.identity else self.s[k][sel]
@@ -239,6 +251,25 @@ class ResidualBound(BoundGroup):
         if not self.is_output or self.free_output:
             self.h_out[:, sel].copy_(self.u[:, sel])
         self.cached = True
+
+    def _chain_agrees(self) -> bool:
+        """The fused chain against the layers' own forward on a probe, once (bookkeeping of the first step)."""
+        if self.fused_chain is True:
+            with torch.no_grad():
+                h0 = torch.randn(self.h_in.shape[1:], generator=torch.Generator(self.u.device).manual_seed(0),
+                                 device=self.u.device).to(self.u.dtype)
+                s = None if self.identity else torch.empty_like(self.s)
+                x = None if self.x is None else torch.empty_like(self.x)
+                u, h = torch.empty_like(self.u), torch.empty_like(self.u)
+                chain.residual_chain(h0, self.w_KIO, self.g.bias, s, x, u, h, self.act, self.a, self.skip)
+                want, got, v = [], [], h0
+                for k in range(self.K):
+                    want.append(self.g.forward_layer(k, v))
+                    v = want[-1]
+                ok = chain.agree([u, h], [torch.stack(want)] * 2,
+                                 f"residual layers {self.first}..{self.first + self.K - 1}")
+            self.fused_chain = "yes" if ok else None
+        return self.fused_chain is not None
 
     def _chain_deeppcr(self, sel: slice) -> None:
         """The K chained predictions by Newton + parallel cyclic reduction; s, u then from one GEMM."""

@@ -1,0 +1,149 @@
+"""Triton kernels of pcdist/engine/chain.py (imported only where Triton is installed)."""
+
+import triton
+import triton.language as tl
+
+try:  # libdevice's accurate transcendentals on a GPU
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton
+    from triton.language.extra.cuda import libdevice
+
+
+@triton.jit
+def _tanh(x, ACCURATE: tl.constexpr):
+    if ACCURATE:
+        return libdevice.tanh(x)
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _softplus(x, beta, thr, ACCURATE: tl.constexpr):
+    bx = beta * x
+    if ACCURATE:
+        sp = libdevice.log1p(tl.exp(tl.minimum(bx, thr))) / beta
+    else:
+        sp = tl.log(1.0 + tl.exp(tl.minimum(bx, thr))) / beta
+    return tl.where(bx > thr, x, sp)
+
+
+@triton.jit
+def _act(a, ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, ACCURATE: tl.constexpr):
+    """f(a) for the activation code ACT (chain.ACT_CODES), in float32."""
+    if ACT == 1:
+        return tl.maximum(a, 0.0)
+    elif ACT == 2:
+        return tl.where(a > 0, a, a * slope)
+    elif ACT == 3:
+        return _tanh(a, ACCURATE)
+    elif ACT == 4:
+        return tl.sigmoid(a)
+    elif ACT == 5:
+        return tl.minimum(tl.maximum(a, lo), hi)
+    elif ACT == 6:
+        return a * tl.sigmoid(a)
+    elif ACT == 7:
+        return 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+    elif ACT == 8:
+        return 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a), ACCURATE))
+    elif ACT == 9:
+        return _softplus(a, beta, thr, ACCURATE)
+    elif ACT == 10:
+        if ACCURATE:
+            neg = alpha * libdevice.expm1(tl.minimum(a, 0.0))
+        else:
+            neg = alpha * (tl.exp(tl.minimum(a, 0.0)) - 1.0)
+        return tl.where(a > 0, a, neg)
+    elif ACT == 11:
+        return a * _tanh(_softplus(a, 1.0, 20.0, ACCURATE), ACCURATE)
+    else:
+        return a
+
+
+@triton.jit
+def dense_chain(x_ptr, w_ptr, b_ptr, a_ptr, u_ptr, h_ptr, row0, nrows, B, D, K,
+                ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha,
+                KEEP_A: tl.constexpr, ACCURATE: tl.constexpr, PREC: tl.constexpr,
+                BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows [row0 + pid * BB, ...) of a_k = h_{k-1} @ w_k + b_k, u_k = f(a_k), h_k = u_k for k = 0..K-1."""
+    r = row0 + tl.program_id(0) * BB + tl.arange(0, BB)
+    rmask = r < row0 + nrows
+    cn = tl.arange(0, BN)
+    ck = tl.arange(0, BK)
+    for k in range(K):
+        for n0 in range(0, D, BN):
+            n = n0 + cn
+            nmask = n < D
+            acc = tl.zeros([BB, BN], dtype=tl.float32)
+            for k0 in range(0, D, BK):
+                kk = k0 + ck
+                kmask = kk < D
+                if k == 0:
+                    hx = tl.load(x_ptr + r[:, None] * D + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                else:
+                    hx = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + kk[None, :],
+                                 mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptr + k * D * D + kk[:, None] * D + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                acc += tl.dot(hx, w, input_precision=PREC)
+            b = tl.load(b_ptr + k * D + n, mask=nmask, other=0.0).to(tl.float32)
+            a = acc + b[None, :]
+            m = rmask[:, None] & nmask[None, :]
+            off = k * B * D + r[:, None] * D + n[None, :]
+            if KEEP_A:
+                tl.store(a_ptr + off, a.to(a_ptr.dtype.element_ty), mask=m)
+            u = _act(a, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE).to(u_ptr.dtype.element_ty)
+            tl.store(u_ptr + off, u, mask=m)
+            tl.store(h_ptr + off, u, mask=m)
+        tl.debug_barrier()  # layer k + 1 reads what every thread of this program wrote of layer k
+
+
+@triton.jit
+def residual_chain(x_ptr, w_ptr, b_ptr, s_ptr, xs_ptr, u_ptr, h_ptr, row0, nrows, B, D, K, scale,
+                   ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha,
+                   HAS_B: tl.constexpr, STORE_S: tl.constexpr, STORE_X: tl.constexpr, SKIP: tl.constexpr,
+                   ACCURATE: tl.constexpr, PREC: tl.constexpr,
+                   BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows [row0 + pid * BB, ...) of s_k = phi(h_{k-1}), u_k = skip h_{k-1} + scale (s_k @ w_k + b_k), h_k = u_k."""
+    r = row0 + tl.program_id(0) * BB + tl.arange(0, BB)
+    rmask = r < row0 + nrows
+    cn = tl.arange(0, BN)
+    ck = tl.arange(0, BK)
+    for k in range(K):
+        for n0 in range(0, D, BN):
+            n = n0 + cn
+            nmask = n < D
+            acc = tl.zeros([BB, BN], dtype=tl.float32)
+            for k0 in range(0, D, BK):
+                kk = k0 + ck
+                kmask = kk < D
+                mk = rmask[:, None] & kmask[None, :]
+                if k == 0:
+                    hx = tl.load(x_ptr + r[:, None] * D + kk[None, :], mask=mk, other=0.0)
+                else:
+                    hx = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + kk[None, :], mask=mk, other=0.0)
+                s = _act(hx.to(tl.float32), ACT, slope, lo, hi, beta, thr, alpha, ACCURATE).to(hx.dtype)
+                if n0 == 0:  # each input column once: phi(h) and the copy of h the back-projection reads
+                    off_in = k * B * D + r[:, None] * D + kk[None, :]
+                    if STORE_S:
+                        tl.store(s_ptr + off_in, s, mask=mk)
+                    if STORE_X:
+                        tl.store(xs_ptr + off_in, hx, mask=mk)
+                w = tl.load(w_ptr + k * D * D + kk[:, None] * D + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                acc += tl.dot(s, w, input_precision=PREC)
+            if HAS_B:
+                acc += tl.load(b_ptr + k * D + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            out = scale * acc
+            m = rmask[:, None] & nmask[None, :]
+            if SKIP:
+                if k == 0:
+                    hn = tl.load(x_ptr + r[:, None] * D + n[None, :], mask=m, other=0.0)
+                else:
+                    hn = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + n[None, :], mask=m, other=0.0)
+                out += hn.to(tl.float32)
+            off = k * B * D + r[:, None] * D + n[None, :]
+            tl.store(u_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
+            tl.store(h_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
+        tl.debug_barrier()

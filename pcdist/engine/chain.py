@@ -1,0 +1,119 @@
+"""The feed-forward init of a group of K equal square layers as ONE kernel (Triton, on CUDA devices).
+
+Shape letters: K layers, B batch, D width (every layer D -> D).
+
+The init is a chain: layer k reads what layer k - 1 just wrote, so run with torch it is one GEMM and
+one activation kernel per layer, and at 512 layers those ~1,000 small kernels dominate a step even
+replayed as a CUDA graph (docs/gpu.md). Here each program owns BB rows of the batch and walks the K
+layers itself, keeping its rows' chain on the device between layers (a barrier between layers; no
+other program reads its rows), so a group's whole init is one launch:
+
+    dense      a_k = h_{k-1} @ w_k + b_k;  u_k = f(a_k);  h_k <- u_k
+    residual   s_k = phi(h_{k-1});  u_k = skip * h_{k-1} + scale * (s_k @ w_k + b_k);  h_k <- u_k   (μPC)
+
+It writes what the torch chain writes (a, u, s, the copy of the input a gelu-like phi needs, and the
+value nodes), so the inference steps that follow are unchanged. Before a group uses it, it is checked
+once against the torch chain on the group's own weights (``agree``): a kernel that disagrees is not
+used (one warning), so the worst case is the torch chain's speed. ``PCDIST_TRITON=0`` turns it off.
+Under ``TRITON_INTERPRET=1`` the same kernels run on a CPU (tests/test_chain.py), with the activations
+written from exp/log where a GPU uses libdevice's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+__all__ = ["usable", "ACT_CODES", "dense_chain", "residual_chain"]
+
+ACT_CODES = {"identity": 0, "relu": 1, "leaky_relu": 2, "tanh": 3, "sigmoid": 4, "hard_tanh": 5, "silu": 6,
+             "gelu": 7, "softplus": 9, "elu": 10, "mish": 11}  # gelu with approximate="tanh": 8
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    try:
+        import triton  # noqa: F401
+
+        from . import _chain_kernels
+    except Exception:  # no Triton (a CPU build), or one this code cannot use: the torch chain
+        return None
+    return _chain_kernels
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def usable(like: Tensor, act, K: int, I: int, O: int) -> bool:
+    """True if the chain kernel can run this group: K >= 2 square layers, float32 or bfloat16, on a CUDA
+    device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0."""
+    return (K >= 2 and I == O and os.environ.get("PCDIST_TRITON", "1") != "0" and act is not None
+            and act.name in ACT_CODES and like.dtype in (torch.float32, torch.bfloat16)
+            and (like.device.type == "cuda" or interpreted()) and _triton() is not None)
+
+
+def _act_args(act) -> dict:
+    code = ACT_CODES[act.name] + (1 if act.name == "gelu" and act.approximate == "tanh" else 0)
+    return dict(ACT=code, slope=float(act.negative_slope), lo=float(act.min_val), hi=float(act.max_val),
+                beta=float(act.beta), thr=float(act.threshold), alpha=float(act.alpha))
+
+
+def _precision(like: Tensor) -> str:
+    """The dot's precision: IEEE float32 unless TF32 is on for float32 matmuls (trainer.precision=tf32)."""
+    if like.dtype != torch.float32:
+        return "ieee"
+    m = torch.backends.cuda.matmul
+    tf32 = m.fp32_precision == "tf32" if hasattr(m, "fp32_precision") else m.allow_tf32
+    return "tf32" if tf32 and not interpreted() else "ieee"
+
+
+def _blocks(D: int) -> tuple[int, int, int]:
+    n = max(16, 1 << (D - 1).bit_length())
+    return 16, min(n, 128), min(n, 32)  # rows per program, output columns per tile, reduction chunk
+
+
+def dense_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor, a: Tensor, u: Tensor, h_out: Tensor, act,
+                rows: slice | None = None) -> None:
+    """The dense chain from h0 [B, D] (rows ``rows`` of the batch): a [K, B, D] (the pre-activations,
+    unless u is a), u and h_out [K, B, D]."""
+    k = _triton()
+    K, B, D = u.shape
+    lo, hi = (0, B) if rows is None else (rows.start or 0, B if rows.stop is None else rows.stop)
+    BB, BN, BK = _blocks(D)
+    grid = (-(-(hi - lo) // BB),)
+    k.dense_chain[grid](h0, w_KIO, b_KO, a, u, h_out, lo, hi - lo, B, D, K, **_act_args(act),
+                        KEEP_A=a.data_ptr() != u.data_ptr(), ACCURATE=not interpreted(), PREC=_precision(u),
+                        BB=BB, BN=BN, BK=BK)
+
+
+def residual_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor | None, s: Tensor | None, x: Tensor | None, u: Tensor,
+                   h_out: Tensor, act, scale: float, skip: bool, rows: slice | None = None) -> None:
+    """The μPC chain from h0 [B, D]: s [K, B, D] = phi of each layer's input (None: phi is the identity),
+    x [K, B, D] a copy of each input (or None), u and h_out [K, B, D]."""
+    k = _triton()
+    K, B, D = u.shape
+    lo, hi = (0, B) if rows is None else (rows.start or 0, B if rows.stop is None else rows.stop)
+    BB, BN, BK = _blocks(D)
+    grid = (-(-(hi - lo) // BB),)
+    k.residual_chain[grid](h0, w_KIO, u if b_KO is None else b_KO, u if s is None else s, u if x is None else x,
+                           u, h_out, lo, hi - lo, B, D, K, float(scale), **_act_args(act),
+                           HAS_B=b_KO is not None, STORE_S=s is not None, STORE_X=x is not None, SKIP=skip,
+                           ACCURATE=not interpreted(), PREC=_precision(u), BB=BB, BN=BN, BK=BK)
+
+
+def agree(got: list[Tensor], want: list[Tensor], what: str) -> bool:
+    """The kernel's outputs equal the torch chain's to round-off (relative 1e-4 in float32, 3e-2 in bfloat16,
+    of the largest value); otherwise warn once and say the torch chain is used."""
+    for g, w in zip(got, want):
+        scale = float(w.abs().max()) if w.numel() else 0.0
+        tol = (3e-2 if w.dtype == torch.bfloat16 else 1e-4) * max(scale, 1.0)
+        if not float((g.float() - w.float()).abs().max()) <= tol:
+            warnings.warn(f"pcdist: the fused feed-forward kernel disagrees with torch on {what}; using the "
+                          "torch chain (PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
+            return False
+    return True
