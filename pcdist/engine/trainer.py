@@ -89,6 +89,7 @@ class PCTrainer:
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}
         self._stage: Stage | None = None
         self.mixed = MixedPrecision(precision, net)
+        self._params = list(self.mixed.compute.parameters())  # the same Parameter objects for the trainer's life
         device = next(net.parameters()).device
         self.compile = compile_mode(compile, device)
         graph = self.compile == "graph"
@@ -109,8 +110,6 @@ class PCTrainer:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
         storage changes (e.g. after ``net.to(...)``)."""
         net = self.mixed.compute
-        if getattr(self, "_params", None) is None:
-            self._params = list(net.parameters())  # the same Parameter objects for the trainer's life
         ptrs = tuple(p.data_ptr() for p in self._params)
         key = (batch_size, free_bottom, free_top)
         cached = self._stages.get(key)
@@ -130,7 +129,7 @@ class PCTrainer:
 
         With ``log=False`` nothing is read back on the host; in a parallel run only the logging rank gets
         the stats, others get {}. ``stats["phase_s"]`` holds this rank's host seconds per phase
-        (feed-forward init, inference, weight update; a replayed step has one phase, ``step``).
+        (feed-forward init, inference, weight update; a replayed step has one phase, ``replay``).
         ``global_batch``: the batch size over the data axis (value noise draws the global batch).
         """
         st = self._begin(x, y, None)
@@ -150,23 +149,27 @@ class PCTrainer:
 
     def _train(self, st: Stage, noise, log: bool, clock: list) -> None:
         """The core of a training step (capturable: no host reads, no branch on device values)."""
-        par, T = self.parallel, self.T
-        want = log or self.skip_above is not None or self.compile == "graph"
-        record = (lambda t: st.energy_log.copy_(st.layer_energies())) if want else None
+        par, T, ipc = self.parallel, self.T, self.algorithm == "ipc"
+        want = log or self.skip_above is not None or self.compile == "graph"  # a captured step always records
+        last, every = (T - 1 if ipc else T), ipc and self.skip_above is not None  # each ipc update checks its own
+
+        def record(t: int) -> None:  # the energies the host reads at log points and the skip decides on
+            if want and (t == last or every):
+                st.energy_log.copy_(st.layer_energies())
+
         par.feedforward(st)
         clock.append(time.perf_counter())
-        if self.algorithm == "pc":
-            relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=noise,
-                  record=(lambda t: t == T and record(t)) if want else None, final=True)
-            clock.append(time.perf_counter())
-            par.weight_grads(st)
-            self.update(st)
-        else:
-            keep = (lambda t: record(t) if self.skip_above is not None or t == T - 1 else None) if want else None
-            relax(st, par, T, self.x_lr, fused=False, schedule=self.precision_schedule, noise=noise, record=keep,
+        if ipc:
+            relax(st, par, T, self.x_lr, fused=False, schedule=self.precision_schedule, noise=noise, record=record,
                   each_step=lambda t: par.weight_grads(st), after_step=lambda t: self.update(st, t),
                   need_all_deltas=True)
             clock.append(time.perf_counter())
+        else:
+            relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=noise, record=record,
+                  final=True)
+            clock.append(time.perf_counter())
+            par.weight_grads(st)
+            self.update(st)
         clock.append(time.perf_counter())
 
     @torch.no_grad()
@@ -216,10 +219,6 @@ class PCTrainer:
 
     def _noise(self, st: Stage, tau: float, global_batch: int | None, call: int) -> ValueNoise | None:
         return stage_noise(st, self.parallel, self.x_lr, tau, global_batch, self._generator, self.noise_seed, call)
-
-    def _set_precision(self, st: Stage, t: int) -> None:
-        """pi_l(t) on this slice's layers (``set_precision``)."""
-        set_precision(st, self.precision_schedule, t)
 
     def value_nodes(self) -> list[Tensor]:
         """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference.
