@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .energies import energy_of
 from .trainer import PCTrainer
 
 __all__ = ["MODES", "clamps", "mean_prediction", "forward_mean", "classify", "reconstruct", "generate", "sample",
@@ -40,11 +41,7 @@ def clamps(mode: str, data: Tensor, onehot: Tensor | None) -> tuple[Tensor | Non
 
 def mean_prediction(energy, u: Tensor) -> Tensor:
     """The top node the output energy expects from the prediction u_L (sigmoid for bce, softmax for ce)."""
-    if energy == "bce":
-        return torch.sigmoid(u)
-    if energy == "ce":
-        return torch.softmax(u, dim=-1)
-    return u
+    return energy_of(energy).mean(u)
 
 
 def local_classification(trainer: PCTrainer, data: Tensor, T: int | None = None) -> Tensor | None:

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..engine.energies import energy_of
 from ..engine.modes import mean_prediction, reconstruct
 from ..engine.trainer import PCTrainer
 from .config import PYTHON_DATA, Config, load_config
@@ -215,8 +216,9 @@ def predict(run_dir, inputs, out=None, checkpoint="last") -> dict:
     x = read_inputs(inputs) if isinstance(inputs, (str, Path)) else inputs
     logits = run.predict(x)
     result = {"logits": logits.numpy(), "labels": logits.argmax(1).numpy()}
-    if run.network.energy == "ce":
-        result["probabilities"] = torch.softmax(logits, 1).numpy()
+    energy = energy_of(run.network.energy)
+    if energy.probabilities:
+        result["probabilities"] = energy.mean(logits).numpy()
     if out is not None:
         np.savez(out, **result)
     return result

@@ -189,7 +189,7 @@ class DenseBound(BoundGroup):
         self.d = torch.empty_like(self.a)
         self.layers = [(g.b_KO[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
-        se = self.is_output and self.energy.name == "se" and not self.free_output
+        se = self.is_output and self.energy.residual and not self.free_output
         self._y_minus_b = torch.empty_like(self.a) if se else None
         # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
         # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
