@@ -145,7 +145,7 @@ def _who_fell_behind(ranks: list[int]) -> str:
 
 class Parallel(LayerExchange):
     """This rank's layer slice, its neighbours on the layer axis (the point-to-point schedule of
-    ``pcdist.exchange.LayerExchange``) and its data-axis group.
+    ``pcdist.distributed.exchange.LayerExchange``) and its data-axis group.
 
     ``Parallel.single(num_layers)`` is the single-process case (no peers at all);
     ``Parallel.from_mesh(dims, specs)`` builds the (data, layer) DeviceMesh of a
@@ -175,7 +175,7 @@ class Parallel(LayerExchange):
         """Build the (data, layer) mesh over the initialised process group and place this rank.
 
         ``specs``: the network's layer kinds, or any per-layer costs (the partition balances
-        their sums over the layer ranks; see ``pcdist.partition.layer_costs``).
+        their sums over the layer ranks; see ``pcdist.distributed.partition.layer_costs``).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -236,7 +236,7 @@ class Parallel(LayerExchange):
     # -- data axis ----------------------------------------------------------------
     def weight_grads(self, st: Stage) -> None:
         """dF/dtheta of every owned layer into .grad; with a data axis, also its all-reduce,
-        one bucket per fused group, overlapped with the next groups' gradients (pcdist.buckets)."""
+        one bucket per fused group, overlapped with the next groups' gradients (pcdist/distributed/buckets.py)."""
         if self._grads is None:
             st.weight_grads()
         else:

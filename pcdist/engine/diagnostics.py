@@ -1,5 +1,5 @@
 """Diagnostics of PC against backprop on one batch: is inference converging, and does PC's weight
-update point where backprop's gradient points? (DESIGN.md section 1c; docs/fidelity.md.)
+update point where backprop's gradient points? (docs/fidelity.md, "Diagnostics".)
 
 ``diagnose(trainer, x, y)`` runs, with the weights and the optimizer untouched:
 

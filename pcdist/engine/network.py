@@ -129,7 +129,7 @@ class PCNetwork(nn.Module):
         """A PCNetwork with a copy of the weights of ``layers``, one torch module per PC layer.
 
         Module l maps value node l-1 to the prediction of node l; the last one is the output
-        layer. Each module gets the fastest kind that expresses it (``pcdist.layers.kind_from_module``):
+        layer. Each module gets the fastest kind that expresses it (``pcdist.engine.layers.kind_from_module``):
         [nn.Flatten,] nn.Linear [+ activation] -> dense, nn.Conv1d/2d [+ activation] [+ pooling] -> conv,
         pcdist.ResidualLinear -> residual. ``input_shape`` is the input node's shape without the batch
         (needed when the first layer is a convolution, e.g. (1, 8, 8)). ``layers_owned=(a, b)`` keeps

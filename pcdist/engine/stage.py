@@ -1,7 +1,7 @@
 """Fused phases of predictive-coding inference for one contiguous slice of layers, any layer kind.
 
 A ``Stage`` holds the value nodes of the layers [first, stop) of a PCNetwork for one
-batch size (pcdist.nodes: runs of equal-shape nodes in one tensor, so a group's inputs
+batch size (pcdist/engine/nodes.py: runs of equal-shape nodes in one tensor, so a group's inputs
 and outputs are two shifted views) and runs the phases of the PC schedule over every
 group of stacked equal layers, each group bound by its kind (pcdist.layers):
 
@@ -30,7 +30,7 @@ with no v at all (see ``Stage.errors``).
 The stage never touches torch.distributed: a neighbour's boundary tensors are exchanged
 through ``recv_input`` / ``send_node`` (feed-forward) and ``send_error`` / ``recv_error`` /
 ``send_backproj`` / ``recv_backproj`` (inference), which a layer-parallel driver
-(pcdist.parallel) fills and reads between the phases. A single process owns every layer,
+(pcdist/distributed/exchange.py) fills and reads between the phases. A single process owns every layer,
 so it has no boundary at all.
 """
 
@@ -135,7 +135,7 @@ class Stage:
 
         ``rows`` restricts the pass to a micro-batch (the pipelined init of a layer slice).
         With ``init="deeppcr"`` a group of K > 1 hidden layers is solved as one chain by
-        Newton + parallel cyclic reduction (pcdist.deeppcr) instead of K dependent steps.
+        Newton + parallel cyclic reduction (pcdist/engine/deeppcr.py) instead of K dependent steps.
         """
         for gr in self.groups:
             gr.feedforward(rows, self.init)

@@ -43,7 +43,7 @@ class PCTrainer:
     ``parallel``: the exchange of a layer slice in a torch.distributed job
     (``pcdist.distributed.Parallel.from_mesh``); ``net`` then owns exactly that slice. Without it the
     trainer is the single-process case of the same schedule (``engine.exchange.Local``).
-    ``init``: "ff" (the feed-forward pass) or "deeppcr" (pcdist.deeppcr).
+    ``init``: "ff" (the feed-forward pass) or "deeppcr" (pcdist/engine/deeppcr.py).
 
     ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the step's energy F
     is not finite or exceeds this value; decided on the device (pcdist/engine/update.py).

@@ -29,7 +29,7 @@ The phases (per group, all K layers at once):
     energies      batch-sum energy of each layer (hidden: 1/2 pi ||h_out - u||^2; output: pi E_out)
 
 Everything a phase needs is local to a layer and its two nodes, so the layer-parallel
-schedule (pcdist.parallel) is the same for every kind.
+schedule (pcdist/distributed/exchange.py) is the same for every kind.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ K equal layers store w_KIO [K, I, O] (W_l^T stacked, so the prediction of all K 
     backproj   target <- beta * target + alpha * d @ w_KOI        (one GEMM, P = W^T d)
     weights    dF/dw_KIO = -(1/B) h_in^T @ d;  dF/db = -(1/B) sum_B d
 
-On CPUs the elementwise work between the GEMMs is one pass per group (pcdist.native):
+On CPUs the elementwise work between the GEMMs is one pass per group (pcdist/engine/native.py):
 a = bmm(h_in, w) and then b, f, e (with the layers' precisions pi), f' and (pc without
 momentum) the value step's own-error term h_out -= x_lr * e in a single kernel (u is never
 stored). The output layer (no activation) with the squared-error energy and a clamped target
