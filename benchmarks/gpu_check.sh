@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md in one run, for a machine with a CUDA device and PyTorch (no checkout install
+# needed): the CUDA tests, the capture tests, the fused-chain tests, then benchmarks/gpu.py. Results go to
+# ${OUT:-benchmarks/results} (gpu_cuda.json, its pictures, the pytest log).
+#   bash benchmarks/gpu_check.sh            # everything (about 10 minutes on an H100)
+#   QUICK=1 bash benchmarks/gpu_check.sh    # the tests and gpu.py --quick
+# Where hydra-core / omegaconf are missing, install them first (or put their wheels on PYTHONPATH).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+out=$(realpath -m "${OUT:-benchmarks/results}")
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/gpu_check.log"
+python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_capture.py tests/test_chain.py 2>&1 \
+  | tee -a "$out/gpu_check.log"
+status=${PIPESTATUS[0]}
+args=()
+[[ -n "${QUICK:-}" ]] && args+=(--quick)
+(cd benchmarks && python gpu.py "${args[@]}" --out "$out") 2>&1 | tee -a "$out/gpu_check.log"
+exit "$status"
