@@ -62,6 +62,14 @@ def _act(a, ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, ACCURATE: tl.con
 
 
 @triton.jit
+def _input_tile(x_ptr, u_ptr, k, B, D, r, cols, mask):
+    """Rows r, columns cols of layer k's input: the chain's input x for k = 0, else layer k - 1's output u."""
+    if k == 0:
+        return tl.load(x_ptr + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    return tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def dense_chain(x_ptr, w_ptr, b_ptr, a_ptr, u_ptr, h_ptr, row0, nrows, B, D, K,
                 ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha,
                 KEEP_A: tl.constexpr, ACCURATE: tl.constexpr, PREC: tl.constexpr,
@@ -79,11 +87,7 @@ def dense_chain(x_ptr, w_ptr, b_ptr, a_ptr, u_ptr, h_ptr, row0, nrows, B, D, K,
             for k0 in range(0, D, BK):
                 kk = k0 + ck
                 kmask = kk < D
-                if k == 0:
-                    hx = tl.load(x_ptr + r[:, None] * D + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                else:
-                    hx = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + kk[None, :],
-                                 mask=rmask[:, None] & kmask[None, :], other=0.0)
+                hx = _input_tile(x_ptr, u_ptr, k, B, D, r, kk, rmask[:, None] & kmask[None, :])
                 w = tl.load(w_ptr + k * D * D + kk[:, None] * D + n[None, :], mask=kmask[:, None] & nmask[None, :],
                             other=0.0)
                 acc += tl.dot(hx, w, input_precision=PREC)
@@ -119,10 +123,7 @@ def residual_chain(x_ptr, w_ptr, b_ptr, s_ptr, xs_ptr, u_ptr, h_ptr, row0, nrows
                 kk = k0 + ck
                 kmask = kk < D
                 mk = rmask[:, None] & kmask[None, :]
-                if k == 0:
-                    hx = tl.load(x_ptr + r[:, None] * D + kk[None, :], mask=mk, other=0.0)
-                else:
-                    hx = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + kk[None, :], mask=mk, other=0.0)
+                hx = _input_tile(x_ptr, u_ptr, k, B, D, r, kk, mk)
                 s = _act(hx.to(tl.float32), ACT, slope, lo, hi, beta, thr, alpha, ACCURATE).to(hx.dtype)
                 if n0 == 0:  # each input column once: phi(h) and the copy of h the back-projection reads
                     off_in = k * B * D + r[:, None] * D + kk[None, :]
@@ -138,11 +139,7 @@ def residual_chain(x_ptr, w_ptr, b_ptr, s_ptr, xs_ptr, u_ptr, h_ptr, row0, nrows
             out = scale * acc
             m = rmask[:, None] & nmask[None, :]
             if SKIP:
-                if k == 0:
-                    hn = tl.load(x_ptr + r[:, None] * D + n[None, :], mask=m, other=0.0)
-                else:
-                    hn = tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + n[None, :], mask=m, other=0.0)
-                out += hn.to(tl.float32)
+                out += _input_tile(x_ptr, u_ptr, k, B, D, r, n, m).to(tl.float32)
             off = k * B * D + r[:, None] * D + n[None, :]
             tl.store(u_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
             tl.store(h_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
