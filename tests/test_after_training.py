@@ -274,7 +274,7 @@ def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp
         torch.set_num_threads(threads)
     assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
     assert list((resumed / "wandb").glob("offline-run-*")), "wandb wrote its offline run"
-    a, b = pcdist.load(resumed), pcdist.load(straight)
+    a, b = pcdist.load(resumed, trust_code=True), pcdist.load(straight, trust_code=True)
     for p, q in zip(a.network.parameters(), b.network.parameters()):  # as test_service's resume across splits
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg="resuming ends where the uninterrupted run ends")
     assert held_out_accuracy(a) == logged_accuracy(resumed)
@@ -300,6 +300,51 @@ def test_user_layers_without_a_factory_need_them_at_load(tmp_path):
         [nn.Sequential(nn.Linear(32, 32), nn.Tanh())] + [nn.Linear(32, 10)]
     with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="written by a different model"):
         pcdist.load(run_dir, layers=dense)
+
+
+EVIL = """from pathlib import Path
+Path(__file__).with_name("RAN").write_text("the run folder's code ran")
+def layers():
+    raise SystemExit(9)
+"""
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_strangers_run_folder_never_runs_its_code(tmp_path):
+    """model.json may name any "module:function" as the code that builds a run's layers. A run folder one
+    was sent, naming "evil:layers" with an evil.py beside it and in the folder one stands in, must not get
+    that code run by evaluate, predict, export or pcdist.load: each refuses in one line naming the factory
+    and the opt-in, and nothing is imported or written. Passing the modules (layers=) needs no code of the
+    folder; --trust-code is the explicit opt-in, and then the code runs, as asked."""
+    shared = tmp_path / "shared"
+    run_dir = shared / "run"
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 10}},
+                 layers=make_layers)
+    model = json.loads((run_dir / "model.json").read_text())
+    assert model["factory"] == "test_after_training:make_layers"
+    model["factory"] = "evil:layers"
+    (run_dir / "model.json").write_text(json.dumps(model))
+    (shared / "evil.py").write_text(EVIL)
+    (run_dir / "evil.py").write_text(EVIL)
+    np.savez(tmp_path / "x.npz", x=load_dataset("digits").x_val[:5].numpy())
+    before = snapshot(shared)
+    for args in (("evaluate", "run"), ("predict", "run", tmp_path / "x.npz", "--out", tmp_path / "p.npz"),
+                 ("export", "run", tmp_path / "run.pt2")):
+        out = cli(*args, cwd=shared, check=False)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stdout, out.stderr)
+        assert "names 'evil:layers' to build them" in out.stderr and "--trust-code" in out.stderr, out.stderr
+    with pytest.raises(pcdist.RunError, match=r"names 'evil:layers' .*pcdist.load\(run_dir, trust_code=True\)"):
+        pcdist.load(run_dir)
+    assert snapshot(shared) == before, "nothing ran, nothing was written"
+    assert not (tmp_path / "p.npz").exists() and not (tmp_path / "run.pt2").exists()
+    run = pcdist.load(run_dir, layers=make_layers())  # the modules passed in: no code of the folder
+    assert held_out_accuracy(run) == logged_accuracy(run_dir)
+    assert not (shared / "RAN").exists()
+    out = cli("evaluate", "run", "--trust-code", cwd=shared, check=False)
+    assert out.returncode == 9 and (shared / "RAN").is_file(), "--trust-code runs the named code, as asked"
 
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------

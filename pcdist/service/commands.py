@@ -1,17 +1,23 @@
 """The commands after training: ``python -m pcdist evaluate | predict | export | compare ...``.
 
-    python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP]
-    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--checkpoint ...]
-    python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...]
+    python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP] [--trust-code]
+    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--checkpoint ...] [--trust-code]
+    python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...] [--trust-code]
     python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png]
 
 A problem with the input (not a run directory, no checkpoint, arrays of the wrong shape, a
 checkpoint of another architecture) is one line on stderr and exit status 2.
+
+A run directory may come from someone else: these commands read it as data only. The function a
+run of one's own layers recorded (model.json's factory) is imported and called only with
+``--trust-code``, and the current folder, which ``python -m`` puts first on the module path, is
+taken off it first, so that no module of the folder one stands in is imported implicitly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["COMMANDS", "main"]
@@ -35,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("out")
     for p in (ev, pr, ex):
         p.add_argument("--checkpoint", default="last", help="last (default), best, or a step number")
+        p.add_argument("--trust-code", action="store_true", help="import and call the function the run's "
+                       "model.json names as building its layers (runs of your own modules); never without this")
     co = sub.add_parser("compare", help="differing settings and final metrics of runs; their validation curves")
     co.add_argument("runs", nargs="+", help="run directories, or a sweep directory")
     co.add_argument("--plot", default=None, help="where to draw the curves (default: compare.png in the sweep "
@@ -46,7 +54,7 @@ def _run(args) -> None:
     if args.command == "evaluate":
         from .evaluate import evaluate
 
-        r = evaluate(args.run_dir, args.overrides, args.checkpoint)
+        r = evaluate(args.run_dir, args.overrides, args.checkpoint, trust_code=args.trust_code)
         head = f"{r['run_dir']} {r['checkpoint']}: {r['split']}"
         if r["mode"] == "supervised":
             print(f"{head} accuracy {r['accuracy']:.4f} on {r['samples']} samples, energy {r['energy']:.4g} after "
@@ -63,12 +71,12 @@ def _run(args) -> None:
     elif args.command == "predict":
         from .evaluate import predict
 
-        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint)
+        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code)
         print(f"{len(r['labels'])} predictions -> {args.out} ({', '.join(r)})")
     elif args.command == "export":
         from .export import export
 
-        r = export(args.run_dir, args.out, args.checkpoint)
+        r = export(args.run_dir, args.out, args.checkpoint, trust_code=args.trust_code)
         if r["format"] == "torch.export":
             print(f"wrote {r['path']}: a torch.export program (raw inputs -> logits); load it with "
                   f"torch.export.load({r['path']!r}).module()")
@@ -82,6 +90,14 @@ def _run(args) -> None:
         print(f"validation curves: {r['plot']}")
 
 
+def _leave_current_folder_off_the_path() -> None:
+    """``python -m`` puts the current folder first on sys.path: take it off, so that a module lying there
+    (beside a run directory one was sent, say) is never imported by a name the run names."""
+    here = os.getcwd()
+    if sys.path and sys.path[0] in ("", ".", here):
+        del sys.path[0]
+
+
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
     from ..errors import ConfigError
@@ -90,6 +106,8 @@ def main(argv: list[str]) -> int:
     from .load import RunError
 
     args = _parser().parse_args(argv)
+    if not getattr(args, "trust_code", False):
+        _leave_current_folder_off_the_path()
     try:
         _run(args)
     except (RunError, CheckpointError, ConfigError, DataError) as e:

@@ -145,11 +145,13 @@ EVALUATORS: dict[str, Callable[[Run, Config, torch.Tensor, torch.Tensor], dict]]
 """Each PC mode's test, keyed by ``pc.mode`` (a mode without an entry cannot be evaluated yet)."""
 
 
-def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True) -> dict:
+def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True, layers=None,
+             trust_code: bool = False) -> dict:
     """Evaluate a run on its held-out split; writes ``eval.json`` and ``confusion.png`` into the run
     directory (``write``). ``overrides``: ``key=value`` settings for evaluation (``pc.T=50``,
-    ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python."""
-    run = load(run_dir, checkpoint)
+    ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python.
+    ``layers``, ``trust_code``: as for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
     c = _with_overrides(run.config, overrides)
     mode = getattr(c.pc, "mode", "supervised")
     if mode not in EVALUATORS:
@@ -208,10 +210,11 @@ def read_inputs(path) -> np.ndarray:
     raise RunError(f"{p} holds arrays {keys}; name the inputs x")
 
 
-def predict(run_dir, inputs, out=None, checkpoint="last") -> dict:
+def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_code: bool = False) -> dict:
     """Logits, predicted labels (and class probabilities for a cross-entropy run) of raw ``inputs``
-    (an array, a tensor or an .npz / .npy path) with the run's preprocessing; saved to ``out`` (.npz)."""
-    run = load(run_dir, checkpoint)
+    (an array, a tensor or an .npz / .npy path) with the run's preprocessing; saved to ``out`` (.npz).
+    ``layers``, ``trust_code``: as for ``pcdist.load``."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
     x = read_inputs(inputs) if isinstance(inputs, (str, Path)) else inputs
     logits = run.predict(x)
     result = {"logits": logits.numpy(), "labels": logits.argmax(1).numpy()}
