@@ -160,20 +160,30 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
 def _train(cfg) -> float | None:
     import pcdist
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from .checkpoint import CheckpointError
     from .config import passed_settings
     from .data import DataError
     from .run import run
 
+    run_dir = None
     try:
         c = load_config(cfg)
-        c.run_dir = HydraConfig.get().runtime.output_dir
-        result = run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
-    except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
+        c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+        passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
+        result = run(c, passed, sweep=sweep)
+    except pcdist.Preempted as e:  # checkpointed; the exit status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
+        interrupted = e.signal == signal.SIGINT
         if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
-            print(f"pre-empted: {e}", flush=True)
-        sys.exit(preempted_status())
+            print(f"{'interrupted' if interrupted else 'pre-empted'}: {e}", flush=True)
+        sys.exit(130 if interrupted else preempted_status())
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, the end-of-run evaluation): at once
+        _remove_new_dirs()
+        print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"
+              f"{f' (run directory: {run_dir})' if run_dir else ''}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))

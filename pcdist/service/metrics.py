@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "check_logger", "progress_line",
-           "plot_training", "plot_inference", "plot_heatmap"]
+__all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "truncate_jsonl", "check_logger",
+           "progress_line", "plot_training", "plot_inference", "plot_heatmap"]
 
 
 def check_logger(logger_cfg) -> None:
@@ -325,6 +325,28 @@ def _run_id(run_dir: Path) -> str:
 
 def make_logger(is_logging: bool, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str):
     return RunLogger(run_dir, config, logger_cfg, max_steps, progress) if is_logging else NullLogger()
+
+
+def truncate_jsonl(path: str | Path, keep) -> int:
+    """Keep the rows of a JSON-lines file for which ``keep(row)`` holds (a line cut short by a crash is
+    dropped), rewritten to a temporary name and renamed; returns how many rows were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _keeps(line, keep)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _keeps(line: str, keep) -> bool:
+    try:
+        return bool(keep(json.loads(line)))
+    except ValueError:
+        return False
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -36,8 +37,8 @@ from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from .loader import Streamed
 from .validate import pictures, validate
-from .diagnostics import Diagnostics, check_trace
-from .metrics import check_logger, make_logger
+from .diagnostics import FILE as DIAGNOSTICS_FILE, Diagnostics, check_trace
+from .metrics import check_logger, make_logger, truncate_jsonl
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import Resume, find_resume, next_run_dir, position_schedule, write_attempt
@@ -223,9 +224,10 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
 
 
 def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData | None = None,
-        layers=None) -> Result:
+        layers=None, sweep: bool = False) -> Result:
     """``train`` of a validated Config; ``passed``: the keys the user set now, each with its override
-    (``passed_settings``; None: every key), which a resume applies to the run's saved settings."""
+    (``passed_settings``; None: every key), which a resume applies to the run's saved settings.
+    ``sweep``: a job of a sweep (``--multirun``), which continues only a run of its own settings."""
     user = None
     if layers is not None:
         user = UserLayers.of(layers)
@@ -239,7 +241,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
             passed["data.name"] = "data=... (pcdist.train's argument)"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
-    resume = find_resume(c, Path(c.run_dir), passed)  # the run's own settings, or a one-line refusal
+    resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
@@ -254,9 +256,9 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s)
+    torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     try:
-        return _run(c, device, distributed, data, user=user, resume=resume,
-                    mesh=mesh + threads if distributed else None)
+        return _run(c, device, distributed, data, user=user, resume=resume, mesh=mesh + threads if torchrun else None)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -373,12 +375,13 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
             for g in opt.param_groups:
                 g["lr"] = meta["lr"]
         torch.set_rng_state(meta["rng"])
+    dropped = forget_lost_steps(run_dir, start) if par.is_logging else 0  # never a step twice in metrics.jsonl
     logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
     try:
         if mesh is not None:
             logger.say(mesh)
         if par.is_logging:
-            _announce(c, resume, run_dir, start, opt, logger)
+            _announce(c, resume, run_dir, start, opt, logger, dropped)
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
@@ -425,14 +428,30 @@ def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
             f"trainer.stop_at)")
 
 
-def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger) -> None:
+def forget_lost_steps(run_dir: Path, start: int) -> int:
+    """Drop the rows a run logged after the checkpoint it resumes at ``start`` (0: a restart before the first
+    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``) and diagnostics.jsonl (the
+    diagnoses at ``start`` and after). Returns how many metrics rows were dropped."""
+    run_dir = Path(run_dir)
+    truncate_jsonl(run_dir / DIAGNOSTICS_FILE, lambda r: r.get("step", 0) < start)
+    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
+
+
+def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
     """Keep this attempt's config and say, one line each, how the run starts and what changed."""
     attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
+    gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"
     if resume.checkpoint is None:
         logger.say(f"new run in {run_dir} (config: {attempt})")
+        if dropped:  # a torchrun restart before the first checkpoint
+            logger.say(f"restart: {gone}")
         return
+    if resume.skipped:
+        logger.say(resume.skipped_line())
     logger.say(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} with the run's own "
                f"settings (config: {attempt})")
+    if dropped:
+        logger.say(f"resume: {gone}")
     for line in resume.lines():
         logger.say(line)
     if resume.unknown_config:
@@ -490,53 +509,81 @@ def _val_chunks(ds, par: Parallel, device, dtype):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM or SIGUSR1 arrived: the run checkpointed and stopped; rerunning resumes it."""
+    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived: the run checkpointed and stopped; rerunning resumes it.
+    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption)."""
+
+    def __init__(self, message: str, signal_number: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signal = signal_number
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def _catch_stop_signals() -> dict:
-    """Record SIGTERM / SIGUSR1 instead of dying, so the current step can finish and checkpoint."""
+def _catch_stop_signals() -> tuple[dict, object]:
+    """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
+    second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
     got = {"signal": 0}
+    before = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda signum, frame: got.__setitem__("signal", signum))
-    return got
+            signal.signal(sig, functools.partial(_on_stop_signal, got))
+    return got, before
+
+
+def _on_stop_signal(got: dict, signum: int, frame) -> None:
+    """Remember the first stop signal; a Ctrl-C after it stops the process at once, without a checkpoint."""
+    if signum == signal.SIGINT and got["signal"]:
+        print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
+              "newest checkpoint)", file=sys.stderr, flush=True)
+        os._exit(130)
+    got["signal"] = got["signal"] or signum
+
+
+def _restore_sigint(before) -> None:
+    """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
+    if threading.current_thread() is threading.main_thread() and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
+def _stop_message(signum: int, done: int, path: Path, run_dir) -> str:
+    """How the run stopped, its checkpoint, and how to resume it."""
+    how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
+    return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
 
 
 class _StopVote:
-    """Whether any rank got a stop signal, agreed by all: each step posts this rank's flag in a
-    MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by
-    then, so the vote never holds a rank up (a blocking all-reduce per step would line the ranks
-    up at every step). Every rank reads the same votes in the same steps, so all stop after the
-    same step, at most two steps after the signal."""
+    """Which stop signal any rank got, agreed by all (0: none): each step posts this rank's signal number in
+    a MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by then, so
+    the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).
+    Every rank reads the same votes in the same steps, so all stop after the same step, at most two steps
+    after the signal, and agree on which signal it was (the largest number: a pre-emption over a Ctrl-C)."""
 
     def __init__(self, distributed: bool, device: torch.device):
         self.distributed, self.device = distributed, device
         self._posted: tuple | None = None
 
-    def __call__(self, flag: bool) -> bool:
-        """The vote posted at the previous call (False at the first); posts ``flag`` for the next."""
+    def __call__(self, signum: int) -> int:
+        """The vote posted at the previous call (0 at the first); posts ``signum`` for the next."""
         stop = self.finish()
         if not self.distributed:
-            self._posted = (None, flag)
+            self._posted = (None, signum)
             return stop
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        t = torch.tensor([float(signum)], device=self.device)
         self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
         return stop
 
-    def finish(self) -> bool:
+    def finish(self) -> int:
         """Wait for the vote in flight (if any) and return it."""
         if self._posted is None:
-            return False
+            return 0
         work, t = self._posted
         self._posted = None
         if work is None:
-            return bool(t)
+            return int(t)
         with collective("the stop-signal all-reduce"):
             work.wait()
-        return bool(t.item())
+        return int(t.item())
 
 
 def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
@@ -547,14 +594,28 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
     unsupervised modes."""
     t_cfg = c.trainer
     result: dict = {"step": start}
-    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
-    got = _catch_stop_signals()
+    got, before = _catch_stop_signals()
+    try:
+        result = _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
+                        until, image_shape, got, result, end)
+    finally:
+        _restore_sigint(before)
+    if c.pc.diagnostics and par.is_logging:
+        Diagnostics(c, run_dir, logger).plot()
+    return result
+
+
+def _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0, until,
+           image_shape, got, result, end) -> dict:
+    """The training steps of ``_loop``; ``got``: the stop signal this rank caught (``_catch_stop_signals``)."""
+    t_cfg = c.trainer
+    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
     diag = Diagnostics(c, run_dir, logger) if c.pc.diagnostics else None  # pcdist/service/diagnostics.py
     for step in range(start, end if until is None else until):
         done = step + 1
-        stop = vote(bool(got["signal"]))
+        stop = vote(got["signal"])
         x, y = next(batches)
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
@@ -592,13 +653,10 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         result["step"] = done
         if stop:
             vote.finish()
-            if is_rank0:
+            if is_rank0 and stop != signal.SIGINT:  # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
                 (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
-            raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
-                            f"hydra.run.dir={run_dir} to resume")
+            raise Preempted(_stop_message(stop, done, path, run_dir), stop)
     vote.finish()
-    if diag is not None and par.is_logging:
-        diag.plot()
     return result
 
 
