@@ -91,17 +91,23 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     from .config import composition_error
+    from .sweep import check_sweep
 
-    try:  # a value of the wrong type for its key: one line, not Hydra's report (each job of a sweep is
-        # checked as Hydra launches it: pcdist.train validates its config)
-        _compose(conf_dir, _fixed(args.overrides) if args.multirun else args.overrides)
+    from ..errors import ConfigError
+
+    try:  # a value of the wrong type for its key: one line, not Hydra's report
+        if args.multirun:  # every job's config and directory, before the first job starts
+            check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
+        else:
+            _compose(conf_dir, args.overrides)
     except HydraException as e:
         fail(str(composition_error(e)))
+    except ConfigError as e:
+        fail(str(e))
     if not (args.help or check):
         return
 
     from .data import DataError
-    from ..errors import ConfigError
     from .run import check as check_run
 
     try:
@@ -115,14 +121,6 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     except (ConfigError, DataError) as e:
         fail(str(e))
     sys.exit(0)
-
-
-def _fixed(overrides: list[str]) -> list[str]:
-    """The overrides of a --multirun that are not sweeps (``optim.lr=1e-3,2e-3``, ``x=interval(0,1)``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()]
 
 
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):

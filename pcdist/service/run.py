@@ -120,10 +120,7 @@ def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers 
     Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
     if data is None:
-        d = c.data
-        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
-        data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
-                            d.synthetic_val, d.path, d.num_classes, d.signal)
+        data = _dataset(c)
     elif not isinstance(data, (Dataset, StreamedData)):
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
@@ -143,6 +140,32 @@ def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers 
     if not flatten:
         return data, inputs
     return (data.flat() if isinstance(data, Dataset) else data), inputs
+
+
+def _dataset_args(c: Config) -> tuple:
+    """``load_dataset``'s arguments for the configured data."""
+    d = c.data
+    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+    return (d.name, d.root, tuple(teacher), c.trainer.seed, d.val_fraction, d.synthetic_train, d.synthetic_val,
+            d.path, d.num_classes, d.signal)
+
+
+def _dataset(c: Config) -> Dataset | StreamedData:
+    """The configured data set (data.name's)."""
+    name, root, teacher, *rest = _dataset_args(c)
+    return load_dataset(name, root, list(teacher), *rest)
+
+
+def check_model_on_data(c: Config, loaded: dict | None = None) -> None:
+    """The configured data against the configured model, as a run checks them before it trains (a sweep checks
+    every job so before the first starts); ``loaded``: data sets already read, by their arguments."""
+    loaded = {} if loaded is None else loaded
+    args = _dataset_args(c)
+    if args not in loaded:
+        loaded[args] = _dataset(c)
+    ds = loaded[args]
+    _check_data(c, ds)
+    model_specs(c, tuple(ds.sample_shape), ds.num_classes)
 
 
 def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
