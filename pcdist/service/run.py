@@ -399,7 +399,8 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
                 g["lr"] = meta["lr"]
         torch.set_rng_state(meta["rng"])
     dropped = forget_lost_steps(run_dir, start) if par.is_logging else 0  # never a step twice in metrics.jsonl
-    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
+    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress,
+                         [s.signature() for s in specs])  # the plots describe the network that trained
     try:
         if mesh is not None:
             logger.say(mesh)
