@@ -123,7 +123,7 @@ BAD_CONFIGS = [
                              "fashion_mnist, cifar10"),
     (["trainer.batch_size=100000"], "data digits has 1437 training samples, fewer than trainer.batch_size=100000"),
     (["model.dims=[10,128,10]"], "data digits has 64 input features (1 x 8 x 8) but model.dims[0]=10; "
-                                 "set model.dims=[64,...]"),
+                                 "set model.dims=[64,128,10]"),
     (["model.dims=[64,128,7]"], "data digits has 10 classes but model.dims[-1]=7"),
 ]
 

@@ -91,6 +91,14 @@ def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[
 def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
     from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
+    try:
+        return _model_specs(c, sample_shape, classes)
+    except ValueError as e:  # a layer the data's shape leaves nothing to (a conv on too small a sample)
+        raise ConfigError(f"model.name={c.model.name} on data {c.data.name}'s samples of shape {list(sample_shape)}: "
+                          f"{e}") from e
+
+
+def _model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     m = c.model
     bottom, top = end_shapes(c, sample_shape, classes)
     if m.name == "mupc":
@@ -181,18 +189,31 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
     return len(ds.data if isinstance(ds, Streamed) else ds)
 
 
+def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
+    """The one line for image or signal samples laid out channels-last ([H, W, C], [L, C]), which conv models
+    read channels-first ([C, H, W], [C, L]); None if they do not look so."""
+    shape = tuple(sample_shape)
+    if len(shape) not in (2, 3) or not (shape[-1] <= 4 and shape[-1] < min(shape[:-1])):
+        return None
+    image = len(shape) == 3
+    want = [shape[-1], *shape[:-1]]
+    layout, axes = ("[H, W, C]", "0, 3, 1, 2") if image else ("[L, C]", "0, 2, 1")
+    source = f"data {c.data.name}" + (f" ({c.data.path})" if c.data.path else "")
+    return (f"{source} has samples of shape {list(shape)}, channels-last {layout}, but model.name="
+            f"{c.model.name} reads {'images [C, H, W]' if image else 'signals [C, L]'} channels-first; transpose "
+            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
+
+
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
+    if c.model.name in ("cnn", "vgg") and _channels_last(c, ds.sample_shape):
+        raise DataError(_channels_last(c, ds.sample_shape))
     if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
         one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     if c.model.name == "mlp" and c.pc.mode == "supervised":
-        if ds.num_features != c.model.dims[0]:
-            raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
-                            f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
-        if ds.num_classes != c.model.dims[-1]:
-            raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+        _check_mlp_ends(c, ds, shape)
     elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
         bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
         said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
@@ -212,6 +233,28 @@ def _check_data(c: Config, ds) -> None:
     if _num_train(ds) < c.trainer.batch_size:
         raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
                         f"trainer.batch_size={c.trainer.batch_size}")
+
+
+def _check_mlp_ends(c: Config, ds, shape: str) -> None:
+    """model.dims against the data's input features and classes, both fixes said at once (with a note where the
+    labels start at 1, which leaves class 0 empty)."""
+    dims = list(c.model.dims)
+    wrong = [f"{ds.num_features} input features{shape} but model.dims[0]={dims[0]}"] * (ds.num_features != dims[0])
+    wrong += [f"{ds.num_classes} classes but model.dims[-1]={dims[-1]}"] * (ds.num_classes != dims[-1])
+    if not wrong:
+        return
+    fixed = ",".join(map(str, [ds.num_features, *dims[1:-1], ds.num_classes]))
+    raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
+
+
+def _empty_class_0(ds) -> str:
+    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
+    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
+        return ""
+    low = int(torch.cat([ds.y_train, ds.y_val]).min())
+    return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
+            f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
+            f"{low}, y - {low})")
 
 
 def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
