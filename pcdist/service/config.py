@@ -226,7 +226,9 @@ class TrainerConfig:
     max_steps: int = 660
     """Training steps (batches) in all (>= 1); the LR schedule spans them."""
     epochs: Optional[int] = None
-    """If set, overrides max_steps: epochs x (training samples // batch_size) steps."""
+    """If set, overrides max_steps: epochs x (training samples // batch_size) steps. Passing trainer.max_steps
+    while it is set (on the same command line, by a preset, or in the run being resumed) is refused: set
+    trainer.epochs=null to count steps."""
     stop_at: Optional[int] = None
     """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
     batch_size: int = 64

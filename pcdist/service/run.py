@@ -309,6 +309,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     c.run_dir = str(c.run_dir or next_run_dir())
     resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
+    check_length(c, passed)
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
@@ -342,6 +343,18 @@ def check(c: Config, world: int) -> str:
     check_logger(c.logger)
     check_files(c.data.name, c.data.root)
     return mesh
+
+
+def check_length(c: Config, passed: dict[str, str] | None) -> None:
+    """trainer.max_steps passed while trainer.epochs is set (passed too, or from a preset or the resumed run):
+    the epochs would silently win, so say so and refuse."""
+    if c.trainer.epochs is None or passed is None or "trainer.max_steps" not in passed:
+        return
+    setter = passed.get("trainer.epochs", "the run's own settings")
+    epochs = setter if setter.startswith("trainer.epochs=") else f"trainer.epochs={c.trainer.epochs} (from {setter})"
+    raise ConfigError(f"{epochs} and {passed['trainer.max_steps']} both set how long the run trains, and "
+                      f"trainer.epochs would win; set one: trainer.epochs=null to train trainer.max_steps steps, or "
+                      f"leave out trainer.max_steps")
 
 
 def choose_mesh(c: Config, world: int) -> str:

@@ -46,7 +46,7 @@ def check_sweep(compose, overrides: list[str]) -> None:
 def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path:
     """Job ``num`` of the sweep: its config valid for this launch and its data, its directory free or holding its
     own run (``loaded``: the data sets read so far, each once). Returns the directory."""
-    from .run import check, check_model_on_data
+    from .run import check, check_length, check_model_on_data
 
     from omegaconf import open_dict
 
@@ -60,7 +60,8 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
         check(c, int(os.environ.get("WORLD_SIZE", "1")))
         check_model_on_data(c, loaded)
         c.run_dir = str(job_dir)
-        find_resume(c, job_dir, passed_settings(job), sweep=True)
+        passed = passed_settings(job)
+        check_length(find_resume(c, job_dir, passed, sweep=True).config, passed)
     except (ConfigError, DataError) as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
