@@ -228,6 +228,22 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
         assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
 
 
+def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
+    """A mistyped key after `evaluate` gets the did-you-mean the training command gives, and every such line
+    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py)."""
+    run_dir, _ = digits_run
+    out = cli("evaluate", run_dir, "pc.TT=40", check=False)
+    assert out.returncode == 2 and out.stderr == ("error: unknown config key pc.TT in override 'pc.TT=40'; did you "
+                                                  "mean pc.T? (python -m pcdist --help lists every key)\n")
+    for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
+                    [sys.executable, str(ROOT / "train.py")]):
+        out = subprocess.run([*command, "pc.TT=40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        shown = "python -m pcdist" if "-m" in command else ("pcdist-train" if len(command) == 1 else "python train.py")
+        assert out.returncode == 2 and out.stderr == (f"error: unknown config key pc.TT; did you mean pc.T? ({shown} "
+                                                      f"--help lists every key and group)\n"), out.stderr
+    assert not list(tmp_path.iterdir()), "nothing left behind"
+
+
 # -- the user's own modules --------------------------------------------------------------------------
 
 class Block(nn.Module):

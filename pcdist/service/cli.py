@@ -32,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
-from .config import CONF_DIR, Config, check_overrides, config_keys, groups, load_config  # noqa: E402
+from .config import CONF_DIR, Config, check_overrides, command, config_keys, groups, load_config  # noqa: E402
 from ..errors import PeerError  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
@@ -141,7 +141,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     top = {f.name for f in dataclasses.fields(Config)}
     # The values a run gets: the composed files over the dataclass defaults (as load_config merges them).
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in composed.items() if k in top})
-    lines = [USAGE, "config groups (conf/<group>/<option>.yaml; * = chosen):"]
+    lines = [USAGE.replace("python train.py", command()), "config groups (conf/<group>/<option>.yaml; * = chosen):"]
     for group, options in groups(conf_dir).items():
         if group != "hydra":
             lines.append(f"  {group:<11} " + ", ".join(o + "*" * (chosen.get(group) == o) for o in options))
@@ -151,7 +151,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
         value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         lines.append(f"  {key} = {'null' if value is None else value}")
         lines.append(f"      {doc}")
-    lines += ["", "Hydra's own flags (multirun, --cfg job, tab completion): python train.py --hydra-help"]
+    lines += ["", f"Hydra's own flags (multirun, --cfg job, tab completion): {command()} --hydra-help"]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..engine.modes import mean_prediction, reconstruct
 from ..engine.trainer import PCTrainer
-from .config import PYTHON_DATA, Config, load_config
+from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, load_config
 from .data import Dataset, StreamedData, load_dataset, one_hot
 from .load import Run, RunError, load
 
@@ -41,7 +41,8 @@ def _with_overrides(c: Config, overrides) -> Config:
         if not sep:
             raise RunError(f"override {o!r} is not key=value")
         if OmegaConf.select(base, key, default="__missing__") == "__missing__":
-            raise RunError(f"unknown config key {key} in override {o!r}")
+            raise RunError(f"unknown config key {key} in override {o!r}{did_you_mean(key, config_keys())} "
+                           f"({command()} --help lists every key)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
     return load_config(base)
 

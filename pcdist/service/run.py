@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers, passed_settings
+from .config import (PYTHON_DATA, PYTHON_MODEL, Config, command, make_config, network_options, num_layers,
+                     passed_settings)
 from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
                    normalized, one_hot)
 from .modelfile import Inputs, write_model_file
@@ -550,7 +551,7 @@ def _end_line(c: Config, result: dict) -> str:
     if result["finished"]:
         return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
-            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: python train.py "
+            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: {command()} "
             f"hydra.run.dir={result['run_dir']}")
 
 

@@ -37,7 +37,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid
-from .config import Config, flat, load_config, passed_settings
+from .config import Config, command, flat, load_config, passed_settings
 from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
@@ -314,7 +314,7 @@ def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
         more = f" and {len(other) - 4} more" if len(other) > 4 else ""
         raise ConfigError(f"{run_dir} holds another run, made with {named}{more}; a sweep never continues a run of "
                           f"other settings: give the sweep a new hydra.sweep.dir, or resume that run on its own: "
-                          f"python train.py hydra.run.dir={run_dir} [the settings to change]")
+                          f"{command()} hydra.run.dir={run_dir} [the settings to change]")
 
 
 def _shown(value: Any) -> str:
