@@ -136,6 +136,29 @@ def test_predict_applies_the_saved_preprocessing(digits_run, tmp_path):
     assert np.allclose(pred["probabilities"].sum(1), 1.0, atol=1e-5)
 
 
+def test_predict_takes_the_held_out_inputs_of_a_data_file_or_the_array_named(digits_run, tmp_path):
+    """The .npz a run trained from (x_train, y_train, x_val, y_val) has no x: predict takes its held-out inputs,
+    x_val (or x_test), and says which; --key names any array; a file it cannot choose from is one line."""
+    run_dir, _ = digits_run
+    ds = load_dataset("digits")
+    arrays = {"x_train": ds.x_train.numpy(), "y_train": ds.y_train.numpy(), "x_val": ds.x_val.numpy(),
+              "y_val": ds.y_val.numpy()}
+    np.savez(tmp_path / "arrays.npz", **arrays)
+    out = cli("predict", run_dir, tmp_path / "arrays.npz", "--out", tmp_path / "val.npz")
+    assert f"{len(ds.x_val)} predictions of {tmp_path / 'arrays.npz'}'s x_val -> " in out.stdout, out.stdout
+    val = np.load(tmp_path / "val.npz")
+    assert (val["labels"] == ds.y_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
+    cli("predict", run_dir, tmp_path / "arrays.npz", "--key", "x_train", "--out", tmp_path / "train.npz")
+    assert len(np.load(tmp_path / "train.npz")["labels"]) == len(ds.x_train)
+    np.savez(tmp_path / "both.npz", x_val=arrays["x_val"], x_test=arrays["x_val"][:5])
+    out = cli("predict", run_dir, tmp_path / "both.npz", "--out", tmp_path / "p.npz", check=False)
+    assert out.returncode == 2 and out.stderr == (f"error: {tmp_path / 'both.npz'} holds arrays x_val, x_test; name "
+                                                  f"the inputs with --key (e.g. --key x_test), or save them as x\n")
+    out = cli("predict", run_dir, tmp_path / "both.npz", "--key", "x", "--out", tmp_path / "p.npz", check=False)
+    assert out.returncode == 2 and "holds no array 'x' (it holds x_val, x_test)" in out.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
 NO_PCDIST = """
 import sys
 sys.modules["pcdist"] = None  # any import of pcdist now fails

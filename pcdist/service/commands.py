@@ -1,7 +1,7 @@
 """The commands after training: ``python -m pcdist evaluate | predict | export | compare ...``.
 
     python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP] [--trust-code]
-    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--checkpoint ...] [--trust-code]
+    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--key x_val] [--checkpoint ...] [--trust-code]
     python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...] [--trust-code]
     python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png]
 
@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("run_dir")
     pr.add_argument("inputs")
     pr.add_argument("--out", required=True)
+    pr.add_argument("--key", default=None, help="the array of the .npz to predict (default: x, else its only array, "
+                    "else x_test or x_val)")
     ex = sub.add_parser("export", help="a torch.export program (.pt2) that runs without pcdist")
     ex.add_argument("run_dir")
     ex.add_argument("out")
@@ -71,8 +73,10 @@ def _run(args) -> None:
     elif args.command == "predict":
         from .evaluate import predict
 
-        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code)
-        print(f"{len(r['labels'])} predictions -> {args.out} ({', '.join(r)})")
+        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code, key=args.key)
+        source = f"{args.inputs}" + (f"'s {r.pop('input')}" if r.get("input") else "")
+        r.pop("input", None)
+        print(f"{len(r['labels'])} predictions of {source} -> {args.out} ({', '.join(r)})")
     elif args.command == "export":
         from .export import export
 
