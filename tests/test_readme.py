@@ -11,7 +11,9 @@ import pytest
 
 from doc_blocks import ROOT, blocks, python_block
 
-CHECKED_BELOW = ("import torch, pcdist\nfrom pcdist.data import load_digits", "# Layer kinds", "# my_train.py")
+QUICK_START = "import pcdist, torch  # pcdist first, so that idle CPU threads sleep: docs/service.md#threads-on-cpu\n" \
+              "from pcdist.data import load_digits"
+CHECKED_BELOW = (QUICK_START, "# Layer kinds", "# my_train.py")
 """Blocks that the tests below run and check in detail."""
 
 
@@ -63,7 +65,7 @@ def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
 
 
 def test_python_quick_start_runs(tmp_path):
-    out = run_python(python_block("import torch, pcdist\nfrom pcdist.data import load_digits"), tmp_path)
+    out = run_python(python_block(QUICK_START), tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"tensor\(([\d.]+)\)", out.stdout).group(1))
     assert accuracy >= 0.95
@@ -77,6 +79,35 @@ def test_layer_kinds_example_runs_and_the_conv_pcn_learns(tmp_path):
     assert "126 x (residual 128 -> 128" in out.stdout, "the 126 hidden μPC layers are one stacked group"
     accuracy = float(re.search(r"^accuracy ([\d.]+)$", out.stdout, re.M).group(1))
     assert accuracy >= 0.95
+
+
+def leading_imports(code: str) -> str:
+    """The import lines a block starts with (comments and blank lines between them kept)."""
+    head = []
+    for line in code.splitlines():
+        if line.strip() and not line.startswith(("import ", "from ", "#")):
+            break
+        head.append(line)
+    return "\n".join(head)
+
+
+EVERY_BLOCK = [(page, code) for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+               for _, code in blocks("python", page) if "pcdist" in code and "torch" in code]
+
+
+@pytest.mark.parametrize("page, code", EVERY_BLOCK,
+                         ids=[f"{p.relative_to(ROOT)}:{c.splitlines()[0][:30]}" for p, c in EVERY_BLOCK])
+def test_every_snippet_imports_pcdist_first_so_that_idle_cpu_threads_sleep(page, code):
+    """OpenMP (torch's libgomp) reads its wait policy once, when torch is first imported; left unset, its idle
+    threads spin ~3 ms after every parallel region, and a snippet saved as a file ran 4-8x slower on a busy
+    machine (docs/service.md, "Threads on CPU"). pcdist sets the policy on import, so every block that uses
+    pcdist and torch must import pcdist first. Checked as libgomp itself reports it (OMP_DISPLAY_ENV=verbose),
+    running the block's leading imports in a process whose environment does not set the policy."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", leading_imports(code)], env={**env, "OMP_DISPLAY_ENV": "verbose"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "GOMP_SPINCOUNT = '0'" in out.stderr, f"{page.relative_to(ROOT)}: {code.splitlines()[:3]}"
 
 
 def test_the_readme_is_a_front_page_that_links_every_docs_page():
