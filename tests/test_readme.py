@@ -110,6 +110,24 @@ def test_every_snippet_imports_pcdist_first_so_that_idle_cpu_threads_sleep(page,
     assert "GOMP_SPINCOUNT = '0'" in out.stderr, f"{page.relative_to(ROOT)}: {code.splitlines()[:3]}"
 
 
+def test_a_folder_named_pcdist_beside_a_script_fails_as_the_install_section_says(tmp_path):
+    """A clone of the repository named pcdist/ beside one's script shadows the installed (editable) package: the
+    install section must name the error a newcomer then sees, exactly, and the way out must work."""
+    (tmp_path / "pcdist" / "pcdist").mkdir(parents=True)  # a clone: its package is one level down
+    (tmp_path / "pcdist" / "pcdist" / "__init__.py").write_text("")
+    script = "from pcdist.data import load_digits\nprint(len(load_digits().x_train))\n"
+    (tmp_path / "mine.py").write_text(script)
+    beside = subprocess.run([sys.executable, "mine.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    install = (ROOT / "README.md").read_text().split("## Install")[1].split("\n## ")[0]
+    said = " ".join(re.search(r"fail with `(ModuleNotFoundError: [^`]+)`", install, re.S).group(1).split())
+    assert beside.returncode != 0 and beside.stderr.strip().splitlines()[-1] == said, beside.stderr[-2000:]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "mine.py").write_text(script)
+    moved = subprocess.run([sys.executable, "mine.py"], cwd=tmp_path / "elsewhere", capture_output=True, text=True,
+                           timeout=300)
+    assert moved.returncode == 0 and moved.stdout.strip() == "1437", moved.stderr[-2000:]
+
+
 def test_the_readme_is_a_front_page_that_links_every_docs_page():
     """At most ~300 lines; install with the step that makes `python` the one with pcdist in it; how to run
     all tests and one file; a link to every docs page (and to those other branches add)."""
