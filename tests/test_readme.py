@@ -128,6 +128,19 @@ def test_a_folder_named_pcdist_beside_a_script_fails_as_the_install_section_says
     assert moved.returncode == 0 and moved.stdout.strip() == "1437", moved.stderr[-2000:]
 
 
+def test_citation_cff_holds_what_citation_tools_need_and_this_version():
+    """CITATION.cff (Citation File Format 1.2.0): the keys a citation needs, read as YAML, for the version the
+    package declares; the README points to it."""
+    import yaml
+
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["message"] and cff["title"].startswith("pcdist")
+    assert cff["authors"] and all("name" in a or "family-names" in a for a in cff["authors"])
+    declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert cff["version"] == declared and cff["license"] == "MIT"
+    assert "CITATION.cff" in (ROOT / "README.md").read_text()
+
+
 def test_the_readme_is_a_front_page_that_links_every_docs_page():
     """At most ~300 lines; install with the step that makes `python` the one with pcdist in it; how to run
     all tests and one file; a link to every docs page (and to those other branches add)."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 import pcdist
@@ -126,3 +127,44 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
                    cwd=tmp_path)
     assert said.startswith("error: sweep job 1 (pc.T=4 model.dims=[40,10]): data digits has 64 input features"), said
     assert not sweep.exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_compare_gives_mean_and_std_over_seeds_and_writes_csv_and_json(tmp_path):
+    """Three seeds at each of two pc.T: compare groups the runs of equal pc.T and gives each metric's mean and
+    sample standard deviation over the seeds, equal to those computed here from each run's metrics.jsonl; the
+    CSV and JSON it writes hold the same figures."""
+    import csv
+    import json
+    import statistics
+
+    sweep = tmp_path / "seeds"
+    train_py("--multirun", "trainer.seed=0,1,2", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "pcdist", "compare", str(sweep), "--csv", str(tmp_path / "c.csv"),
+                          "--json", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    final = {}
+    for run in jobs(sweep):
+        c = yaml.safe_load((run / "config.yaml").read_text())
+        acc = [r["val/accuracy"] for r in read_metrics(run / "metrics.jsonl") if "val/accuracy" in r][-1]
+        final.setdefault(c["pc"]["T"], {})[c["trainer"]["seed"]] = acc
+    assert sorted(final) == [4, 8] and all(sorted(v) == [0, 1, 2] for v in final.values())
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["settings"] == ["pc.T", "trainer.seed"] and len(result["rows"]) == 6
+    groups = {g["pc.T"]: g for g in result["groups"]}
+    with open(tmp_path / "c_seeds.csv") as f:
+        rows = {int(r["pc.T"]): r for r in csv.DictReader(f)}
+    lines = out.stdout.split("over seeds (mean ± sample standard deviation):\n")[1].splitlines()
+    for T, by_seed in final.items():
+        mean, std = statistics.fmean(by_seed.values()), statistics.stdev(by_seed.values())
+        g = groups[T]
+        assert g["seeds"] == [0, 1, 2] and g["n"] == 3
+        assert g["val/accuracy mean"] == pytest.approx(mean, abs=1e-12)
+        assert g["val/accuracy std"] == pytest.approx(std, abs=1e-12)
+        assert float(rows[T]["val/accuracy mean"]) == pytest.approx(mean, abs=1e-12)
+        assert float(rows[T]["val/accuracy std"]) == pytest.approx(std, abs=1e-12)
+        shown = [line for line in lines if line.split()[:2] == [str(T), "0,1,2"]]
+        assert len(shown) == 1 and f"{mean:.4g} ± {std:.2g}" in shown[0], lines
+    with open(tmp_path / "c.csv") as f:
+        per_run = list(csv.DictReader(f))
+    assert len(per_run) == 6 and {(int(r["pc.T"]), int(r["trainer.seed"])) for r in per_run} == \
+        {(T, s) for T in (4, 8) for s in (0, 1, 2)}

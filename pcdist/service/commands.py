@@ -3,7 +3,7 @@
     python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP] [--trust-code]
     python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--key x_val] [--checkpoint ...] [--trust-code]
     python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...] [--trust-code]
-    python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png]
+    python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png] [--csv out.csv] [--json out.json]
 
 A problem with the input (not a run directory, no checkpoint, arrays of the wrong shape, a
 checkpoint of another architecture) is one line on stderr and exit status 2.
@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("runs", nargs="+", help="run directories, or a sweep directory")
     co.add_argument("--plot", default=None, help="where to draw the curves (default: compare.png in the sweep "
                     "directory, else here)")
+    co.add_argument("--csv", default=None, help="also write the table as CSV (and, where the runs differ in "
+                    "trainer.seed, the mean and std over seeds beside it, <name>_seeds.csv)")
+    co.add_argument("--json", default=None, help="also write the whole comparison as JSON")
     return ap
 
 
@@ -87,11 +90,16 @@ def _run(args) -> None:
         else:
             print(f"note: {r['note']}")
     else:
-        from .compare import compare, format_table
+        from .compare import compare, format_groups, format_table, write_csv, write_json
 
         r = compare(args.runs, args.plot)
         print(format_table(r))
+        if r["groups"]:
+            print(f"\nover seeds (mean ± sample standard deviation):\n{format_groups(r)}")
         print(f"validation curves: {r['plot']}")
+        written = (write_csv(r, args.csv) if args.csv else []) + ([write_json(r, args.json)] if args.json else [])
+        if written:
+            print(f"wrote {', '.join(map(str, written))}")
 
 
 def _leave_current_folder_off_the_path() -> None:
