@@ -2,6 +2,7 @@
 and the layer-kinds example learn, and the layer-parallel script gives the same energies under torchrun
 as one process. (Their shell commands run in a fresh copy of the repository: tests/test_launch.py.)"""
 
+import json
 import os
 import re
 import subprocess
@@ -139,6 +140,51 @@ def test_citation_cff_holds_what_citation_tools_need_and_this_version():
     declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert cff["version"] == declared and cff["license"] == "MIT"
     assert "CITATION.cff" in (ROOT / "README.md").read_text()
+
+
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PRESET_FIGURES = json.loads((ROOT / "benchmarks" / "results" / "presets.json").read_text())
+
+
+def shown_with(command: str) -> list[str]:
+    """The comments beside ``command`` (exactly that command line) in the pages' bash blocks."""
+    found = []
+    for page in DOC_PAGES:
+        for _, code in blocks("bash", page):
+            for line in code.splitlines():
+                cmd, _, comment = line.partition("#")
+                if " ".join(cmd.split()) == command and comment.strip():
+                    found.append(comment)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_FIGURES))
+def test_figures_beside_a_training_command_are_what_that_command_gave(name):
+    """A figure the docs print beside a command must be what running that command gives
+    (benchmarks/presets.py runs each as typed and records its last line and wall-clock time): the
+    accuracy (or reconstruction error) and the seconds."""
+    got = PRESET_FIGURES[name]
+    comments = shown_with(got["command"])
+    assert comments, f"no page shows {got['command']!r} with a comment"
+    for comment in comments:
+        figures = re.findall(r"\d+\.\d+", comment)
+        if "val/accuracy" in got and "experiment=unsupervised" not in got["command"]:
+            assert f"{got['val/accuracy']:.3f}" in figures, (got, comment)
+        else:
+            assert f"{got['val/reconstruction_mse']:.4g}" in figures, (got, comment)
+        assert re.search(rf"\bin {round(got['seconds'])} s\b", comment), (got, comment)
+
+
+def test_the_networks_the_docs_give_for_a_preset_are_the_presets():
+    """A network shape a table cell gives for a preset (`[10, 128, 64]` ... `experiment=NAME`) is its model.dims."""
+    import pcdist
+
+    for page in DOC_PAGES:
+        for line in page.read_text().splitlines():
+            cells = line.split("|") if line.startswith("|") else []
+            for dims, name in (m for cell in cells for m in re.findall(r"`\[([\d, ]+)\]`.*`experiment=(\w+)`", cell)):
+                want = list(pcdist.compose([f"experiment={name}"]).model.dims)
+                assert [int(d) for d in dims.split(",")] == want, f"{page.name}: {line.strip()}"
 
 
 def test_the_readme_is_a_front_page_that_links_every_docs_page():
