@@ -378,7 +378,7 @@ def choose_mesh(c: Config, world: int) -> str:
             raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
                               f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
     ParallelDims(p.data, p.layer).validate(world, layers)
-    return (f"mesh: {world} ranks = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
+    return (f"mesh: {world} rank{'s' * (world > 1)} = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
             f"split into {p.layer} slices")
 
 
