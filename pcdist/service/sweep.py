@@ -40,18 +40,23 @@ def check_sweep(compose, overrides: list[str]) -> None:
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
     dirs = {_check_job(compose, num, job, swept, loaded) for num, job in enumerate(jobs)}
-    _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
+    if None not in dirs:  # every job's directory known before Hydra launches it
+        _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
 
 
-def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path:
+def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path | None:
     """Job ``num`` of the sweep: its config valid for this launch and its data, its directory free or holding its
-    own run (``loaded``: the data sets read so far, each once). Returns the directory."""
+    own run (``loaded``: the data sets read so far, each once). Returns the directory (None where Hydra names
+    it only as it launches the job)."""
     from .run import check, check_length, check_model_on_data
 
     from omegaconf import open_dict
 
     composed = compose([*job, f"hydra.job.num={num}"])
-    job_dir = Path(composed.hydra.sweep.dir) / str(composed.hydra.sweep.subdir)
+    try:
+        job_dir = Path(composed.hydra.sweep.dir) / str(composed.hydra.sweep.subdir)
+    except Exception:  # noqa: BLE001 - a subdir that Hydra resolves only as it launches the job
+        job_dir = None  # (hydra.job.override_dirname): the job's own check in run() covers its directory
     with open_dict(composed):
         composed.pop("hydra")  # Hydra's own section resolves only in a running job
     values = " ".join(o for o in job if o.split("=", 1)[0] in swept)
@@ -59,9 +64,11 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
         c = load_config(composed)
         check(c, int(os.environ.get("WORLD_SIZE", "1")))
         check_model_on_data(c, loaded)
-        c.run_dir = str(job_dir)
         passed = passed_settings(job)
-        check_length(find_resume(c, job_dir, passed, sweep=True).config, passed)
+        if job_dir is not None:
+            c.run_dir = str(job_dir)
+            c = find_resume(c, job_dir, passed, sweep=True).config
+        check_length(c, passed)
     except (ConfigError, DataError) as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
