@@ -405,6 +405,11 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     """Everything after the process group: data, mesh, model, resume (``find_resume``'s), the
     training ``loop`` (``_loop``; benchmarks/service.py passes one that times it beside the bare
     engine step); ``mesh``: the line that says how the mesh was chosen (the logging rank says it)."""
+    if resume is None:  # a caller that has not looked at the directory yet (benchmarks/service.py): every rank
+        resume = find_resume(c, Path(c.run_dir), None)  # looks before any rank writes into it
+        if distributed:
+            with collective("the run-directory barrier"):
+                dist.barrier()
     dtype = getattr(torch, c.trainer.dtype)
     ds, inputs = _load_data(c, data, user)
     image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
@@ -420,7 +425,6 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     if c.trainer.epochs is not None:
         c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
     run_dir = Path(c.run_dir)
-    resume = resume or find_resume(c, run_dir, None)
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
     if user is not None:
         net = user.network(c.model.energy, par.layers, inputs.node_shape(), dtype, device, **network_options(c))
