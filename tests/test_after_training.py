@@ -136,6 +136,29 @@ def test_predict_applies_the_saved_preprocessing(digits_run, tmp_path):
     assert np.allclose(pred["probabilities"].sum(1), 1.0, atol=1e-5)
 
 
+def test_predict_takes_the_held_out_inputs_of_a_data_file_or_the_array_named(digits_run, tmp_path):
+    """The .npz a run trained from (x_train, y_train, x_val, y_val) has no x: predict takes its held-out inputs,
+    x_val (or x_test), and says which; --key names any array; a file it cannot choose from is one line."""
+    run_dir, _ = digits_run
+    ds = load_dataset("digits")
+    arrays = {"x_train": ds.x_train.numpy(), "y_train": ds.y_train.numpy(), "x_val": ds.x_val.numpy(),
+              "y_val": ds.y_val.numpy()}
+    np.savez(tmp_path / "arrays.npz", **arrays)
+    out = cli("predict", run_dir, tmp_path / "arrays.npz", "--out", tmp_path / "val.npz")
+    assert f"{len(ds.x_val)} predictions of {tmp_path / 'arrays.npz'}'s x_val -> " in out.stdout, out.stdout
+    val = np.load(tmp_path / "val.npz")
+    assert (val["labels"] == ds.y_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
+    cli("predict", run_dir, tmp_path / "arrays.npz", "--key", "x_train", "--out", tmp_path / "train.npz")
+    assert len(np.load(tmp_path / "train.npz")["labels"]) == len(ds.x_train)
+    np.savez(tmp_path / "both.npz", x_val=arrays["x_val"], x_test=arrays["x_val"][:5])
+    out = cli("predict", run_dir, tmp_path / "both.npz", "--out", tmp_path / "p.npz", check=False)
+    assert out.returncode == 2 and out.stderr == (f"error: {tmp_path / 'both.npz'} holds arrays x_val, x_test; name "
+                                                  f"the inputs with --key (e.g. --key x_test), or save them as x\n")
+    out = cli("predict", run_dir, tmp_path / "both.npz", "--key", "x", "--out", tmp_path / "p.npz", check=False)
+    assert out.returncode == 2 and "holds no array 'x' (it holds x_val, x_test)" in out.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
 NO_PCDIST = """
 import sys
 sys.modules["pcdist"] = None  # any import of pcdist now fails
@@ -228,6 +251,22 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
         assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
 
 
+def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
+    """A mistyped key after `evaluate` gets the did-you-mean the training command gives, and every such line
+    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py)."""
+    run_dir, _ = digits_run
+    out = cli("evaluate", run_dir, "pc.TT=40", check=False)
+    assert out.returncode == 2 and out.stderr == ("error: unknown config key pc.TT in override 'pc.TT=40'; did you "
+                                                  "mean pc.T? (python -m pcdist --help lists every key)\n")
+    for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
+                    [sys.executable, str(ROOT / "train.py")]):
+        out = subprocess.run([*command, "pc.TT=40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        shown = "python -m pcdist" if "-m" in command else ("pcdist-train" if len(command) == 1 else "python train.py")
+        assert out.returncode == 2 and out.stderr == (f"error: unknown config key pc.TT; did you mean pc.T? ({shown} "
+                                                      f"--help lists every key and group)\n"), out.stderr
+    assert not list(tmp_path.iterdir()), "nothing left behind"
+
+
 # -- the user's own modules --------------------------------------------------------------------------
 
 class Block(nn.Module):
@@ -274,7 +313,7 @@ def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp
         torch.set_num_threads(threads)
     assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
     assert list((resumed / "wandb").glob("offline-run-*")), "wandb wrote its offline run"
-    a, b = pcdist.load(resumed), pcdist.load(straight)
+    a, b = pcdist.load(resumed, trust_code=True), pcdist.load(straight, trust_code=True)
     for p, q in zip(a.network.parameters(), b.network.parameters()):  # as test_service's resume across splits
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg="resuming ends where the uninterrupted run ends")
     assert held_out_accuracy(a) == logged_accuracy(resumed)
@@ -300,6 +339,51 @@ def test_user_layers_without_a_factory_need_them_at_load(tmp_path):
         [nn.Sequential(nn.Linear(32, 32), nn.Tanh())] + [nn.Linear(32, 10)]
     with pytest.raises(pcdist.service.checkpoint.CheckpointError, match="written by a different model"):
         pcdist.load(run_dir, layers=dense)
+
+
+EVIL = """from pathlib import Path
+Path(__file__).with_name("RAN").write_text("the run folder's code ran")
+def layers():
+    raise SystemExit(9)
+"""
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_strangers_run_folder_never_runs_its_code(tmp_path):
+    """model.json may name any "module:function" as the code that builds a run's layers. A run folder one
+    was sent, naming "evil:layers" with an evil.py beside it and in the folder one stands in, must not get
+    that code run by evaluate, predict, export or pcdist.load: each refuses in one line naming the factory
+    and the opt-in, and nothing is imported or written. Passing the modules (layers=) needs no code of the
+    folder; --trust-code is the explicit opt-in, and then the code runs, as asked."""
+    shared = tmp_path / "shared"
+    run_dir = shared / "run"
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 10}},
+                 layers=make_layers)
+    model = json.loads((run_dir / "model.json").read_text())
+    assert model["factory"] == "test_after_training:make_layers"
+    model["factory"] = "evil:layers"
+    (run_dir / "model.json").write_text(json.dumps(model))
+    (shared / "evil.py").write_text(EVIL)
+    (run_dir / "evil.py").write_text(EVIL)
+    np.savez(tmp_path / "x.npz", x=load_dataset("digits").x_val[:5].numpy())
+    before = snapshot(shared)
+    for args in (("evaluate", "run"), ("predict", "run", tmp_path / "x.npz", "--out", tmp_path / "p.npz"),
+                 ("export", "run", tmp_path / "run.pt2")):
+        out = cli(*args, cwd=shared, check=False)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stdout, out.stderr)
+        assert "names 'evil:layers' to build them" in out.stderr and "--trust-code" in out.stderr, out.stderr
+    with pytest.raises(pcdist.RunError, match=r"names 'evil:layers' .*pcdist.load\(run_dir, trust_code=True\)"):
+        pcdist.load(run_dir)
+    assert snapshot(shared) == before, "nothing ran, nothing was written"
+    assert not (tmp_path / "p.npz").exists() and not (tmp_path / "run.pt2").exists()
+    run = pcdist.load(run_dir, layers=make_layers())  # the modules passed in: no code of the folder
+    assert held_out_accuracy(run) == logged_accuracy(run_dir)
+    assert not (shared / "RAN").exists()
+    out = cli("evaluate", "run", "--trust-code", cwd=shared, check=False)
+    assert out.returncode == 9 and (shared / "RAN").is_file(), "--trust-code runs the named code, as asked"
 
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------

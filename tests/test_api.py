@@ -30,6 +30,28 @@ def test_round_trip_and_forward_match_the_sequential():
     assert [type(m) for m in back] == [type(m) for m in seq]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_sequential_and_from_layers_take_a_device_and_a_dtype(device):
+    """device= and dtype= (what every torch constructor takes) put the copied network there, as net.to would:
+    the forward equals the Sequential moved the same way, to_sequential gives it back there, and a step runs."""
+    torch.manual_seed(0)
+    seq = seq_of([7, 16, 5])
+    x = torch.randn(9, 7, dtype=torch.float64, device=device)
+    for net in (pcdist.PCNetwork.from_sequential(seq, energy="ce", device=device, dtype=torch.float64),
+                pcdist.PCNetwork.from_layers([nn.Sequential(seq[0], seq[1]), seq[2]], energy="ce", device=device,
+                                             dtype=torch.float64)):
+        assert {(p.device.type, p.dtype) for p in net.parameters()} == {(device, torch.float64)}
+        torch.testing.assert_close(net(x), seq.to(device, torch.float64)(x), atol=1e-12, rtol=0)
+        assert {(p.device.type, p.dtype) for p in net.to_sequential().parameters()} == {(device, torch.float64)}
+        trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, x_lr=0.1)
+        y = torch.eye(5, dtype=torch.float64, device=device)[torch.arange(9) % 5]
+        assert torch.isfinite(torch.tensor(trainer.step(x, y)["energy"]))
+        seq = seq.float().cpu()
+
+
 def test_same_shape_hidden_layers_are_one_stacked_group():
     """Layer 1 and the output layer stand alone; equal hidden layers share one [K, I, O] tensor."""
     net = pcdist.PCNetwork.from_dims([64] + [128] * 33 + [10])

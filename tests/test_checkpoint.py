@@ -1,6 +1,7 @@
 """Checkpoints: a damaged newest checkpoint falls back to the previous one; a failed write
 never damages what is on disk; a checkpoint of another model shape is refused."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,9 @@ import torch
 
 import pcdist
 from pcdist.service.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from pcdist.service.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # The model these tests load checkpoints into (pcdist.PCNetwork.from_dims(..., activation="tanh")).
@@ -54,16 +58,66 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tm
     assert found == run / "checkpoints" / "step-00000004"
 
 
-def test_resume_after_a_damaged_checkpoint_redoes_the_lost_steps(two_checkpoints, tmp_path):
-    """Training resumes from step 4 and ends where an undamaged run ends."""
-    run = copy_run(two_checkpoints, tmp_path / "run")
-    (run / "checkpoints" / "step-00000008" / "meta.pt").write_bytes(b"garbage")
-    with pytest.warns(UserWarning, match="checksum mismatch"):
-        train_two_checkpoints(run)
-    good = torch.load(next((two_checkpoints / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
-    redone = torch.load(next((run / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
+CLI = ["model.dims=[64,32,10]", "pc.T=4", "trainer.max_steps=8", "trainer.ckpt_every=4", "trainer.log_every=1",
+       "trainer.eval_every=4", "logger=none", "trainer.progress=off"]
+
+
+def train_py(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *CLI, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def test_resume_after_a_damaged_checkpoint_says_so_and_redoes_the_lost_steps(tmp_path):
+    """The newest checkpoint (step 8) truncated: the rerun resumes from step 4, saying in one line which checkpoint
+    it skipped and why (no Python warning), trains steps 5-8 again to the same weights, and metrics.jsonl holds each
+    step once, the redone rows equal to the first run's."""
+    run_dir = tmp_path / "run"
+    assert train_py(tmp_path, f"hydra.run.dir={run_dir}").returncode == 0
+    good = torch.load(next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
+    first = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
+    layer_file = next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt"))
+    truncate(layer_file)
+    out = train_py(tmp_path, f"hydra.run.dir={run_dir}")
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == [f"resume: skipped the damaged checkpoint step-00000008 ({layer_file.name}: checksum mismatch "
+                         f"(truncated or corrupted)); resuming from the newest valid one, step-00000004",
+                         f"resumed from {run_dir / 'checkpoints/step-00000004'} at step 4 of 8 with the run's own "
+                         f"settings (config: configs/attempt-2.yaml)"], lines
+    redone = torch.load(next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
     for k, v in good["layers"].items():
         torch.testing.assert_close(redone["layers"][k], v, atol=1e-6, rtol=0)
+    again = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
+    assert [r["step"] for r in again] == list(range(1, 9)), "every step once: the rows after step 4 were dropped"
+    for a, b in zip(first, again):
+        assert b["train/energy"] == pytest.approx(a["train/energy"], rel=1e-5), a["step"]
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_untouched(tmp_path):
+    """With its only checkpoint truncated, a rerun neither restarts the run from step 0 in the same folder nor
+    changes anything: one line naming the checkpoint and why, exit status 2; pcdist.train refuses alike."""
+    run_dir = tmp_path / "run"
+    assert train_py(tmp_path, f"hydra.run.dir={run_dir}", "trainer.ckpt_every=8").returncode == 0
+    layer_file = next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt"))
+    truncate(layer_file)
+    before = snapshot(run_dir)
+    out = train_py(tmp_path, f"hydra.run.dir={run_dir}", "trainer.ckpt_every=8")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr == (f"error: cannot resume {run_dir}: every checkpoint in it is damaged (step-00000008 "
+                          f"({layer_file.name}: checksum mismatch (truncated or corrupted))); nothing in it was "
+                          f"changed: restore its checkpoints, or choose a new run directory (hydra.run.dir=..., or the "
+                          f"config key run_dir)\n")
+    with pytest.raises(pcdist.ConfigError, match="every checkpoint in it is damaged"):
+        pcdist.train({"run_dir": str(run_dir), "logger": "none"})
+    assert snapshot(run_dir) == before
 
 
 WRITER = textwrap.dedent("""

@@ -59,6 +59,27 @@ def test_epochs_set_the_number_of_steps(tmp_path):
     assert result["step"] == 44
 
 
+def test_epochs_and_max_steps_set_together_are_refused_naming_both(tmp_path):
+    """trainer.epochs decides the length when set, so a trainer.max_steps passed beside it would be ignored
+    (trainer.epochs=2 trainer.max_steps=50 trained 44 steps): refused in one line naming both and the way out,
+    whether the epochs come from the same command, a preset or the run being resumed."""
+    small = {"logger": "none", "trainer": {"progress": "off", "eval_every": 1000}}
+    with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=2 and trainer.max_steps=50 both set how long the "
+                                                 r"run trains, and trainer.epochs would win; set one: trainer.epochs="
+                                                 r"null to train trainer.max_steps steps, or leave out trainer.max_steps$"):
+        pcdist.train({**small, "trainer": {"epochs": 2, "max_steps": 50}, "run_dir": str(tmp_path / "a")})
+    with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=5 \(from experiment=deconv_mnist\) and "
+                                                 r"trainer.max_steps=5 both"):
+        pcdist.train(["experiment=deconv_mnist", "trainer.max_steps=5", "logger=none", f"run_dir={tmp_path / 'b'}"])
+    run_dir = tmp_path / "c"
+    assert pcdist.train({**small, "trainer": {"epochs": 1, "stop_at": 4}, "run_dir": str(run_dir)})["step"] == 4
+    with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=1 \(from the run's own settings\) and "
+                                                 r"trainer.max_steps=30 both"):
+        pcdist.train({**small, "trainer": {"max_steps": 30}, "run_dir": str(run_dir)})
+    assert pcdist.train({**small, "trainer": {"max_steps": 30, "epochs": None}, "run_dir": str(run_dir)})["step"] == 30
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_cifar10_files_train(tmp_path):
     root = make_cifar10(tmp_path / "cifar")
     result = pcdist.train(composed(*SMALL, "data=cifar10", f"data.root={root}", "model.dims=[3072,64,10]",
@@ -123,7 +144,7 @@ BAD_CONFIGS = [
                              "fashion_mnist, cifar10"),
     (["trainer.batch_size=100000"], "data digits has 1437 training samples, fewer than trainer.batch_size=100000"),
     (["model.dims=[10,128,10]"], "data digits has 64 input features (1 x 8 x 8) but model.dims[0]=10; "
-                                 "set model.dims=[64,...]"),
+                                 "set model.dims=[64,128,10]"),
     (["model.dims=[64,128,7]"], "data digits has 10 classes but model.dims[-1]=7"),
 ]
 

@@ -66,9 +66,56 @@ def test_wrong_model_width_names_the_image_shape(tmp_path):
     npz = save_npz(tmp_path / "d.npz", np.zeros((40, 3, 4, 4), np.float32), np.arange(40) % 5,
                    np.zeros((8, 3, 4, 4), np.float32), np.arange(8) % 5)
     with pytest.raises(DataError, match=r"^data arrays has 48 input features \(3 x 4 x 4\) but model.dims\[0\]=64; "
-                                        r"set model.dims=\[48,...\]$"):
+                                        r"set model.dims=\[48,10,5\]$"):
         pcdist.train({"data": {"name": "arrays", "path": str(npz)}, "model": {"dims": [64, 10, 5]},
                       "logger": {"name": "none"}, "run_dir": str(tmp_path / "run")})
+
+
+def train_py_refuses(tmp_path, *args) -> str:
+    """The one line of a refused train.py launch (exit status 2), which leaves no run directory."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "logger=none", f"hydra.run.dir={run_dir}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert not run_dir.exists(), "a refused launch leaves nothing behind"
+    return out.stderr
+
+
+def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tmp_path):
+    """Images [N, H, W, C] and signals [N, L, C] (numpy's and Keras' habit) with model=cnn: one line saying the
+    layout the model reads and the transpose that gives it, not a conv layer's failure deep in a traceback."""
+    x_tr, y_tr, x_va, y_va = digits_images(3)
+    images = save_npz(tmp_path / "hwc.npz", x_tr.transpose(0, 2, 3, 1), y_tr, x_va.transpose(0, 2, 3, 1), y_va)
+    said = train_py_refuses(tmp_path, "data=arrays", f"data.path={images}", "model=cnn")
+    assert said == (f"error: data arrays ({images}) has samples of shape [8, 8, 1], channels-last [H, W, C], but "
+                    f"model.name=cnn reads images [C, H, W] channels-first; transpose the arrays to [N, 1, 8, 8]: "
+                    f"x.transpose(0, 3, 1, 2) (numpy) or x.permute(0, 3, 1, 2) (torch)\n")
+    rng = np.random.default_rng(0)
+    signals = save_npz(tmp_path / "lc.npz", rng.standard_normal((64, 40, 1), np.float32), np.arange(64) % 4,
+                       rng.standard_normal((16, 40, 1), np.float32), np.arange(16) % 4)
+    said = train_py_refuses(tmp_path, "data=arrays", f"data.path={signals}", "model=cnn", "trainer.batch_size=16")
+    assert said.startswith(f"error: data arrays ({signals}) has samples of shape [40, 1], channels-last [L, C], but "
+                           f"model.name=cnn reads signals [C, L] channels-first; transpose the arrays to [N, 1, 40]"), said
+    transposed = save_npz(tmp_path / "cl.npz", *(a.transpose(0, 2, 1) if a.ndim == 3 else a for a in
+                                                  np.load(signals).values()))
+    assert pcdist.train({"data": {"name": "arrays", "path": str(transposed)}, "model": "cnn", "logger": "none",
+                         "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"},
+                         "run_dir": str(tmp_path / "ok")})["step"] == 2, "the layout said trains"
+
+
+def test_own_arrays_with_the_default_mlp_get_both_fixes_at_once_and_a_note_on_labels_from_1(tmp_path):
+    """40 features and labels 1..4 with the default MLP (64 inputs, 10 classes): one line with the whole
+    model.dims to set (both ends), noting that labels from 1 leave class 0 empty; the said value then trains."""
+    rng = np.random.default_rng(0)
+    own = save_npz(tmp_path / "own.npz", rng.standard_normal((64, 40), np.float32), 1 + np.arange(64) % 4,
+                   rng.standard_normal((16, 40), np.float32), 1 + np.arange(16) % 4)
+    said = train_py_refuses(tmp_path, "data=arrays", f"data.path={own}")
+    assert said == ("error: data arrays has 40 input features but model.dims[0]=64 and 5 classes but model.dims[-1]="
+                    "10; set model.dims=[40,128,128,5] (no label is below 1, so class 0 is empty: labels are class ids "
+                    "from 0; if yours start at 1, subtract 1, y - 1)\n")
+    assert pcdist.train({"data": {"name": "arrays", "path": str(own)}, "model": {"dims": [40, 128, 128, 5]},
+                         "logger": "none", "trainer": {"max_steps": 2, "progress": "off"},
+                         "run_dir": str(tmp_path / "ok")})["step"] == 2
 
 
 X, Y = np.zeros((6, 4), np.float32), np.array([0, 1, 2, 0, 1, 2])

@@ -144,3 +144,24 @@ def test_classify_inference():
     assert classify_inference([3.0, 4.0, 1.0]) == "oscillating"
     assert classify_inference([3.0, 2.0, 5.0]) == "diverging"
     assert classify_inference([3.0, math.inf]) == "diverging"
+
+
+def test_the_unstable_warning_needs_the_energy_to_grow_beyond_round_off(tmp_path):
+    """At convergence the inference energy stays where it is, up to float32 round-off (9.623e-05 -> 9.623e-05
+    was called 'grew, 1x'). A warning then sends the user to change a setting that is fine: only a growth beyond
+    round-off (and a non-finite energy) is unstable. Checked on the end-of-run trace, as a run checks it, with the
+    run's own logger (its train.log)."""
+    from types import SimpleNamespace
+
+    from pcdist.service.diagnostics import check_trace
+    from pcdist.service.metrics import RunLogger
+
+    log = RunLogger(tmp_path, {}, SimpleNamespace(name="none", mode="disabled"), 1, "off")
+    flat = [[9.623e-05 * 0.5, 9.623e-05 * 0.5]] * 5 + [[9.623e-05 * 0.5 * (1 + 3e-7), 9.623e-05 * 0.5]]
+    assert not check_trace(flat, 0.1, 5, log)
+    grows = [[1.0, 1.0], [1.1, 1.0], [1.5, 1.2], [2.5, 1.5]]
+    assert check_trace(grows, 0.1, 3, log)
+    assert check_trace([[1.0, 1.0], [float("nan"), 1.0]], 0.1, 1, log)
+    log.close()
+    said = [line for line in (tmp_path / "train.log").read_text().splitlines() if "inference is unstable" in line]
+    assert len(said) == 2 and "(2 -> 4, 2x)" in said[0] and "nan" in said[1], said

@@ -23,7 +23,7 @@ def test_after_training_page_runs_in_order(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     found = blocks(PAGE.read_text())
-    assert [lang for lang, _ in found] == ["bash", "python", "python", "python", "bash", "bash", "bash"]
+    assert [lang for lang, _ in found] == ["bash", "python", "python", "python", "bash", "bash", "bash", "bash"]
     outputs = []
     for lang, code in found:
         cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
@@ -39,3 +39,5 @@ def test_after_training_page_runs_in_order(tmp_path):
     optuna = tmp_path / "sweeps" / "optuna"
     assert len([p for p in optuna.iterdir() if p.name.isdigit()]) == 2
     assert "best_value" in yaml.safe_load((optuna / "optimization_results.yaml").read_text())
+    assert "over seeds (mean ± sample standard deviation):" in outputs[7]
+    assert (tmp_path / "seeds.csv").is_file() and (tmp_path / "seeds_seeds.csv").is_file()

@@ -87,3 +87,21 @@ def test_a_group_created_outside_pcdist_is_warned_about_under_restarts(tmp_path)
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == 1
+
+
+def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_path):
+    """A run on 2 layer ranks continued by a torchrun of 1 process, as the surviving agent of a lost node does
+    (fewer ranks, the same run directory): every attempt says its mesh, on the console and in train.log, so a
+    run that went on with a different mesh never does so silently."""
+    run_dir = tmp_path / "run"
+    quick = ["trainer.max_steps=40", "trainer.ckpt_every=20", "trainer.eval_every=40", "trainer.log_every=20",
+             "logger=none", "trainer.progress=off", f"hydra.run.dir={run_dir}"]
+    torchrun(2, *quick, "trainer.stop_at=20")
+    out = torchrun(1, *quick)
+    one = ("mesh: 1 rank = parallel.data 1 x parallel.layer 1 (parallel.layer = 1 processes / parallel.data), 3 layers "
+           "split into 1 slices; 1 torch thread per rank (OMP_NUM_THREADS)")
+    assert one in out.stdout.splitlines(), out.stdout[-3000:]
+    said = [line.split("  ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines() if "  mesh: " in line]
+    assert said == [one.replace("1 rank =", "2 ranks =").replace("parallel.layer 1 (parallel.layer = 1", "parallel.layer "
+                    "2 (parallel.layer = 2").replace("into 1 slices", "into 2 slices"), one], said
+    assert f"resumed from {run_dir / 'checkpoints/step-00000020'} at step 20" in out.stdout

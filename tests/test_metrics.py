@@ -135,3 +135,27 @@ def test_the_wandb_logger_ends_a_run_without_its_summary(tmp_path):
     said = out.stdout + out.stderr
     assert "Run summary" not in said and "Run history" not in said, said
     assert said.count("\n") <= 6, said
+
+
+def png_title(path) -> str:
+    """The Title a PNG carries (the plot's title, kept in the file's metadata)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return img.text["Title"]
+
+
+@pytest.mark.parametrize("preset, says", [
+    (["experiment=mupc_digits", "model.depth=6"], "6 layers 64-128(x5)-10: residual identity, 5 x residual relu"),
+    (["experiment=signals_cnn"], "4 layers 1x64-25x32-25x16-25x8-10: 3 x conv1d gelu max-pool, dense"),
+    ([], "3 layers 64-128-128-10: 2 x dense gelu, dense"),
+])
+def test_plot_titles_describe_the_network_that_trained(tmp_path, preset, says):
+    """A μPC run and a Conv1d run leave model.dims at its default; their plots must describe the layers that
+    trained (their number, the value nodes' shapes, the kinds and activations), not model.dims."""
+    run_dir = tmp_path / "run"
+    pcdist.train([*preset, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1", "logger=none",
+                  "trainer.progress=off", f"run_dir={run_dir}"])
+    for name in ("accuracy_energy.png", "inference_energy.png", "inference_heatmap.png"):
+        title = png_title(run_dir / name)
+        assert says in title and "64-128-128-10 gelu (3 layers)" not in title, (name, title)

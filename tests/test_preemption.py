@@ -2,12 +2,15 @@
 for a single process, PREEMPTED in the run directory for the launcher); a rerun resumes."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 from pcdist.service.checkpoint import latest_checkpoint
+from pcdist.service.metrics import read_metrics
 from test_elastic import children
 from test_service import ROOT
 
@@ -15,9 +18,11 @@ LONG = ["trainer.max_steps=5000", "trainer.ckpt_every=4000", "trainer.log_every=
         "logger=none", "trainer.progress=off", "parallel.timeout_s=60"]
 
 
-def start(cmd, run_dir):
+def start(cmd, run_dir, session=False):
+    """Start ``cmd`` (in a session of its own, as a terminal's foreground job: ``session``) and wait until it logs."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=session)
     deadline = time.monotonic() + 120
     while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -68,3 +73,92 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert ckpt == run_dir / "checkpoints" / f"step-{step:08d}"
     assert len(list(ckpt.glob("layers-*.pt"))) == 2, "both layer slices wrote their part of the same step"
     assert "stopped by a signal after step" in out
+
+
+def interrupted_step(out: str, run_dir) -> int:
+    """The step of the one 'interrupted:' line, which names the checkpoint and how to resume."""
+    lines = [line for line in out.splitlines() if line.startswith("interrupted: ")]
+    assert len(lines) == 1, out[-3000:]
+    step = int(re.search(r"after step (\d+);", lines[0]).group(1))
+    assert lines[0] == (f"interrupted: stopped by Ctrl-C (SIGINT) after step {step}; checkpoint "
+                        f"{run_dir / 'checkpoints' / f'step-{step:08d}'}; rerun with hydra.run.dir={run_dir} to resume")
+    return step
+
+
+def test_ctrl_c_checkpoints_says_how_to_resume_and_no_step_repeats(tmp_path):
+    """Ctrl-C is handled like SIGTERM: the step finishes, a checkpoint of it is written, one line says how to
+    resume, no traceback. Exit status 130 and no PREEMPTED (the user stopped it: no launcher requeues it). The
+    rerun resumes from that step, and metrics.jsonl never holds a step twice."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *LONG, f"hydra.run.dir={run_dir}"]
+    proc = start(cmd, run_dir)
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    step = interrupted_step(out, run_dir)
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step:08d}"
+    assert not (run_dir / "PREEMPTED").exists()
+    rerun = subprocess.run([*cmd[:2], *LONG, f"trainer.stop_at={step + 30}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in rerun.stdout
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == step + 30, steps
+
+
+def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step(tmp_path):
+    """Ctrl-C at the terminal reaches torchrun's agent (the workers run in sessions of their own), which passes
+    SIGINT on to every worker: both layer ranks finish the same step and write their part of its checkpoint; one
+    line says so, and no worker prints a traceback (torchrun's agent reports the signal itself)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), "parallel.layer=2", *LONG, f"hydra.run.dir={run_dir}"]
+    proc = start(cmd, run_dir, session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the foreground process group
+    out = finish(proc)
+    step = interrupted_step(out, run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt == run_dir / "checkpoints" / f"step-{step:08d}"
+    assert len(list(ckpt.glob("layers-*.pt"))) == 2, "both layer slices wrote their part of the same step"
+    assert "KeyboardInterrupt" not in out and "pcdist/" not in out, out[-3000:]
+    assert not (run_dir / "PREEMPTED").exists()
+
+
+SECOND_CTRL_C = textwrap.dedent("""
+    import os, signal, sys, torch, pcdist
+    from pcdist.data import StreamedData
+
+    class Pressed(torch.utils.data.Dataset):
+        '''The digits, read one sample at a time; Ctrl-C is pressed while sample `at` is read, and again at the next.'''
+        def __init__(self, x, y, at):
+            self.x, self.y, self.at, self.reads = x, y, at, 0
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, i):
+            self.reads += 1
+            if self.reads in (self.at, self.at + 1):
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.x[i], int(self.y[i])
+
+    d = pcdist.data.load_digits()
+    at = int(sys.argv[2])
+    data = StreamedData(Pressed(d.x_train, d.y_train, at), torch.utils.data.TensorDataset(d.x_val, d.y_val), 10)
+    pcdist.train({"run_dir": sys.argv[1], "logger": "none", "data": {"num_workers": 0}, "trainer": {"max_steps": 40, "ckpt_every": 4,
+                  "log_every": 1, "eval_every": 40, "batch_size": 16, "progress": "off"}}, data=data)
+    print("finished")
+""")
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
+    """Ctrl-C, then Ctrl-C again before the stop is done (both pressed while step 7's batch is read): the process
+    stops at once, exit status 130, with one line and no traceback; the newest checkpoint is the one before the
+    first Ctrl-C (step 4), intact, and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", SECOND_CTRL_C, str(run_dir), str(6 * 16 + 3)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 130, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "finished" not in out.stdout and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("second Ctrl-C: stopped at once"), out.stderr[-3000:]
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000004"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]

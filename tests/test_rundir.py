@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -285,3 +286,40 @@ def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
     assert out.returncode != 0 and out.stderr.count("error: config trainer.max_steps=0 is invalid") == 1, out.stderr
     left = [p for p in tmp_path.glob("runs/*/*") if p.parent.name != ".launches"]
     assert not left, f"under torchrun too (only the launch's name record stays, in runs/.launches): {left}"
+
+
+def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_path):
+    """A run killed before its first checkpoint leaves its logs and no checkpoint. A rerun into that folder must
+    neither start a new run there (a second run appended to metrics.jsonl and drawn into the same plot) nor touch
+    it: one line naming the folder, what it holds and the way out, exit status 2, every file as it was."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *CLI_RUN, "trainer.max_steps=1000000",
+                             "trainer.ckpt_every=1000000", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # killed once it has logged (it checkpoints only at its end, which it never reaches)
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0,
+                 proc, "the first metrics")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list((run_dir / "checkpoints").glob("step-*"))
+    before = snapshot(run_dir)
+    out = train_py(tmp_path, *CLI_RUN, f"hydra.run.dir={run_dir}")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr == (f"error: {run_dir} holds a run's files (metrics.jsonl, train.log, config.yaml, configs) but no "
+                          f"checkpoint to resume (it stopped before its first one), and a new run there would mix with "
+                          f"them; choose a new run directory (hydra.run.dir=..., or the config key run_dir), or remove "
+                          f"{run_dir} to start it over\n")
+    with pytest.raises(pcdist.ConfigError, match="holds a run's files"):
+        pcdist.train(cfg(run_dir))
+    assert snapshot(run_dir) == before, "nothing overwritten, appended or added"
+
+
+def wait_for(ready, proc, what: str, timeout: float = 300) -> None:
+    """Wait until ``ready()`` (generous deadline; fails at once if ``proc`` exits first)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the process exited before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.05)

@@ -28,7 +28,9 @@ __all__ = ["from_layers", "from_sequential", "to_layers", "to_sequential", "spli
 def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shape: Sequence[int] | None = None,
                 layers_owned: tuple[int, int] | None = None, **kw):
     """``cls.from_layers`` (PCNetwork.from_layers): a network of class ``cls`` with a copy of the weights of
-    ``layers``, one torch module per PC layer, which ``to_layers`` gives back."""
+    ``layers``, one torch module per PC layer, which ``to_layers`` gives back. ``device`` and ``dtype`` in
+    ``kw`` move the network there (default: where the modules' weights are)."""
+    device, dtype = kw.pop("device", None), kw.pop("dtype", None)
     mods = list(layers)
     if not mods:
         raise ValueError("from_layers needs at least one module")
@@ -48,7 +50,7 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
         names = {id(t): n for n, t in m.named_parameters()}
         net._templates[l] = (copy.deepcopy(m), {pub: names[id(t)] for pub, t in params.items()})
         net.structure[l] = module_structure(m)
-    return net
+    return net if device is None and dtype is None else net.to(device=device, dtype=dtype)
 
 
 def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,

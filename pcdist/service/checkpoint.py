@@ -10,7 +10,7 @@ Layout of one checkpoint (``run_dir/checkpoints/step-00000200/``)::
 Every file is written to a temporary name and renamed; the checkpoint is written
 into ``step-XXXXXXXX.tmp/`` and renamed once complete, so a crash mid-write never
 damages an earlier checkpoint. Loading uses ``torch.load(weights_only=True)`` and
-checks the manifest; a damaged newest checkpoint is skipped with a warning.
+checks the manifest; a damaged newest checkpoint is skipped (``newest_valid`` says which and why).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import collective
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
 
 
 class CheckpointError(RuntimeError):
@@ -150,15 +150,25 @@ def _verify(path: Path) -> None:
             raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted)")
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+def newest_valid(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose files match its manifest (None if there is none), and the newer ones
+    skipped as damaged, newest first, each with why (``"layers-0001-0004.pt: checksum mismatch ..."``)."""
+    skipped = []
     for path in reversed(_checkpoints(Path(run_dir) / "checkpoints")):
         try:
             _verify(path)
-            return path
+            return path, skipped
         except CheckpointError as e:
-            warnings.warn(f"skipping damaged checkpoint {path}: {e}", stacklevel=2)
-    return None
+            skipped.append((path, str(e).replace(f"{path}/", "").replace(f"{path}: ", "")))
+    return None, skipped
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+    path, skipped = newest_valid(run_dir)
+    for bad, why in skipped:
+        warnings.warn(f"skipping damaged checkpoint {bad}: {why}", stacklevel=2)
+    return path
 
 
 def _describe(signature) -> str:

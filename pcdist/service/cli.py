@@ -32,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
-from .config import CONF_DIR, Config, check_overrides, config_keys, groups, load_config  # noqa: E402
+from .config import CONF_DIR, Config, check_overrides, command, config_keys, groups, load_config  # noqa: E402
 from ..errors import PeerError  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
@@ -91,17 +91,23 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     from .config import composition_error
+    from .sweep import check_sweep
 
-    try:  # a value of the wrong type for its key: one line, not Hydra's report (each job of a sweep is
-        # checked as Hydra launches it: pcdist.train validates its config)
-        _compose(conf_dir, _fixed(args.overrides) if args.multirun else args.overrides)
+    from ..errors import ConfigError
+
+    try:  # a value of the wrong type for its key: one line, not Hydra's report
+        if args.multirun:  # every job's config and directory, before the first job starts
+            check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
+        else:
+            _compose(conf_dir, args.overrides)
     except HydraException as e:
         fail(str(composition_error(e)))
+    except ConfigError as e:
+        fail(str(e))
     if not (args.help or check):
         return
 
     from .data import DataError
-    from ..errors import ConfigError
     from .run import check as check_run
 
     try:
@@ -115,14 +121,6 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     except (ConfigError, DataError) as e:
         fail(str(e))
     sys.exit(0)
-
-
-def _fixed(overrides: list[str]) -> list[str]:
-    """The overrides of a --multirun that are not sweeps (``optim.lr=1e-3,2e-3``, ``x=interval(0,1)``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()]
 
 
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
@@ -143,7 +141,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     top = {f.name for f in dataclasses.fields(Config)}
     # The values a run gets: the composed files over the dataclass defaults (as load_config merges them).
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in composed.items() if k in top})
-    lines = [USAGE, "config groups (conf/<group>/<option>.yaml; * = chosen):"]
+    lines = [USAGE.replace("python train.py", command()), "config groups (conf/<group>/<option>.yaml; * = chosen):"]
     for group, options in groups(conf_dir).items():
         if group != "hydra":
             lines.append(f"  {group:<11} " + ", ".join(o + "*" * (chosen.get(group) == o) for o in options))
@@ -153,27 +151,37 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
         value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         lines.append(f"  {key} = {'null' if value is None else value}")
         lines.append(f"      {doc}")
-    lines += ["", "Hydra's own flags (multirun, --cfg job, tab completion): python train.py --hydra-help"]
+    lines += ["", f"Hydra's own flags (multirun, --cfg job, tab completion): {command()} --hydra-help"]
     return "\n".join(lines)
 
 
 def _train(cfg) -> float | None:
     import pcdist
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from .checkpoint import CheckpointError
     from .config import passed_settings
     from .data import DataError
     from .run import run
 
+    run_dir = None
     try:
         c = load_config(cfg)
-        c.run_dir = HydraConfig.get().runtime.output_dir
-        result = run(c, passed_settings(list(HydraConfig.get().overrides.task)))  # a resume applies only these
-    except pcdist.Preempted as e:  # checkpointed; exit status 3 and run_dir/PREEMPTED tell the launcher
+        c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+        passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
+        result = run(c, passed, sweep=sweep)
+    except pcdist.Preempted as e:  # checkpointed; the exit status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
+        interrupted = e.signal == signal.SIGINT
         if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
-            print(f"pre-empted: {e}", flush=True)
-        sys.exit(preempted_status())
+            print(f"{'interrupted' if interrupted else 'pre-empted'}: {e}", flush=True)
+        sys.exit(130 if interrupted else preempted_status())
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, the end-of-run evaluation): at once
+        _remove_new_dirs()
+        print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"
+              f"{f' (run directory: {run_dir})' if run_dir else ''}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))

@@ -1,17 +1,23 @@
 """The commands after training: ``python -m pcdist evaluate | predict | export | compare ...``.
 
-    python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP]
-    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--checkpoint ...]
-    python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...]
-    python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png]
+    python -m pcdist evaluate RUN_DIR [key=value ...] [--checkpoint last|best|STEP] [--trust-code]
+    python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz [--key x_val] [--checkpoint ...] [--trust-code]
+    python -m pcdist export RUN_DIR out.pt2 [--checkpoint ...] [--trust-code]
+    python -m pcdist compare RUN_DIR... | SWEEP_DIR [--plot compare.png] [--csv out.csv] [--json out.json]
 
 A problem with the input (not a run directory, no checkpoint, arrays of the wrong shape, a
 checkpoint of another architecture) is one line on stderr and exit status 2.
+
+A run directory may come from someone else: these commands read it as data only. The function a
+run of one's own layers recorded (model.json's factory) is imported and called only with
+``--trust-code``, and the current folder, which ``python -m`` puts first on the module path, is
+taken off it first, so that no module of the folder one stands in is imported implicitly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["COMMANDS", "main"]
@@ -30,15 +36,22 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("run_dir")
     pr.add_argument("inputs")
     pr.add_argument("--out", required=True)
+    pr.add_argument("--key", default=None, help="the array of the .npz to predict (default: x, else its only array, "
+                    "else x_test or x_val)")
     ex = sub.add_parser("export", help="a torch.export program (.pt2) that runs without pcdist")
     ex.add_argument("run_dir")
     ex.add_argument("out")
     for p in (ev, pr, ex):
         p.add_argument("--checkpoint", default="last", help="last (default), best, or a step number")
+        p.add_argument("--trust-code", action="store_true", help="import and call the function the run's "
+                       "model.json names as building its layers (runs of your own modules); never without this")
     co = sub.add_parser("compare", help="differing settings and final metrics of runs; their validation curves")
     co.add_argument("runs", nargs="+", help="run directories, or a sweep directory")
     co.add_argument("--plot", default=None, help="where to draw the curves (default: compare.png in the sweep "
                     "directory, else here)")
+    co.add_argument("--csv", default=None, help="also write the table as CSV (and, where the runs differ in "
+                    "trainer.seed, the mean and std over seeds beside it, <name>_seeds.csv)")
+    co.add_argument("--json", default=None, help="also write the whole comparison as JSON")
     return ap
 
 
@@ -46,7 +59,7 @@ def _run(args) -> None:
     if args.command == "evaluate":
         from .evaluate import evaluate
 
-        r = evaluate(args.run_dir, args.overrides, args.checkpoint)
+        r = evaluate(args.run_dir, args.overrides, args.checkpoint, trust_code=args.trust_code)
         head = f"{r['run_dir']} {r['checkpoint']}: {r['split']}"
         if r["mode"] == "supervised":
             print(f"{head} accuracy {r['accuracy']:.4f} on {r['samples']} samples, energy {r['energy']:.4g} after "
@@ -63,23 +76,38 @@ def _run(args) -> None:
     elif args.command == "predict":
         from .evaluate import predict
 
-        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint)
-        print(f"{len(r['labels'])} predictions -> {args.out} ({', '.join(r)})")
+        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code, key=args.key)
+        source = f"{args.inputs}" + (f"'s {r.pop('input')}" if r.get("input") else "")
+        r.pop("input", None)
+        print(f"{len(r['labels'])} predictions of {source} -> {args.out} ({', '.join(r)})")
     elif args.command == "export":
         from .export import export
 
-        r = export(args.run_dir, args.out, args.checkpoint)
+        r = export(args.run_dir, args.out, args.checkpoint, trust_code=args.trust_code)
         if r["format"] == "torch.export":
             print(f"wrote {r['path']}: a torch.export program (raw inputs -> logits); load it with "
                   f"torch.export.load({r['path']!r}).module()")
         else:
             print(f"note: {r['note']}")
     else:
-        from .compare import compare, format_table
+        from .compare import compare, format_groups, format_table, write_csv, write_json
 
         r = compare(args.runs, args.plot)
         print(format_table(r))
+        if r["groups"]:
+            print(f"\nover seeds (mean ± sample standard deviation):\n{format_groups(r)}")
         print(f"validation curves: {r['plot']}")
+        written = (write_csv(r, args.csv) if args.csv else []) + ([write_json(r, args.json)] if args.json else [])
+        if written:
+            print(f"wrote {', '.join(map(str, written))}")
+
+
+def _leave_current_folder_off_the_path() -> None:
+    """``python -m`` puts the current folder first on sys.path: take it off, so that a module lying there
+    (beside a run directory one was sent, say) is never imported by a name the run names."""
+    here = os.getcwd()
+    if sys.path and sys.path[0] in ("", ".", here):
+        del sys.path[0]
 
 
 def main(argv: list[str]) -> int:
@@ -90,6 +118,8 @@ def main(argv: list[str]) -> int:
     from .load import RunError
 
     args = _parser().parse_args(argv)
+    if not getattr(args, "trust_code", False):
+        _leave_current_folder_off_the_path()
     try:
         _run(args)
     except (RunError, CheckpointError, ConfigError, DataError) as e:

@@ -3,11 +3,17 @@ one table, and their validation curves on one plot.
 
 A sweep directory (``--multirun``, Hydra's Optuna sweeper) holds one run directory per job
 (``0/``, ``1/``, ...); it is expanded into them. Settings are the keys of each run's
-``config.yaml``; a key is shown where the runs disagree on it.
+``config.yaml``; a key is shown where the runs disagree on it. Where the runs differ in
+``trainer.seed``, the runs of equal other settings form a group, and a second table gives each
+group's mean ± sample standard deviation over its seeds (``groups``). ``--csv`` and ``--json``
+write the same figures for other programs.
 """
 
 from __future__ import annotations
 
+import csv
+import json
+import statistics
 from pathlib import Path
 
 import yaml
@@ -16,9 +22,12 @@ from .load import RunError
 from .metrics import _pyplot, _save, read_metrics
 from .config import flat
 
-__all__ = ["compare", "find_runs", "format_table"]
+__all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv", "write_json", "SEED", "METRICS"]
 
 _NOT_SETTINGS = {"run_dir"}
+SEED = "trainer.seed"
+METRICS = ("val/accuracy", "val/accuracy(best)", "val/reconstruction_mse", "train/energy", "step_s")
+"""The final metrics of a run that compare shows (and averages over seeds)."""
 
 
 def find_runs(paths) -> list[Path]:
@@ -43,11 +52,12 @@ def find_runs(paths) -> list[Path]:
 
 def _summary(rows: list[dict]) -> dict:
     acc = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    mse = [r["val/reconstruction_mse"] for r in rows if "val/reconstruction_mse" in r]
     energy = [r["train/energy"] for r in rows if "train/energy" in r]
     step_s = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
     return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
-            "val/accuracy(best)": max(acc) if acc else None, "train/energy": energy[-1] if energy else None,
-            "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
+            "val/accuracy(best)": max(acc) if acc else None, "val/reconstruction_mse": mse[-1] if mse else None,
+            "train/energy": energy[-1] if energy else None, "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
 
 
 def compare(paths, plot: str | Path | None = None) -> dict:
@@ -66,7 +76,28 @@ def compare(paths, plot: str | Path | None = None) -> dict:
         plot = (single[0] if len(single) == 1 and not (single[0] / "config.yaml").is_file() else Path(".")) / \
             "compare.png"
     _plot(runs, histories, rows, differing, Path(plot))
-    return {"runs": [str(r) for r in runs], "settings": differing, "rows": rows, "plot": str(plot)}
+    return {"runs": [str(r) for r in runs], "settings": differing, "rows": rows, "groups": over_seeds(rows, differing),
+            "plot": str(plot)}
+
+
+def over_seeds(rows: list[dict], differing: list[str]) -> list[dict]:
+    """Where the runs differ in trainer.seed: per group of runs with equal other settings, its settings, the
+    seeds, and each metric's mean and sample standard deviation over them (None for one seed); else []."""
+    if SEED not in differing:
+        return []
+    keys = [k for k in differing if k != SEED]
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(repr(row.get(k)) for k in keys), []).append(row)
+    out = []
+    for members in groups.values():
+        group = {**{k: members[0].get(k) for k in keys}, "seeds": [m.get(SEED) for m in members], "n": len(members)}
+        for metric in ("step", *METRICS):
+            values = [m[metric] for m in members if m.get(metric) is not None]
+            group[f"{metric} mean"] = statistics.fmean(values) if values else None
+            group[f"{metric} std"] = statistics.stdev(values) if len(values) > 1 else None
+        out.append(group)
+    return out
 
 
 def _label(row: dict, differing: list[str]) -> str:
@@ -101,10 +132,68 @@ def _cell(v) -> str:
     return str(v)
 
 
-def format_table(result: dict) -> str:
-    """The comparison as an aligned text table, one run per line."""
-    cols = ["run", *result["settings"], "step", "val/accuracy", "val/accuracy(best)", "train/energy", "step_s"]
-    cells = [[_cell(row.get(c)) for c in cols] for row in result["rows"]]
+def _columns(result: dict) -> list[str]:
+    """The per-run table's columns: the run, its differing settings, its final metrics."""
+    shown = [m for m in METRICS if m != "val/reconstruction_mse" or any(r.get(m) is not None for r in result["rows"])]
+    return ["run", *result["settings"], "step", *shown]
+
+
+def _aligned(cols: list[str], cells: list[list[str]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def format_table(result: dict) -> str:
+    """The comparison as an aligned text table, one run per line."""
+    cols = _columns(result)
+    return _aligned(cols, [[_cell(row.get(c)) for c in cols] for row in result["rows"]])
+
+
+def _mean_std(group: dict, metric: str) -> str:
+    mean, std = group[f"{metric} mean"], group[f"{metric} std"]
+    if mean is None:
+        return "-"
+    return _cell(mean) if std is None else f"{mean:.4g} ± {std:.2g}"
+
+
+def format_groups(result: dict) -> str:
+    """Mean ± standard deviation over seeds, one group of equal other settings per line ("" without seeds)."""
+    if not result["groups"]:
+        return ""
+    keys = [k for k in result["settings"] if k != SEED]
+    metrics = [m for m in METRICS if any(g[f"{m} mean"] is not None for g in result["groups"])]
+    cols = [*keys, "seeds", *(f"{m} (mean ± std)" for m in metrics)]
+    cells = [[_cell(g[k]) for k in keys] + [",".join(map(str, g["seeds"]))] + [_mean_std(g, m) for m in metrics]
+             for g in result["groups"]]
+    return _aligned(cols, cells)
+
+
+def write_csv(result: dict, path: str | Path) -> list[Path]:
+    """The per-run table as CSV at ``path`` and, where the runs differ in seed, the groups' means and standard
+    deviations beside it (``<stem>_seeds.csv``); returns the files written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = [_csv(path, _columns(result), result["rows"])]
+    if result["groups"]:
+        cols = list(result["groups"][0])
+        rows = [{**g, "seeds": " ".join(map(str, g["seeds"]))} for g in result["groups"]]
+        written.append(_csv(path.with_name(f"{path.stem}_seeds{path.suffix or '.csv'}"), cols, rows))
+    return written
+
+
+def _csv(path: Path, cols: list[str], rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for row in rows:
+            w.writerow(["" if row.get(c) is None else row.get(c) for c in cols])
+    return path
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    """The whole comparison (runs, differing settings, per-run rows, groups over seeds) as JSON at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path

@@ -37,7 +37,7 @@ from ..engine.trainer import ALGORITHMS
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
            "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
-           "passed_settings", "flat"]
+           "passed_settings", "flat", "command"]
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays", "signals")
 ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
@@ -228,7 +228,9 @@ class TrainerConfig:
     max_steps: int = 660
     """Training steps (batches) in all (>= 1); the LR schedule spans them."""
     epochs: Optional[int] = None
-    """If set, overrides max_steps: epochs x (training samples // batch_size) steps."""
+    """If set, overrides max_steps: epochs x (training samples // batch_size) steps. Passing trainer.max_steps
+    while it is set (on the same command line, by a preset, or in the run being resumed) is refused: set
+    trainer.epochs=null to count steps."""
     stop_at: Optional[int] = None
     """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
     batch_size: int = 64
@@ -661,8 +663,19 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
         if not hint and group:
             value = o.input_line.split("=", 1)[1] if "=" in o.input_line else "..."
             hint = f"; did you mean the config group {group[0]}={value}?"
-        return f"unknown config key {key}{hint} (python train.py --help lists every key and group)"
+        return f"unknown config key {key}{hint} ({command()} --help lists every key and group)"
     return None
+
+
+def command() -> str:
+    """How this process was started, for the hints in messages: ``python -m pcdist``, ``pcdist-train``, or
+    ``python train.py`` (also from Python, where the command line to name is the checkout's)."""
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if argv0.name == "__main__.py" and argv0.parent.name == "pcdist":
+        return "python -m pcdist"
+    if argv0.name == "pcdist-train":
+        return "pcdist-train"
+    return "python train.py"
 
 
 def did_you_mean(word: str, known) -> str:

@@ -9,7 +9,8 @@ rank then
   (PC's weight update against backprop's gradient, per layer), ``diag/value_change/<n>`` (rms value
   change over inference / rms activation, per free node), ``diag/energy_init`` and ``diag/energy_final``
   (the batch energy after the feed-forward init and after T inference steps), ``diag/energy_ratio``
-  (final / init) and ``diag/unstable`` (1 when the energy grew over the inference steps);
+  (final / init) and ``diag/unstable`` (1 when the energy grew over the inference steps by more than
+  round-off, ``grew``);
 * appends the whole record (with the energy per layer at every inference step) to diagnostics.jsonl;
 * says, once, when inference is unstable, with the likely fix (``unstable_hint``);
 * at the end draws diagnostics_energy.png (energy per layer over the inference steps, first and last
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ..engine.diagnostics import classify_inference, diagnose, unstable_hint
 
-__all__ = ["Diagnostics", "check_trace", "scalars", "plot_diagnostics", "read_diagnostics"]
+__all__ = ["Diagnostics", "check_trace", "grew", "scalars", "plot_diagnostics", "read_diagnostics"]
 
 FILE = "diagnostics.jsonl"
 
@@ -40,7 +41,7 @@ def scalars(d: dict) -> dict:
     e0, eT = d["energy"][0], d["energy"][-1]
     out.update({"diag/energy_init": e0, "diag/energy_final": eT,
                 "diag/energy_ratio": eT / e0 if e0 > 0 else math.nan,
-                "diag/unstable": float(d["inference"] == "diverging")})
+                "diag/unstable": float(grew(d["energy"]))})
     return out
 
 
@@ -65,7 +66,7 @@ class Diagnostics:
         with open(self.path, "a") as f:
             f.write(json.dumps(d) + "\n")
         self.logger.log(scalars({**d, "value_change": {int(k): v for k, v in d["value_change"].items()}}), step)
-        if d["inference"] == "diverging" and not self.warned:
+        if grew(d["energy"]) and not self.warned:
             self.logger.say(unstable_hint(d["energy"], d["x_lr"], d["T"], f" at step {step} (pc.diagnostics)"))
             self.warned = True
         return d
@@ -76,12 +77,25 @@ class Diagnostics:
             plot_diagnostics(read_diagnostics(self.path), self.path.parent)
 
 
+GREW = 1e-3
+"""How much (relative) the energy must grow over the inference steps to be called unstable: far above the
+round-off of two float32 evaluations of the same energy (~1e-6), far below any real blow-up (x1.1 and up)."""
+
+
+def grew(energy: list[float]) -> bool:
+    """Whether the total energy over the inference steps (index 0: the feed-forward init) ended higher than it
+    started by more than round-off (``GREW``), or is not finite: an unstable inference."""
+    if not all(math.isfinite(e) for e in energy):
+        return True
+    return classify_inference(energy) == "diverging" and energy[-1] > energy[0] * (1 + GREW)
+
+
 def check_trace(trace: list[list[float]] | None, x_lr: float, T: int, logger) -> bool:
     """Say so when the end-of-run inference trace (energy per layer per step) grew; True if it did."""
     if not trace:
         return False
     energy = [math.fsum(row) for row in trace]
-    if classify_inference(energy) != "diverging":
+    if not grew(energy):
         return False
     logger.say(unstable_hint(energy, x_lr, T, " (one batch at the final weights)"))
     return True

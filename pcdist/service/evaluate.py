@@ -23,7 +23,7 @@ import torch
 from ..engine.energies import energy_of
 from ..engine.modes import mean_prediction, reconstruct
 from ..engine.trainer import PCTrainer
-from .config import PYTHON_DATA, Config, load_config
+from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, load_config
 from .data import Dataset, StreamedData, load_dataset, one_hot
 from .load import Run, RunError, load
 
@@ -42,7 +42,8 @@ def _with_overrides(c: Config, overrides) -> Config:
         if not sep:
             raise RunError(f"override {o!r} is not key=value")
         if OmegaConf.select(base, key, default="__missing__") == "__missing__":
-            raise RunError(f"unknown config key {key} in override {o!r}")
+            raise RunError(f"unknown config key {key} in override {o!r}{did_you_mean(key, config_keys())} "
+                           f"({command()} --help lists every key)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
     return load_config(base)
 
@@ -146,11 +147,13 @@ EVALUATORS: dict[str, Callable[[Run, Config, torch.Tensor, torch.Tensor], dict]]
 """Each PC mode's test, keyed by ``pc.mode`` (a mode without an entry cannot be evaluated yet)."""
 
 
-def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True) -> dict:
+def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True, layers=None,
+             trust_code: bool = False) -> dict:
     """Evaluate a run on its held-out split; writes ``eval.json`` and ``confusion.png`` into the run
     directory (``write``). ``overrides``: ``key=value`` settings for evaluation (``pc.T=50``,
-    ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python."""
-    run = load(run_dir, checkpoint)
+    ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python.
+    ``layers``, ``trust_code``: as for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
     c = _with_overrides(run.config, overrides)
     mode = getattr(c.pc, "mode", "supervised")
     if mode not in EVALUATORS:
@@ -190,8 +193,19 @@ def plot_confusion(confusion: list[list[int]], path: Path, title: str) -> Path:
     return path
 
 
-def read_inputs(path) -> np.ndarray:
-    """The inputs array of an .npz (key ``x``, or its only array) or .npy file, without unpickling."""
+INPUT_KEYS = ("x", "x_test", "x_val")
+"""The arrays of an .npz that ``predict`` takes as its inputs, without --key: x, else the held-out inputs of
+the files data=arrays reads (x_test or x_val, whichever it holds)."""
+
+
+def read_inputs(path, key: str | None = None) -> np.ndarray:
+    """The inputs array of an .npz (``key``; else ``x``, else its only array, else the one of x_test and x_val
+    it holds) or of an .npy file, without unpickling."""
+    return _inputs(path, key)[1]
+
+
+def _inputs(path, key: str | None = None) -> tuple[str | None, np.ndarray]:
+    """(the array's name in the .npz, or None for an .npy, the array) of ``read_inputs``."""
     p = Path(path)
     if not p.is_file():
         raise RunError(f"{p} does not exist")
@@ -200,20 +214,30 @@ def read_inputs(path) -> np.ndarray:
     except Exception as e:
         raise RunError(f"{p} is not a numpy .npz / .npy file ({e})") from e
     if isinstance(got, np.ndarray):
-        return got
+        return None, got
     keys = list(got.keys())
-    if "x" in keys:
-        return got["x"]
-    if len(keys) == 1:
-        return got[keys[0]]
-    raise RunError(f"{p} holds arrays {keys}; name the inputs x")
+    if key is not None:
+        if key not in keys:
+            raise RunError(f"{p} holds no array {key!r} (it holds {', '.join(keys)}); --key names one of them")
+        return key, got[key]
+    if "x" in keys or len(keys) == 1:
+        name = "x" if "x" in keys else keys[0]
+        return name, got[name]
+    held = [k for k in INPUT_KEYS[1:] if k in keys]
+    if len(held) == 1:
+        return held[0], got[held[0]]
+    raise RunError(f"{p} holds arrays {', '.join(keys)}; name the inputs with --key (e.g. --key "
+                   f"{held[0] if held else keys[0]}), or save them as x")
 
 
-def predict(run_dir, inputs, out=None, checkpoint="last") -> dict:
+def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_code: bool = False,
+            key: str | None = None) -> dict:
     """Logits, predicted labels (and class probabilities for a cross-entropy run) of raw ``inputs``
-    (an array, a tensor or an .npz / .npy path) with the run's preprocessing; saved to ``out`` (.npz)."""
-    run = load(run_dir, checkpoint)
-    x = read_inputs(inputs) if isinstance(inputs, (str, Path)) else inputs
+    (an array, a tensor or an .npz / .npy path; ``key``: the array of the .npz, as ``read_inputs``
+    picks it) with the run's preprocessing; saved to ``out`` (.npz). ``layers``, ``trust_code``: as for
+    ``pcdist.load``. The result's ``input`` names the array read."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
+    name, x = _inputs(inputs, key) if isinstance(inputs, (str, Path)) else (None, inputs)
     logits = run.predict(x)
     result = {"logits": logits.numpy(), "labels": logits.argmax(1).numpy()}
     energy = energy_of(run.network.energy)
@@ -221,4 +245,5 @@ def predict(run_dir, inputs, out=None, checkpoint="last") -> dict:
         result["probabilities"] = energy.mean(logits).numpy()
     if out is not None:
         np.savez(out, **result)
+    result["input"] = name
     return result

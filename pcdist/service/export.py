@@ -69,11 +69,11 @@ def _first_failing_layer(run: Run, example: Tensor) -> str:
     return "torch.export failed on the whole network"
 
 
-def export(run_dir, out, checkpoint="last", layers=None) -> ExportResult:
+def export(run_dir, out, checkpoint="last", layers=None, trust_code: bool = False) -> ExportResult:
     """Write the run's network (with its preprocessing) to ``out`` as a torch.export program, or as a
-    state_dict with a note where a layer cannot be exported. Returns what was written. ``layers``: as
-    for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
-    return export_run(load(run_dir, checkpoint, layers=layers), out)
+    state_dict with a note where a layer cannot be exported. Returns what was written. ``layers``,
+    ``trust_code``: as for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
+    return export_run(load(run_dir, checkpoint, layers=layers, trust_code=trust_code), out)
 
 
 def export_run(run: Run, out) -> ExportResult:

@@ -9,7 +9,9 @@
 
 The layers are rebuilt from the run's model.json (pcdist/service/modelfile.py) or, for runs
 written before it, from the layer signatures every checkpoint stores; checkpoints are keyed by
-global layer, so a checkpoint written by any split loads into one process. A problem (not a run
+global layer, so a checkpoint written by any split loads into one process. A run directory is read
+as data only: the function model.json may name as building the layers (``factory``) is imported and
+called only with ``trust_code=True`` (docs/after-training.md, "A run folder from someone else"). A problem (not a run
 directory, no checkpoint, a checkpoint of another architecture) raises ``RunError`` or
 ``CheckpointError``, one line naming it.
 """
@@ -72,6 +74,26 @@ class Run:
         device = next(self.network.parameters()).device
         return torch.cat([self.network(c.to(device)).cpu() for c in torch.split(t, batch)]) if len(t) else \
             torch.empty(0, self.network.node_shapes[-1][0])
+
+
+def _layer_source(p: Path, specs: list, layers, factory: str | None, trust_code: bool):
+    """Where the layers come from: the caller's ``layers``, the run's recorded ``factory`` (only with
+    ``trust_code``: it is code from the run folder's model.json), or None (rebuilt from model.json's data).
+    Refuses, in one line, a run whose layers only code rebuilds when neither was allowed."""
+    if layers is not None:
+        return layers
+    if factory and trust_code:
+        return lambda: call_factory(factory)
+    missing = [l for l, s in enumerate(specs, start=1) if s is None]
+    if not missing:
+        return None
+    if factory:
+        raise RunError(f"{p}: layers {missing} are modules that only code rebuilds, and the run's model.json names "
+                       f"{factory!r} to build them; pcdist never imports or runs code named by a run folder unless "
+                       f"told to: if you trust {factory}, pass pcdist.load(run_dir, trust_code=True) (on the "
+                       f"command line --trust-code), or pass the modules: pcdist.load(run_dir, layers=...)")
+    raise RunError(f"{p}: layers {missing} are the user's own modules and the run recorded no importable "
+                   f"function that builds them; pass them: pcdist.load(run_dir, layers=...)")
 
 
 def _run_dir(run_dir) -> Path:
@@ -137,12 +159,14 @@ def _specs(p: Path, model: dict | None, signature: list) -> list:
     return [kind_from_signature(s) for s in signature]
 
 
-def load(run_dir, checkpoint="last", layers=None, device="cpu") -> Run:
+def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool = False) -> Run:
     """The run in ``run_dir`` at ``checkpoint`` ("last", "best" or a step) on one process.
 
     ``layers``: your modules (or a function returning them), for runs of your own layers that
-    pcdist cannot rebuild by itself (generic module layers with no importable factory recorded);
-    they come back trained, as the same classes. ``device``: where the network goes.
+    pcdist cannot rebuild by itself (generic module layers); they come back trained, as the same
+    classes. ``trust_code``: import and call the function the run recorded as building its layers
+    (model.json's ``factory``); without it that code is never run, and a run that needs it is
+    refused with one line naming it. ``device``: where the network goes.
     """
     p = _run_dir(run_dir)
     path = find_checkpoint(p, checkpoint)
@@ -162,13 +186,9 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu") -> Run:
             raise RunError(f"{p} was trained with data.normalize=true before runs saved their normalisation "
                            f"statistics (model.json): its inputs cannot be prepared as in training")
         inputs = Inputs(tuple(specs[0].in_shape), False, c.trainer.dtype)
-    factory = model.get("factory") if model else None
-    if layers is not None or factory or any(s is None for s in specs):
-        if layers is None and not factory:
-            missing = [l for l, s in enumerate(specs, start=1) if s is None]
-            raise RunError(f"{p}: layers {missing} are the user's own modules and the run recorded no importable "
-                           f"function that builds them; pass them: pcdist.load(run_dir, layers=...)")
-        user = UserLayers.of(layers if layers is not None else (lambda: call_factory(factory)))
+    source = _layer_source(p, specs, layers, (model or {}).get("factory"), trust_code)
+    if source is not None:
+        user = UserLayers.of(source)
         if len(user.modules) != len(signature):
             raise CheckpointError(f"{path} holds {len(signature)} layers but {len(user.modules)} modules were given: "
                                   f"they are not the run's architecture")

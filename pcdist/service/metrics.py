@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "check_logger", "progress_line",
-           "plot_training", "plot_inference", "plot_heatmap"]
+__all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "truncate_jsonl", "check_logger",
+           "progress_line", "plot_training", "plot_inference", "plot_heatmap"]
 
 
 def check_logger(logger_cfg) -> None:
@@ -89,8 +89,10 @@ class RunLogger(NullLogger):
     terminal shows a bar: SLURM, nohup, docker logs); ``off`` keeps the terminal quiet.
     """
 
-    def __init__(self, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str):
+    def __init__(self, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str,
+                 network: list[dict] | None = None):
         self.run_dir = Path(run_dir)
+        self.network = network
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self._train_log = open(self.run_dir / "train.log", "a", buffering=1)
@@ -175,19 +177,60 @@ class RunLogger(NullLogger):
         """accuracy_energy.png (over training), inference_energy.png and inference_heatmap.png (per
         layer over the inference steps of one batch)."""
         rows = read_metrics(self.run_dir / "metrics.jsonl")
-        what = _describe(self.config)
+        what = _describe(self.config, self.network)
         _save(plot_training(rows, what), self.run_dir / "accuracy_energy.png")
         if self.trace:
             _save(plot_inference(self.trace, what), self.run_dir / "inference_energy.png")
             _save(plot_heatmap(self.trace, what), self.run_dir / "inference_heatmap.png")
 
 
-def _describe(config: dict) -> str:
-    """``digits, 64-128-128-10 gelu (3 layers), pc T=20`` from the resolved config."""
-    m, pc = config.get("model", {}), config.get("pc", {})
+def _describe(config: dict, network: list[dict] | None = None) -> str:
+    """What trained, for the plots' titles: ``digits, 3 layers 64-128-128-10: 2 x dense gelu, dense; pc T=20``
+    from the layers' signatures (``network``: one per layer, as ``LayerKind.signature()`` gives them), else
+    from the config's model.dims."""
+    pc, data = config.get("pc", {}), config.get("data", {}).get("name", "?")
+    run = f"{pc.get('algorithm', 'pc')} T={pc.get('T', '?')}"
+    if network:
+        return f"{data}, {describe_network(network)}; {run}"
+    m = config.get("model", {})
     dims = m.get("dims") or []
-    return (f"{config.get('data', {}).get('name', '?')}, {'-'.join(map(str, dims))} {m.get('activation', '')} "
-            f"({len(dims) - 1} layers), {pc.get('algorithm', 'pc')} T={pc.get('T', '?')}")
+    return f"{data}, {'-'.join(map(str, dims))} {m.get('activation', '')} ({len(dims) - 1} layers), {run}"
+
+
+def describe_network(signatures: list[dict]) -> str:
+    """``64 layers 64-128(x63)-10: residual identity, 63 x residual relu``: the number of
+    layers, the value nodes' shapes (repeats counted) and each run of layers of one kind and activation."""
+    nodes = [_shape(signatures[0].get("in"))] + [_shape(s.get("out")) for s in signatures]
+    kinds = _runs([_kind(s) for s in signatures], " x ")
+    return f"{len(signatures)} layer{'s' * (len(signatures) > 1)} {'-'.join(_runs(nodes, '', suffix=True))}: " \
+           f"{', '.join(kinds)}"
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape)) if isinstance(shape, (list, tuple)) else str(shape)
+
+
+def _kind(sig: dict) -> str:
+    """``dense gelu``, ``conv1d gelu max-pool``, ``residual relu``, or a module layer's kind."""
+    kind = sig.get("kind", "?")
+    if kind == "conv":
+        kind = f"conv{len(sig.get('in', [])) - 1}d"
+    pool = f" {sig['pool']}-pool" if sig.get("pool") not in (None, "none") else ""
+    act = sig.get("activation")
+    return f"{kind}{f' {act}' if act else ''}{pool}"
+
+
+def _runs(items: list[str], sep: str, suffix: bool = False) -> list[str]:
+    """Consecutive repeats counted: ``2 x dense gelu`` (or, ``suffix``, ``128(x2)``)."""
+    out: list[list] = []
+    for item in items:
+        if out and out[-1][0] == item:
+            out[-1][1] += 1
+        else:
+            out.append([item, 1])
+    if suffix:  # 64-128-128-10, but 64-128(x63)-10
+        return [f"{item}(x{n})" if n > 2 else "-".join([item] * n) for item, n in out]
+    return [f"{n}{sep}{item}" if n > 1 else item for item, n in out]
 
 
 def _pyplot():
@@ -200,7 +243,9 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    fig.savefig(path, dpi=110)
+    """The figure as a PNG, its axes' titles also kept as the file's Title (readable without looking)."""
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    fig.savefig(path, dpi=110, metadata={"Title": " | ".join(titles)} if titles else None)
     _pyplot().close(fig)
 
 
@@ -323,8 +368,33 @@ def _run_id(run_dir: Path) -> str:
     return rid
 
 
-def make_logger(is_logging: bool, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str):
-    return RunLogger(run_dir, config, logger_cfg, max_steps, progress) if is_logging else NullLogger()
+def make_logger(is_logging: bool, run_dir: Path, config: dict, logger_cfg, max_steps: int, progress: str,
+                network: list[dict] | None = None):
+    """The logging rank's RunLogger (``network``: the layers' signatures, for the plots' titles); a NullLogger
+    elsewhere."""
+    return RunLogger(run_dir, config, logger_cfg, max_steps, progress, network) if is_logging else NullLogger()
+
+
+def truncate_jsonl(path: str | Path, keep) -> int:
+    """Keep the rows of a JSON-lines file for which ``keep(row)`` holds (a line cut short by a crash is
+    dropped), rewritten to a temporary name and renamed; returns how many rows were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _keeps(line, keep)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _keeps(line: str, keep) -> bool:
+    try:
+        return bool(keep(json.loads(line)))
+    except ValueError:
+        return False
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -14,7 +14,8 @@ Written by the training service beside ``config.yaml`` (pcdist/service/run.py), 
 
 The dense, residual and conv kinds are rebuilt from their fields alone. A ``module`` layer (any
 other nn.Module) is code, not data: it is rebuilt by calling ``factory`` (recorded when
-``pcdist.train(cfg, layers=...)`` got an importable function), or from modules the caller passes
+``pcdist.train(cfg, layers=...)`` got an importable function; called only when the caller opts in,
+``pcdist.load(run_dir, trust_code=True)``), or from modules the caller passes
 (``pcdist.load(run_dir, layers=...)``).
 """
 

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, network_options, num_layers, passed_settings
+from .config import (PYTHON_DATA, PYTHON_MODEL, Config, command, make_config, network_options, num_layers,
+                     passed_settings)
 from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
                    normalized, one_hot)
 from .modelfile import Inputs, write_model_file
@@ -36,8 +38,8 @@ from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from .loader import Streamed
 from .validate import pictures, validate
-from .diagnostics import Diagnostics, check_trace
-from .metrics import check_logger, make_logger
+from .diagnostics import FILE as DIAGNOSTICS_FILE, Diagnostics, check_trace
+from .metrics import check_logger, make_logger, truncate_jsonl
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import Resume, find_resume, next_run_dir, position_schedule, write_attempt
@@ -104,6 +106,14 @@ def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[
 def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
     from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
+    try:
+        return _model_specs(c, sample_shape, classes)
+    except ValueError as e:  # a layer the data's shape leaves nothing to (a conv on too small a sample)
+        raise ConfigError(f"model.name={c.model.name} on data {c.data.name}'s samples of shape {list(sample_shape)}: "
+                          f"{e}") from e
+
+
+def _model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     m = c.model
     bottom, top = end_shapes(c, sample_shape, classes)
     if m.name == "mupc":
@@ -133,10 +143,7 @@ def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers 
     Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
     if data is None:
-        d = c.data
-        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
-        data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
-                            d.synthetic_val, d.path, d.num_classes, d.signal)
+        data = _dataset(c)
     elif not isinstance(data, (Dataset, StreamedData)):
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
@@ -158,6 +165,32 @@ def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers 
     return (data.flat() if isinstance(data, Dataset) else data), inputs
 
 
+def _dataset_args(c: Config) -> tuple:
+    """``load_dataset``'s arguments for the configured data."""
+    d = c.data
+    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+    return (d.name, d.root, tuple(teacher), c.trainer.seed, d.val_fraction, d.synthetic_train, d.synthetic_val,
+            d.path, d.num_classes, d.signal)
+
+
+def _dataset(c: Config) -> Dataset | StreamedData:
+    """The configured data set (data.name's)."""
+    name, root, teacher, *rest = _dataset_args(c)
+    return load_dataset(name, root, list(teacher), *rest)
+
+
+def check_model_on_data(c: Config, loaded: dict | None = None) -> None:
+    """The configured data against the configured model, as a run checks them before it trains (a sweep checks
+    every job so before the first starts); ``loaded``: data sets already read, by their arguments."""
+    loaded = {} if loaded is None else loaded
+    args = _dataset_args(c)
+    if args not in loaded:
+        loaded[args] = _dataset(c)
+    ds = loaded[args]
+    _check_data(c, ds)
+    model_specs(c, tuple(ds.sample_shape), ds.num_classes)
+
+
 def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
     """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
     when the first one starts with an nn.Linear."""
@@ -171,18 +204,31 @@ def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
     return len(ds.data if isinstance(ds, Streamed) else ds)
 
 
+def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
+    """The one line for image or signal samples laid out channels-last ([H, W, C], [L, C]), which conv models
+    read channels-first ([C, H, W], [C, L]); None if they do not look so."""
+    shape = tuple(sample_shape)
+    if len(shape) not in (2, 3) or not (shape[-1] <= 4 and shape[-1] < min(shape[:-1])):
+        return None
+    image = len(shape) == 3
+    want = [shape[-1], *shape[:-1]]
+    layout, axes = ("[H, W, C]", "0, 3, 1, 2") if image else ("[L, C]", "0, 2, 1")
+    source = f"data {c.data.name}" + (f" ({c.data.path})" if c.data.path else "")
+    return (f"{source} has samples of shape {list(shape)}, channels-last {layout}, but model.name="
+            f"{c.model.name} reads {'images [C, H, W]' if image else 'signals [C, L]'} channels-first; transpose "
+            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
+
+
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
+    if c.model.name in ("cnn", "vgg") and _channels_last(c, ds.sample_shape):
+        raise DataError(_channels_last(c, ds.sample_shape))
     if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
         one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     if c.model.name == "mlp" and c.pc.mode == "supervised":
-        if ds.num_features != c.model.dims[0]:
-            raise DataError(f"data {c.data.name} has {ds.num_features} input features{shape} but model.dims[0]="
-                            f"{c.model.dims[0]}; set model.dims=[{ds.num_features},...]")
-        if ds.num_classes != c.model.dims[-1]:
-            raise DataError(f"data {c.data.name} has {ds.num_classes} classes but model.dims[-1]={c.model.dims[-1]}")
+        _check_mlp_ends(c, ds, shape)
     elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
         bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
         said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
@@ -202,6 +248,28 @@ def _check_data(c: Config, ds) -> None:
     if _num_train(ds) < c.trainer.batch_size:
         raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
                         f"trainer.batch_size={c.trainer.batch_size}")
+
+
+def _check_mlp_ends(c: Config, ds, shape: str) -> None:
+    """model.dims against the data's input features and classes, both fixes said at once (with a note where the
+    labels start at 1, which leaves class 0 empty)."""
+    dims = list(c.model.dims)
+    wrong = [f"{ds.num_features} input features{shape} but model.dims[0]={dims[0]}"] * (ds.num_features != dims[0])
+    wrong += [f"{ds.num_classes} classes but model.dims[-1]={dims[-1]}"] * (ds.num_classes != dims[-1])
+    if not wrong:
+        return
+    fixed = ",".join(map(str, [ds.num_features, *dims[1:-1], ds.num_classes]))
+    raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
+
+
+def _empty_class_0(ds) -> str:
+    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
+    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
+        return ""
+    low = int(torch.cat([ds.y_train, ds.y_val]).min())
+    return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
+            f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
+            f"{low}, y - {low})")
 
 
 def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
@@ -237,9 +305,10 @@ def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> 
 
 
 def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData | None = None,
-        layers=None) -> Result:
+        layers=None, sweep: bool = False) -> Result:
     """``train`` of a validated Config; ``passed``: the keys the user set now, each with its override
-    (``passed_settings``; None: every key), which a resume applies to the run's saved settings."""
+    (``passed_settings``; None: every key), which a resume applies to the run's saved settings.
+    ``sweep``: a job of a sweep (``--multirun``), which continues only a run of its own settings."""
     user = None
     if layers is not None:
         user = UserLayers.of(layers)
@@ -253,8 +322,9 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
             passed["data.name"] = "data=... (pcdist.train's argument)"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
-    resume = find_resume(c, Path(c.run_dir), passed)  # the run's own settings, or a one-line refusal
+    resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
+    check_length(c, passed)
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
@@ -271,9 +341,9 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s,
                          backend=None if c.parallel.backend == "auto" else c.parallel.backend)
+    torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     try:
-        return _run(c, device, distributed, data, user=user, resume=resume,
-                    mesh=mesh + threads if distributed else None)
+        return _run(c, device, distributed, data, user=user, resume=resume, mesh=mesh + threads if torchrun else None)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -298,6 +368,18 @@ def check(c: Config, world: int) -> str:
     return mesh
 
 
+def check_length(c: Config, passed: dict[str, str] | None) -> None:
+    """trainer.max_steps passed while trainer.epochs is set (passed too, or from a preset or the resumed run):
+    the epochs would silently win, so say so and refuse."""
+    if c.trainer.epochs is None or passed is None or "trainer.max_steps" not in passed:
+        return
+    setter = passed.get("trainer.epochs", "the run's own settings")
+    epochs = setter if setter.startswith("trainer.epochs=") else f"trainer.epochs={c.trainer.epochs} (from {setter})"
+    raise ConfigError(f"{epochs} and {passed['trainer.max_steps']} both set how long the run trains, and "
+                      f"trainer.epochs would win; set one: trainer.epochs=null to train trainer.max_steps steps, or "
+                      f"leave out trainer.max_steps")
+
+
 def choose_mesh(c: Config, world: int) -> str:
     """Fill in ``parallel.layer`` when it is null (what the world size leaves after
     ``parallel.data``) and check the mesh against the world size; one line says how it was chosen."""
@@ -318,7 +400,7 @@ def choose_mesh(c: Config, world: int) -> str:
             raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
                               f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
     ParallelDims(p.data, p.layer).validate(world, layers)
-    return (f"mesh: {world} ranks = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
+    return (f"mesh: {world} rank{'s' * (world > 1)} = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
             f"split into {p.layer} slices")
 
 
@@ -345,6 +427,11 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     """Everything after the process group: data, mesh, model, resume (``find_resume``'s), the
     training ``loop`` (``_loop``; benchmarks/service.py passes one that times it beside the bare
     engine step); ``mesh``: the line that says how the mesh was chosen (the logging rank says it)."""
+    if resume is None:  # a caller that has not looked at the directory yet (benchmarks/service.py): every rank
+        resume = find_resume(c, Path(c.run_dir), None)  # looks before any rank writes into it
+        if distributed:
+            with collective("the run-directory barrier"):
+                dist.barrier()
     dtype = getattr(torch, c.trainer.dtype)
     ds, inputs = _load_data(c, data, user)
     image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
@@ -360,7 +447,6 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     if c.trainer.epochs is not None:
         c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
     run_dir = Path(c.run_dir)
-    resume = resume or find_resume(c, run_dir, None)
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
     if user is not None:
         net = user.network(c.model.energy, par.layers, inputs.node_shape(), dtype, device, **network_options(c))
@@ -396,14 +482,16 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
             for g in opt.param_groups:
                 g["lr"] = meta["lr"]
         torch.set_rng_state(meta["rng"])
-    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress)
+    dropped = forget_lost_steps(run_dir, start) if par.is_logging else 0  # never a step twice in metrics.jsonl
+    logger = make_logger(par.is_logging, run_dir, asdict(c), c.logger, c.trainer.max_steps, c.trainer.progress,
+                         [s.signature() for s in specs])  # the plots describe the network that trained
     if isinstance(trainer, PCTrainer):
         trainer.runner.say = logger.say  # a stage that cannot be captured says so in train.log
     try:
         if mesh is not None:
             logger.say(mesh)
         if par.is_logging:
-            _announce(c, resume, run_dir, start, opt, logger)
+            _announce(c, resume, run_dir, start, opt, logger, dropped)
         B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
         if isinstance(ds, StreamedData):
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
@@ -450,14 +538,30 @@ def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
             f"trainer.stop_at)")
 
 
-def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger) -> None:
+def forget_lost_steps(run_dir: Path, start: int) -> int:
+    """Drop the rows a run logged after the checkpoint it resumes at ``start`` (0: a restart before the first
+    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``) and diagnostics.jsonl (the
+    diagnoses at ``start`` and after). Returns how many metrics rows were dropped."""
+    run_dir = Path(run_dir)
+    truncate_jsonl(run_dir / DIAGNOSTICS_FILE, lambda r: r.get("step", 0) < start)
+    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
+
+
+def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
     """Keep this attempt's config and say, one line each, how the run starts and what changed."""
     attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
+    gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"
     if resume.checkpoint is None:
         logger.say(f"new run in {run_dir} (config: {attempt})")
+        if dropped:  # a torchrun restart before the first checkpoint
+            logger.say(f"restart: {gone}")
         return
+    if resume.skipped:
+        logger.say(resume.skipped_line())
     logger.say(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} with the run's own "
                f"settings (config: {attempt})")
+    if dropped:
+        logger.say(f"resume: {gone}")
     for line in resume.lines():
         logger.say(line)
     if resume.unknown_config:
@@ -476,7 +580,7 @@ def _end_line(c: Config, result: dict) -> str:
     if result["finished"]:
         return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
-            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: python train.py "
+            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: {command()} "
             f"hydra.run.dir={result['run_dir']}")
 
 
@@ -522,55 +626,83 @@ def _val_chunks(ds, par: Parallel, device, dtype):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM or SIGUSR1 arrived: the run checkpointed and stopped; rerunning resumes it."""
+    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived: the run checkpointed and stopped; rerunning resumes it.
+    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption)."""
+
+    def __init__(self, message: str, signal_number: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signal = signal_number
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def _catch_stop_signals() -> dict:
-    """Record SIGTERM / SIGUSR1 instead of dying, so the current step can finish and checkpoint."""
+def _catch_stop_signals() -> tuple[dict, object]:
+    """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
+    second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
     got = {"signal": 0}
+    before = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda signum, frame: got.__setitem__("signal", signum))
-    return got
+            signal.signal(sig, functools.partial(_on_stop_signal, got))
+    return got, before
+
+
+def _on_stop_signal(got: dict, signum: int, frame) -> None:
+    """Remember the first stop signal; a Ctrl-C after it stops the process at once, without a checkpoint."""
+    if signum == signal.SIGINT and got["signal"]:
+        print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
+              "newest checkpoint)", file=sys.stderr, flush=True)
+        os._exit(130)
+    got["signal"] = got["signal"] or signum
+
+
+def _restore_sigint(before) -> None:
+    """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
+    if threading.current_thread() is threading.main_thread() and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
+def _stop_message(signum: int, done: int, path: Path, run_dir) -> str:
+    """How the run stopped, its checkpoint, and how to resume it."""
+    how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
+    return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
 
 
 class _StopVote:
-    """Whether any rank got a stop signal, agreed by all: each step posts this rank's flag in a
-    MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by
-    then, so the vote never holds a rank up (a blocking all-reduce per step would line the ranks
-    up at every step). Every rank reads the same votes in the same steps, so all stop after the
-    same step, at most two steps after the signal. The vote is a host tensor over a gloo group (on
-    GPUs too), so reading it never waits for the device."""
+    """Which stop signal any rank got, agreed by all (0: none): each step posts this rank's signal number in
+    a MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by then, so
+    the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).
+    Every rank reads the same votes in the same steps, so all stop after the same step, at most two steps
+    after the signal, and agree on which signal it was (the largest number: a pre-emption over a Ctrl-C).
+    The vote is a host tensor over a gloo group (on GPUs too), so reading it never waits for the device."""
 
     def __init__(self, distributed: bool, device: torch.device):
         self.distributed = distributed
         self.group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
         self._posted: tuple | None = None
 
-    def __call__(self, flag: bool) -> bool:
-        """The vote posted at the previous call (False at the first); posts ``flag`` for the next."""
+    def __call__(self, signum: int) -> int:
+        """The vote posted at the previous call (0 at the first); posts ``signum`` for the next."""
         stop = self.finish()
         if not self.distributed:
-            self._posted = (None, flag)
+            self._posted = (None, signum)
             return stop
-        t = torch.tensor([1.0 if flag else 0.0])
+        t = torch.tensor([float(signum)])
         self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
         return stop
 
-    def finish(self) -> bool:
+    def finish(self) -> int:
         """Wait for the vote in flight (if any) and return it."""
         if self._posted is None:
-            return False
+            return 0
         work, t = self._posted
         self._posted = None
         if work is None:
-            return bool(t)
+            return int(t)
         with collective("the stop-signal all-reduce"):
             work.wait()
-        return bool(t.item())
+        return int(t.item())
 
 
 def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
@@ -581,14 +713,28 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
     unsupervised modes."""
     t_cfg = c.trainer
     result: dict = {"step": start}
-    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
-    got = _catch_stop_signals()
+    got, before = _catch_stop_signals()
+    try:
+        result = _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
+                        until, image_shape, got, result, end)
+    finally:
+        _restore_sigint(before)
+    if c.pc.diagnostics and par.is_logging:
+        Diagnostics(c, run_dir, logger).plot()
+    return result
+
+
+def _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0, until,
+           image_shape, got, result, end) -> dict:
+    """The training steps of ``_loop``; ``got``: the stop signal this rank caught (``_catch_stop_signals``)."""
+    t_cfg = c.trainer
+    clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
     vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
     diag = Diagnostics(c, run_dir, logger) if c.pc.diagnostics else None  # pcdist/service/diagnostics.py
     for step in range(start, end if until is None else until):
         done = step + 1
-        stop = vote(bool(got["signal"]))
+        stop = vote(got["signal"])
         x, y = next(batches)
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == end or stop
@@ -626,13 +772,10 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
         result["step"] = done
         if stop:
             vote.finish()
-            if is_rank0:
+            if is_rank0 and stop != signal.SIGINT:  # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
                 (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
-            raise Preempted(f"stopped by a signal after step {done}; checkpoint {path}; rerun with "
-                            f"hydra.run.dir={run_dir} to resume")
+            raise Preempted(_stop_message(stop, done, path, run_dir), stop)
     vote.finish()
-    if diag is not None and par.is_logging:
-        diag.plot()
     return result
 
 

@@ -5,9 +5,13 @@
   must find the same directory without talking to each other, so under torchrun the
   first rank to start picks the name and records it in ``runs/.launches/<launch key>``;
   the others, and restarted workers, read it there.
-* A directory that holds a checkpoint is resumed (``resume=auto``); ``resume=never``
-  refuses to continue it, ``resume=require`` refuses to start fresh. A finished run is
-  reported in one line and left untouched.
+* A directory that holds a checkpoint is resumed (``resume=auto``) from its newest valid one
+  (a damaged newer one is skipped, and said so in one line; where every one is damaged, the run
+  is refused); ``resume=never`` refuses to continue it, ``resume=require`` refuses to start
+  fresh. A finished run is reported in one line and left untouched. A directory that holds a
+  run's files but no checkpoint is refused, never appended to (a restart of the same torchrun
+  launch excepted), and so is, for a sweep's job, a directory holding a run of other settings:
+  a run directory is resumed only by the run that owns it.
 * A resume continues the run with its own saved settings; only what the user passes now
   changes them (and the launch's own keys, ``LAUNCH_KEYS``: the mesh, ``trainer.stop_at``).
   Each change is refused, applied, or applied with a warning, per key (``ON_RESUME``), one
@@ -32,12 +36,12 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from .checkpoint import latest_checkpoint
-from .config import Config, flat, load_config, passed_settings
+from .checkpoint import newest_valid
+from .config import Config, command, flat, load_config, passed_settings
 from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
-           "LAUNCH_KEYS", "write_attempt", "position_schedule", "run_overrides"]
+           "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides"]
 
 _calls = itertools.count(1)
 
@@ -191,6 +195,8 @@ class Resume:
     """The checkpoint carries no config and the directory no config.yaml: nothing to compare with."""
     overrides: list[str] = field(default_factory=list)
     """The overrides this attempt was given (kept in configs/attempt-<n>.yaml)."""
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Newer checkpoints skipped as damaged, each with why."""
 
     @property
     def step(self) -> int:
@@ -205,25 +211,52 @@ class Resume:
         return [f"resume: {k} changed {old!r} -> {new!r}: {decision} ({why})"
                 for k, old, new, decision, why in self.changes]
 
+    def skipped_line(self) -> str | None:
+        """The one line that names the damaged checkpoints skipped, and why, or None."""
+        if not self.skipped:
+            return None
+        named = "; ".join(f"{p.name} ({why})" for p, why in self.skipped)
+        return (f"resume: skipped the damaged checkpoint{'s' * (len(self.skipped) > 1)} {named}; resuming from the "
+                f"newest valid one, {self.checkpoint.name}")
 
-def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None) -> Resume:
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "config.yaml", "configs", "PREEMPTED", "diagnostics.jsonl",
+             "wandb")
+"""What a run writes into its directory: a directory holding any of them holds a run (model.json, which
+every attempt writes anew before it logs anything, does not count)."""
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names in RUN_FILES that ``run_dir`` holds."""
+    return [name for name in RUN_FILES if (Path(run_dir) / name).exists()]
+
+
+def _elsewhere(sweep: bool) -> str:
+    """The way out of a refused directory: another one."""
+    if sweep:
+        return "give the sweep a new hydra.sweep.dir"
+    return "choose a new run directory (hydra.run.dir=..., or the config key run_dir)"
+
+
+def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, sweep: bool = False) -> Resume:
     """The newest valid checkpoint of ``run_dir`` and the config to resume it with.
 
     ``passed``: the keys the user sets now, each with its override (``config.passed_settings``).
     A resume runs with the run's own saved settings and applies only those keys, except the
     launch's own (``LAUNCH_KEYS``), which always come from ``c``; ``passed=None`` (a config
-    composed already) applies every key of ``c``. Raises ConfigError (one line) when ``resume=``
-    forbids what the directory holds, or when a refused setting changed (all of them named, with
-    the override to drop, or to add back). Reads only: nothing in the directory changes.
+    composed already) applies every key of ``c``. ``sweep``: this is a job of a sweep, which continues
+    only a run of its own settings. Raises ConfigError (one line) when ``resume=`` forbids what the
+    directory holds, when a refused setting changed (all of them named, with the override to drop, or
+    to add back), when the directory holds a run's files but no valid checkpoint, or (``sweep``) a run
+    of other settings. Reads only: nothing in the directory changes.
     """
-    r = Resume(Path(run_dir), latest_checkpoint(run_dir), config=c,
-               overrides=list(dict.fromkeys((passed or {}).values())))
-    if r.checkpoint is None:
-        if c.resume == "require":
-            raise ConfigError(f"resume=require but {run_dir} holds no checkpoint to resume; check the directory "
-                              f"(hydra.run.dir, or the config key run_dir) or drop resume=require to start a new run")
-        return r
+    newest, skipped = newest_valid(run_dir)
+    r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
+               skipped=skipped)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # the same launch, restarted
+    if r.checkpoint is None:
+        _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
+        return r
     if c.resume == "never" and not restarted:
         raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); choose another "
                           f"directory, or resume=auto to continue it")
@@ -234,6 +267,8 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None) 
     if old is None:
         r.unknown_config = True
         return r
+    if sweep:
+        _refuse_other_settings(old, c, Path(run_dir))
     before, after = flat(old), flat(asdict(c))
     if passed is not None:  # the run's own settings, but for what the user passes now and the launch's
         kept = {k: before[k] for k in after if k in before and k not in passed and not _of_launch(k)}
@@ -249,6 +284,42 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None) 
         raise ConfigError(f"cannot resume {run_dir} with changed {named}; {_undo(refused, passed, r.run_dir)}, or "
                           f"start a new run directory")
     return r
+
+
+def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarted: bool, sweep: bool) -> None:
+    """Refuse a directory that holds no valid checkpoint but a run's files (or damaged checkpoints): a new
+    run there would mix with them (a restart of the same torchrun launch starts over in its own directory)."""
+    if skipped:
+        named = "; ".join(f"{p.name} ({why})" for p, why in skipped)
+        raise ConfigError(f"cannot resume {run_dir}: every checkpoint in it is damaged ({named}); nothing in it was "
+                          f"changed: restore its checkpoints, or {_elsewhere(sweep)}")
+    found = run_files(run_dir)
+    if found and not restarted:
+        raise ConfigError(f"{run_dir} holds a run's files ({', '.join(found)}) but no checkpoint to resume (it "
+                          f"stopped before its first one), and a new run there would mix with them; "
+                          f"{_elsewhere(sweep)}, or remove {run_dir} to start it over")
+    if c.resume == "require":
+        raise ConfigError(f"resume=require but {run_dir} holds no checkpoint to resume; check the directory "
+                          f"(hydra.run.dir, or the config key run_dir) or drop resume=require to start a new run")
+
+
+def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
+    """A sweep's job refuses a directory holding a run of other settings than the job's own (a sweep into the
+    folder of an earlier one): it would resume that run, or report it as this sweep's."""
+    before, after = flat(old), flat(asdict(c))
+    other = [k for k, v in after.items() if k in before and before[k] != v and not _of_launch(k)
+             and k not in _NOT_SETTINGS]
+    if other:
+        named = ", ".join(f"{k}={_shown(before[k])} (this job: {_shown(after[k])})" for k in other[:4])
+        more = f" and {len(other) - 4} more" if len(other) > 4 else ""
+        raise ConfigError(f"{run_dir} holds another run, made with {named}{more}; a sweep never continues a run of "
+                          f"other settings: give the sweep a new hydra.sweep.dir, or resume that run on its own: "
+                          f"{command()} hydra.run.dir={run_dir} [the settings to change]")
+
+
+def _shown(value: Any) -> str:
+    """A setting as the command line writes it."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 def _undo(refused: list, passed: dict[str, str] | None, run_dir: Path) -> str:

@@ -1,0 +1,84 @@
+"""``--multirun``: every job of a sweep checked before the first one starts.
+
+Hydra's basic sweeper launches the jobs one after the other, each into ``hydra.sweep.dir/<job
+number>``. Left to itself, a bad value in the second job stops the sweep after the first has run (and
+leaves its directory and multirun.yaml behind), and a sweep into the directory of an earlier one
+resumes, or reports as its own, the earlier sweep's runs. ``check_sweep`` expands the sweep as the
+basic sweeper does (the product of the swept values, in its order), composes and checks each job's
+config as ``train.py --check`` does, and its data against its model, and checks each job's directory:
+a run of other settings there, or runs in the sweep directory that are no job of this sweep, are
+refused, naming the directory and the way out. Other sweepers (Optuna) choose their jobs as they go: their sweep directory must hold no
+runs yet, and each job is checked again as it starts (``pcdist.service.run.run(..., sweep=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ConfigError
+from .config import load_config, passed_settings
+from .data import DataError
+from .rundir import find_resume, run_files
+
+__all__ = ["check_sweep"]
+
+
+def check_sweep(compose, overrides: list[str]) -> None:
+    """Check every job of the sweep ``overrides`` describe before any starts; ``compose(overrides)`` gives the
+    config Hydra composes (with its ``hydra`` section). Raises ConfigError (one line, naming the job)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    head = compose(fixed)
+    sweep_dir = Path(head.hydra.sweep.dir)
+    if not str(head.hydra.sweeper._target_).endswith(".BasicSweeper"):
+        _refuse_earlier_runs(sweep_dir, set(), "it holds the runs of an earlier sweep")
+        return
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
+    dirs = {_check_job(compose, num, job, swept, loaded) for num, job in enumerate(jobs)}
+    if None not in dirs:  # every job's directory known before Hydra launches it
+        _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
+
+
+def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path | None:
+    """Job ``num`` of the sweep: its config valid for this launch and its data, its directory free or holding its
+    own run (``loaded``: the data sets read so far, each once). Returns the directory (None where Hydra names
+    it only as it launches the job)."""
+    from .run import check, check_length, check_model_on_data
+
+    from omegaconf import open_dict
+
+    composed = compose([*job, f"hydra.job.num={num}"])
+    try:
+        job_dir = Path(composed.hydra.sweep.dir) / str(composed.hydra.sweep.subdir)
+    except Exception:  # noqa: BLE001 - a subdir that Hydra resolves only as it launches the job
+        job_dir = None  # (hydra.job.override_dirname): the job's own check in run() covers its directory
+    with open_dict(composed):
+        composed.pop("hydra")  # Hydra's own section resolves only in a running job
+    values = " ".join(o for o in job if o.split("=", 1)[0] in swept)
+    try:
+        c = load_config(composed)
+        check(c, int(os.environ.get("WORLD_SIZE", "1")))
+        check_model_on_data(c, loaded)
+        passed = passed_settings(job)
+        if job_dir is not None:
+            c.run_dir = str(job_dir)
+            c = find_resume(c, job_dir, passed, sweep=True).config
+        check_length(c, passed)
+    except (ConfigError, DataError) as e:
+        raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
+    return job_dir
+
+
+def _refuse_earlier_runs(sweep_dir: Path, jobs: set[Path], why: str) -> None:
+    """Refuse a sweep directory holding runs other than ``jobs`` (an earlier sweep's)."""
+    held = sorted(d.name for d in sweep_dir.iterdir() if d.is_dir() and d not in jobs and run_files(d)) \
+        if sweep_dir.is_dir() else []
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ConfigError(f"sweep directory {sweep_dir}: {why} ({shown}), which this sweep would mix with its own; "
+                          f"give the sweep a new hydra.sweep.dir (no job was started)")
