@@ -253,7 +253,8 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
                skipped=skipped)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # the same launch, restarted
+    restarted = any(int(os.environ.get(k, "0") or 0) > 0  # the same launch restarted by torchrun, or requeued by SLURM
+                    for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
     if r.checkpoint is None:
         _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
         return r
@@ -288,7 +289,8 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
 
 def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarted: bool, sweep: bool) -> None:
     """Refuse a directory that holds no valid checkpoint but a run's files (or damaged checkpoints): a new
-    run there would mix with them (a restart of the same torchrun launch starts over in its own directory)."""
+    run there would mix with them (a restart of the same torchrun launch, or a SLURM requeue of the same job,
+    starts over in its own directory)."""
     if skipped:
         named = "; ".join(f"{p.name} ({why})" for p, why in skipped)
         raise ConfigError(f"cannot resume {run_dir}: every checkpoint in it is damaged ({named}); nothing in it was "
