@@ -247,23 +247,31 @@ def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in nets)))
 
 
-@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
-def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(algorithm):
-    """precision="bf16": value nodes, errors and matmuls in bfloat16, the optimizer on float32 master weights.
-    From the same weights, the energies of each step agree with float32's to bfloat16's rounding (relative
-    2^-8 per op; 5% over a step), SGD moves the weights the same way (its step is linear in the gradients,
-    so their direction and size agree to that rounding), and the master weights and optimizer state stay
-    float32."""
-    nets = {p: network("mlp", dtype=torch.float32) for p in ("fp32", "bf16")}
-    trs = {p: pcdist.PCTrainer(n, torch.optim.SGD(n.parameters(), lr=0.05, momentum=0.5), T=8, x_lr=0.1,
-                               algorithm=algorithm, precision=p) for p, n in nets.items()}
+@pytest.mark.parametrize("kind, algorithm", [("mlp", "pc"), ("mlp", "ipc"), ("mupc", "pc"), ("conv", "pc")])
+def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(kind, algorithm):
+    """precision="bf16": the matmuls on bfloat16 operands, value nodes and errors in float32, the optimizer on
+    float32 master weights. From the same weights, the energies of each step agree with float32's to
+    bfloat16's rounding (relative 2^-8 per operand; 5% over a step), SGD moves the weights the same way (its
+    step is linear in the gradients, so their direction and size agree to that rounding), the products did
+    run in bfloat16 (the compute copy's weights), the step reads nothing on the host, and the master weights
+    and optimizer state stay float32."""
+    nets = {p: network(kind, dtype=torch.float32) for p in ("fp32", "bf16")}
+    trs = {p: pcdist.PCTrainer(n, torch.optim.SGD(n.parameters(), lr=0.05, momentum=0.5, fused=True), T=8,
+                               x_lr=0.1, algorithm=algorithm, precision=p, compile="graph") for p, n in nets.items()}
     w0 = [p.detach().clone() for p in nets["fp32"].parameters()]
     for s in range(5):
         x, y = batch(nets["fp32"], "xy", 32, s, torch.float32)
-        e = {p: tr.step(x, y)["energy"] for p, tr in trs.items()}
+        with HostReads() as reads:
+            e = {p: tr.step(x, y, log=False) for p, tr in trs.items()}
+        assert reads.reads == [] or s < 2, reads.reads  # the first steps build the stage (and are checked)
+        e = {p: float(tr._stage.energy_log.sum()) for p, tr in trs.items()}
         assert e["bf16"] == pytest.approx(e["fp32"], rel=0.05), s
         if s == 0:
-            assert trs["bf16"]._stage.node(1).dtype == torch.bfloat16
+            st = trs["bf16"]._stage
+            assert st.node(1).dtype == torch.float32
+            assert all(gr.g.weight.dtype == torch.bfloat16 for gr in st.groups if gr.g.lowp_params)
+            assert e["bf16"] != e["fp32"], "the products ran in bfloat16"
+    assert trs["bf16"].runner.eager == {}
     moved = {p: torch.cat([(a.detach() - b).flatten() for a, b in zip(n.parameters(), w0)]) for p, n in nets.items()}
     cos = torch.nn.functional.cosine_similarity(moved["fp32"], moved["bf16"], dim=0)
     assert cos > 0.99 and moved["bf16"].norm() == pytest.approx(float(moved["fp32"].norm()), rel=0.05)

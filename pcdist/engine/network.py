@@ -178,12 +178,13 @@ class PCNetwork(nn.Module):
     def owns_all(self) -> bool:
         return self.first == 1 and self.stop == self.num_layers + 1
 
-    def prior_group(self) -> PriorGroup:
-        """The prior of h_0 as group 0: the network's own (a learned mean), or a constant one."""
+    def prior_group(self, dtype: torch.dtype | None = None) -> PriorGroup:
+        """The prior of h_0 as group 0: the network's own (a learned mean), or a constant one (in ``dtype``,
+        default the parameters')."""
         if self.groups and isinstance(self.groups[0], PriorGroup):
             return self.groups[0]
         p = next(self.parameters())
-        return PriorGroup(self.prior, self.node_shapes[0], dtype=p.dtype, device=p.device)
+        return PriorGroup(self.prior, self.node_shapes[0], dtype=dtype or p.dtype, device=p.device)
 
     def signature(self) -> list[dict]:
         """What fixes the parameters' shapes and meaning, layer by layer (checkpoints compare it)."""

@@ -3,13 +3,18 @@
     fp32   float32 everywhere; on GPUs the matmuls and convolutions in IEEE float32 (TF32 off)
     tf32   float32 value nodes and weights, the matmuls and convolutions of float32 tensors in TF32
            on GPUs that have it (Ampere and later; a CPU has no TF32 and computes in float32)
-    bf16   value nodes, errors and every matmul in bfloat16; float32 master weights and optimizer
-           state; energies summed in float32
+    bf16   the matmuls and convolutions of dense, μPC and conv layers on bfloat16 operands (float32
+           accumulation inside), their weights kept in bfloat16 for them; value nodes, errors,
+           predictions, biases and energies in float32; float32 master weights and optimizer state
 
-bf16 runs the phases on a bfloat16 *compute copy* of the network: every step starts from the master
-weights cast into it, its weight gradients (bfloat16 GEMMs, float32 accumulation inside) are cast
-into the master weights' .grad, the optimizer steps the master weights, and the copy is refreshed.
-Checkpoints, ``pcdist.load`` and evaluation see only the float32 master network.
+Value nodes stay float32 because PC's value step is small: x_lr e is a fraction of a percent of h in a
+deep network, below bfloat16's resolution of h (2^-8), so bfloat16 nodes stop moving (measured: the
+64-layer μPC lost 4 points with bfloat16 nodes; docs/gpu.md). bf16 runs the phases on a *compute copy*
+of the network whose layers' ``lowp_params`` (their weights) are bfloat16 and whose other parameters are
+the master's own: every step starts from the master weights cast into it, the weight gradients of the
+bfloat16 products are cast into the master weights' .grad, the optimizer steps the master weights, and
+the copy is refreshed. The module kind (any nn.Module) computes in float32. Checkpoints, ``pcdist.load``
+and evaluation see only the float32 master network.
 
 The TF32 switches are process-wide (torch.backends), set when a trainer is built.
 """
@@ -44,7 +49,6 @@ class MixedPrecision:
             raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         self.name, self.master = name, master
         p = next(master.parameters())
-        self.master_dtype = p.dtype
         if p.device.type == "cuda":
             set_tf32(name == "tf32")
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -53,8 +57,21 @@ class MixedPrecision:
             if p.dtype != torch.float32:
                 raise ValueError(f"precision='bf16' keeps float32 master weights: build the network in float32, "
                                  f"got {p.dtype}")
-            self.compute = copy.deepcopy(master).to(torch.bfloat16)
-            self.pairs = list(zip(master.parameters(), self.compute.parameters()))
+            self.compute = copy.deepcopy(master)
+            for (_, mod), (_, twin) in zip(master.named_modules(), self.compute.named_modules()):
+                low = getattr(twin, "lowp_params", ())
+                for name_, param in list(mod.named_parameters(recurse=False)):
+                    if name_ in low:
+                        twin_param = getattr(twin, name_)
+                        twin_param.data = twin_param.data.to(torch.bfloat16)
+                        self.pairs.append((param, twin_param))
+                    else:  # the master's own parameter: its updates and gradients need no copy
+                        setattr(twin, name_, param)
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The master weights' dtype (now: a network moved with .double() after the trainer was built counts)."""
+        return next(self.master.parameters()).dtype
 
     @torch.no_grad()
     def weights(self) -> None:

@@ -63,25 +63,26 @@ class Stage:
 
     def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0, init: str = "ff",
                  static_weights: bool = False, free_bottom: bool = False, free_top: bool = False,
-                 dynamic_precision: bool = False):
+                 dynamic_precision: bool = False, dtype: torch.dtype | None = None):
         if init not in INITS:
             raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
         self.net, self.B, self.init = net, batch_size, init
         self.free_bottom, self.free_top = free_bottom, free_top
         p = next(net.parameters())
+        dtype = dtype or p.dtype  # the nodes' (float32 under precision="bf16", whose products are bfloat16)
         L, first, stop = net.num_layers, net.first, net.stop
         mu = float(x_momentum)
         # v and e are one tensor unless momentum keeps v, or a kind's back-projection reads e.
         separate = mu != 0.0 or any(g.reads_errors for g in net.groups)
         self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, free_bottom, free_top,
-                                dtype=p.dtype, device=p.device)
+                                dtype=dtype, device=p.device)
         # pi_first .. pi_{stop-1}; None when all are 1 and no schedule changes them (no extra pass).
         pis = net.precision or (1.0,) * L
-        self.precision = torch.tensor(pis[first - 1 : stop - 1], dtype=p.dtype, device=p.device) \
+        self.precision = torch.tensor(pis[first - 1 : stop - 1], dtype=dtype, device=p.device) \
             if net.precision is not None or dynamic_precision else None
         groups = list(net.groups)
         if free_bottom and first == 1 and not (groups and groups[0].first == 0):
-            groups.insert(0, net.prior_group())  # a fixed prior: a constant group of this Stage's own
+            groups.insert(0, net.prior_group(dtype))  # a fixed prior: a constant group of this Stage's own
         self.groups: list[BoundGroup] = []
         for g in groups:
             if g.first == 0 and not free_bottom:
@@ -95,7 +96,7 @@ class Stage:
         self.values = ValueOptimizer(nd, mu, not separate)
         self.energy_index = 0 if self.groups[0].first == 0 else first  # global index of layer_energies()[0]
         # What a step's core writes for the host to read at log points, and the precision schedule's rows.
-        self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(p.dtype), device=p.device)
+        self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(dtype), device=p.device)
         self.precision_rows: dict[int, Tensor] = {}
         self.noise: dict = {}  # (tau, global batch) -> its ValueNoise (pcdist/engine/values.py)
 

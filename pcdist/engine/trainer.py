@@ -80,7 +80,7 @@ class PCTrainer:
     ):
         _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = _check_slice(net, parallel)
-        self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
+        self.net, self.parallel = net, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above = init, skip_above
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
@@ -101,6 +101,9 @@ class PCTrainer:
         self.runner = Runner(self.compile, device, say, (self._generator,) if device.type == "cuda" else (),
                              self.update.make_capturable)
 
+    optimizer = property(lambda self: self.update.optimizer, lambda self, o: setattr(self.update, "optimizer", o))
+    scheduler = property(lambda self: self.update.scheduler, lambda self, s: setattr(self.update, "scheduler", s))
+
     @property
     def skipped_updates(self) -> int:
         """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged)."""
@@ -117,7 +120,7 @@ class PCTrainer:
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
             st = Stage(net, batch_size, self.x_momentum, self.init, static_weights=self.algorithm == "pc",
                        free_bottom=free_bottom, free_top=free_top,
-                       dynamic_precision=self.precision_schedule is not None)
+                       dynamic_precision=self.precision_schedule is not None, dtype=self.mixed.master_dtype)
             cached = self._stages[key] = (ptrs, st)
         self._stage = cached[1]
         return self._stage

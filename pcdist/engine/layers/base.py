@@ -42,7 +42,8 @@ from torch import Tensor, nn
 
 from ..energies import OutputEnergy
 
-__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "seeded_generator"]
+__all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "low",
+           "seeded_generator"]
 
 
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
@@ -93,6 +94,9 @@ class LayerGroup(nn.Module):
     """
 
     reads_errors: ClassVar[bool] = False
+    lowp_params: ClassVar[tuple[str, ...]] = ()
+    """The parameters a trainer with precision="bf16" keeps in bfloat16 for the products (the matmul and
+    convolution weights); the rest stay in the master weights' dtype (pcdist/engine/precision.py)."""
 
     def __init__(self, kind: LayerKind, first: int, K: int):
         super().__init__()
@@ -213,6 +217,11 @@ class BoundGroup:
     def weights_changed(self) -> None:
         """The weights moved (optimizer step) or a new batch began."""
         self.cached = False
+
+
+def low(a: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    """a @ w with a cast to w's narrower dtype (bfloat16 weights under precision="bf16"), the product in ``dtype``."""
+    return torch.matmul(a.to(w.dtype), w).to(dtype)
 
 
 def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:

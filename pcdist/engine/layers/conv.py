@@ -133,6 +133,8 @@ class Conv(LayerKind):
 class ConvGroup(LayerGroup):
     """K equal conv layers: weight [K, C_out, C_in / groups, *kernel] (nn.Conv's layout), bias [K, C_out]."""
 
+    lowp_params = ("weight",)
+
     def __init__(self, kind: Conv, first: int, K: int, dtype=None, device=None):
         super().__init__(kind, first, K)
         kw = dict(dtype=dtype, device=device)
@@ -205,7 +207,8 @@ class ConvBound(BoundGroup):
         self.bias = g.bias
         self.act, self.pool = s.activation, s.pool
         self.conv_args = (s.as_2d(s.stride, 1), s.as_2d(s.padding, 0), s.as_2d(s.dilation, 1), False, [0, 0], s.groups)
-        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        kw = dict(dtype=h_out.dtype, device=g.weight.device)
+        self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 convolutions, float32 nodes (precision="bf16")
         conv_shape = (K, B, s.out_channels, *s.as_2d(s.conv_spatial, 1))
         self.a = torch.empty(conv_shape, **kw)
         self.z = self.a if not self.act.needs_input else torch.empty_like(self.a)  # f(a)
@@ -233,7 +236,19 @@ class ConvBound(BoundGroup):
 
     def _conv(self, k: int, x: Tensor, out: Tensor) -> None:
         b = None if self.bias is None else self.bias[k]
+        if self.lowp:  # the convolution in bfloat16, the bias added in the nodes' dtype
+            out.copy_(_aten.convolution(x.to(self.w2.dtype), self.w2[k], None, *self.conv_args))
+            if b is not None:
+                out.add_(b.view(-1, *[1] * (out.dim() - 2)))
+            return
         _aten.convolution.out(x, self.w2[k], b, *self.conv_args, out=out)
+
+    def _grads(self, k: int, mask: list[bool], bias_sizes=None):
+        """convolution_backward of layer k at its input and signal (cast to bfloat16 under precision="bf16")."""
+        d, x = self.d[k], self.x2[k]
+        if self.lowp:
+            d, x = d.to(self.w2.dtype), x.to(self.w2.dtype)
+        return _aten.convolution_backward(d, x, self.w2[k], bias_sizes, *self.conv_args, mask)
 
     def feedforward(self, rows: slice | None, init: str) -> None:
         sel = slice(None) if rows is None else rows
@@ -276,17 +291,14 @@ class ConvBound(BoundGroup):
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         t2 = target.unsqueeze(-2) if self.one_d else target
         for k in range(self.K):
-            p = _aten.convolution_backward(self.d[k], self.x2[k], self.w2[k], None, *self.conv_args,
-                                           [True, False, False])[0]
-            accumulate(t2[k], p, beta, alpha)
+            accumulate(t2[k], self._grads(k, [True, False, False])[0], beta, alpha)
 
     def weight_grads(self, scale: float) -> None:
         g = self.g
         wg2 = g.weight.grad.unsqueeze(-2) if self.one_d else g.weight.grad
         bias_sizes = None if g.bias is None else [g.bias.shape[1]]
         for k in range(self.K):
-            _, gw, gb = _aten.convolution_backward(self.d[k], self.x2[k], self.w2[k], bias_sizes, *self.conv_args,
-                                                   [False, True, g.bias is not None])
+            _, gw, gb = self._grads(k, [False, True, g.bias is not None and not self.lowp], bias_sizes)
             torch.mul(gw, scale, out=wg2[k])
-            if gb is not None:
-                torch.mul(gb, scale, out=g.bias.grad[k])
+            if g.bias is not None:  # under bf16 the bias's gradient sums the signal in the nodes' dtype
+                torch.mul(gb if gb is not None else self.d[k].sum((0, 2, 3)), scale, out=g.bias.grad[k])

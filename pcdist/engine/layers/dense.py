@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .. import chain, native
 from ..activations import Activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
 
@@ -103,6 +103,8 @@ class Dense(LayerKind):
 
 class DenseGroup(LayerGroup):
     """K consecutive Dense layers of one shape and activation: weight [K, I, O] (W^T), bias [K, O]."""
+
+    lowp_params = ("weight",)
 
     def __init__(self, kind: Dense, first: int, K: int, dtype=None, device=None):
         super().__init__(kind, first, K)
@@ -182,7 +184,8 @@ class DenseBound(BoundGroup):
         self.w_KIO = g.weight
         self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
         self.b_K1O = g.b_KO.unsqueeze(1)
-        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        kw = dict(dtype=h_out.dtype, device=g.weight.device)
+        self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
         self.a = torch.empty(K, B, g.kind.out_features, **kw)
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
@@ -199,7 +202,7 @@ class DenseBound(BoundGroup):
         # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
         kind = g.kind
         self.fused_chain = None if self.is_output or kind.input_shape is not None or not self.h_out.is_contiguous() \
-            else chain.usable(self.a, self.act, K, kind.in_features, kind.out_features) or None
+            or self.lowp else chain.usable(self.a, self.act, K, kind.in_features, kind.out_features) or None
 
     # -- feed-forward init ----------------------------------------------------------
     def feedforward(self, rows: slice | None, init: str) -> None:
@@ -216,10 +219,13 @@ class DenseBound(BoundGroup):
         for b, w, a, u in self.layers:
             if rows is not None:
                 a, u = a[rows], u[rows]
-            if relu:
+            if self.lowp:
+                torch.add(b, low(h, w, a.dtype), out=a)
+            elif relu:
                 h = torch._addmm_activation(b, h, w, out=u)
                 continue
-            torch.addmm(b, h, w, out=a)
+            else:
+                torch.addmm(b, h, w, out=a)
             h = a if act is None else act.forward(a, out=u)
         if not self.is_output or self.free_output:
             if rows is None:
@@ -250,11 +256,11 @@ class DenseBound(BoundGroup):
         """The group's K chained predictions solved at once; a and u then follow from one GEMM."""
         from ..deeppcr import solve
 
-        states = solve((self.w_KIO, self.g.b_KO, self.act), h_BI).states  # [K + 1, B, O]
+        states = solve((self.w_KIO.to(h_BI.dtype), self.g.b_KO, self.act), h_BI).states  # [K + 1, B, O]
         sel = slice(None) if rows is None else rows
         self.h_out[:, sel].copy_(states[1:])
         a = self.a[:, sel]
-        torch.baddbmm(self.b_K1O, self.h_in[:, sel], self.w_KIO, out=a)
+        self._product(self.h_in[:, sel], a, self.b_K1O)
         self.act.forward(a, out=self.u[:, sel])
         self.cached = True
 
@@ -263,12 +269,22 @@ class DenseBound(BoundGroup):
         """a = b + h_in @ w; u = f(a): one kernel each for all K layers. ``activate=False``
         leaves a = h_in @ w, for the fused kernel to add b and apply f."""
         if activate:
-            torch.baddbmm(self.b_K1O, self.h_in, self.w_KIO, out=self.a)
+            self._product(self.h_in, self.a, self.b_K1O)
             if self.act is not None:
                 self.act.forward(self.a, out=self.u)
             self.cached = True
         else:
-            torch.bmm(self.h_in, self.w_KIO, out=self.a)
+            self._product(self.h_in, self.a)
+
+    def _product(self, h: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
+        """out = bias + h @ w_KIO (in bfloat16 products under precision="bf16")."""
+        if self.lowp:
+            p = low(h, self.w_KIO, out.dtype)
+            torch.add(bias, p, out=out) if bias is not None else out.copy_(p)
+        elif bias is not None:
+            torch.baddbmm(bias, h, self.w_KIO, out=out)
+        else:
+            torch.bmm(h, self.w_KIO, out=out)
 
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         """e = h_out - u and d = e * f'(a) (if ``with_signal``), predicting first if stale; with
@@ -277,7 +293,10 @@ class DenseBound(BoundGroup):
         as the boundary message). The output layer writes its energy's signal d = -pi dE_out/du."""
         if self.is_output:
             if self._y_minus_b is not None:
-                torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
+                if self.lowp:
+                    torch.sub(self._y_minus_b, low(self.h_in, self.w_KIO, self.d.dtype), out=self.d)
+                else:
+                    torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
                 self.energy.scale_signal(self.d)
             else:
                 if not self.cached:
@@ -305,11 +324,17 @@ class DenseBound(BoundGroup):
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         if target.dim() > 3:  # an image node
             target = target.flatten(2)
-        target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
+        if self.lowp:
+            accumulate(target, low(self.d, self.w_t.get(), target.dtype), beta, alpha)
+        else:
+            target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
 
     def weight_grads(self, scale: float) -> None:
         w, b = self.g.weight, self.g.bias
-        w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
+        if self.lowp:
+            torch.mul(low(self.h_in.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale, out=w.grad)
+        else:
+            w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
         if b is not None:
             torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
 

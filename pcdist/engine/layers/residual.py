@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .. import chain, native
 from ..activations import Activation, get_activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
 
@@ -136,6 +136,7 @@ class ResidualGroup(LayerGroup):
     """K equal Residual layers: weight [K, I, O] (W^T stacked), bias [K, O] if the layers have one."""
 
     reads_errors = True  # P = a t * phi'(h_in) + e reads the layers' own errors
+    lowp_params = ("weight",)
 
     def __init__(self, kind: Residual, first: int, K: int, dtype=None, device=None):
         super().__init__(kind, first, K)
@@ -194,7 +195,8 @@ class ResidualBound(BoundGroup):
         self.w_KIO = g.weight
         self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
         self.b_K1O = None if g.bias is None else g.bias.unsqueeze(1)
-        kw = dict(dtype=g.weight.dtype, device=g.weight.device)
+        kw = dict(dtype=h_out.dtype, device=g.weight.device)
+        self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
         K, I, O = self.K, kind.in_features, kind.out_features
         self.s = h_in if self.identity else torch.empty(K, B, I, **kw)  # phi(h_in)
         # phi'(h_in) of gelu-like activations needs h_in itself, which the fused value step moves.
@@ -208,7 +210,7 @@ class ResidualBound(BoundGroup):
             if native.usable(self.act, self.u) and h_in.is_contiguous() and self.d.is_contiguous() else None
         # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
         self.fused_chain = None if self.is_output or not (h_in.is_contiguous() and h_out.is_contiguous()) \
-            else chain.usable(self.u, self.act, K, I, O) or None
+            or self.lowp else chain.usable(self.u, self.act, K, I, O) or None
 
     def _predict(self, h: Tensor, s: Tensor, x: Tensor | None, w: Tensor, b: Tensor | None, u: Tensor) -> None:
         """u = skip * h + a (phi(h) @ w + b) for one layer ([B, I] operands) or all K ([K, B, I])."""
@@ -221,7 +223,12 @@ class ResidualBound(BoundGroup):
                 self.act.forward(h, out=s)
             if x is not None:
                 x.copy_(h)
-        if b is not None:
+        if self.lowp:  # a (phi(h) @ w + b) with the product in bfloat16, the sums in the nodes' dtype
+            p = low(s, w, u.dtype)
+            torch.mul(p if b is None else p.add_(b), self.a, out=u)
+            if self.skip:
+                u.add_(h)
+        elif b is not None:
             mm(b, s, w, beta=self.a, alpha=self.a, out=u)
             if self.skip:
                 u.add_(h)
@@ -275,7 +282,7 @@ class ResidualBound(BoundGroup):
         """The K chained predictions by Newton + parallel cyclic reduction; s, u then from one GEMM."""
         from ..deeppcr import solve_fn
 
-        w, b, a, act, skip = self.w_KIO, self.g.bias, self.a, self.act, self.skip
+        w, b, a, act, skip = self.w_KIO.to(self.u.dtype), self.g.bias, self.a, self.act, self.skip
 
         def residual_and_jacobian(x_LBD: Tensor) -> tuple[Tensor, Tensor]:
             h = x_LBD[:-1]
@@ -314,7 +321,10 @@ class ResidualBound(BoundGroup):
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
-        t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
+        if self.lowp:
+            t = self.t.copy_(low(self.d, self.w_t.get(), self.t.dtype))
+        else:
+            t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
         if self.kernel is not None:
             self.kernel.backproject(target, self.d if self.skip else None, beta, alpha * self.a, alpha)
             return
@@ -326,7 +336,11 @@ class ResidualBound(BoundGroup):
 
     def weight_grads(self, scale: float) -> None:
         g = self.g
-        g.weight.grad.baddbmm_(self.s.transpose(1, 2), self.d, beta=0.0, alpha=scale * self.a)
+        w = g.weight
+        if self.lowp:
+            torch.mul(low(self.s.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale * self.a, out=w.grad)
+        else:
+            w.grad.baddbmm_(self.s.transpose(1, 2), self.d, beta=0.0, alpha=scale * self.a)
         if g.bias is not None:
             torch.sum(self.d, dim=1, out=g.bias.grad).mul_(scale * self.a)
 
