@@ -219,6 +219,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("table", "depth", "wide", "ops"), help="one section")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
+    ap.add_argument("--profile", metavar="NETWORK", help="print where the eager PC step of one table network spends "
+                    "its device time (torch.profiler, by kernel), then stop")
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -230,12 +232,21 @@ def main() -> None:
                          "torch": torch.__version__, "dtype": "float32", "quick": args.quick, "tiny": args.tiny,
                          "threads": torch.get_num_threads()}}
     nets = networks(args.tiny)
+    if args.profile:
+        return profile(nets[args.profile], device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_{device.type}"
+
+    def save() -> None:  # after every network: a run cut short keeps what it measured
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+
     if want("table"):
         result["table"] = {}
         for name, spec in nets.items():
             if not cuda and not args.tiny and name in ("vgg5", "mupc-512", "mupc-128"):
                 continue  # minutes per step on a CPU
             result["table"][name] = measure(name, spec, device, rounds, min_time, loop=len(spec[0]) <= 40)
+            save()
     if want("depth"):
         result["depth"] = {}
         depths = [2, 4] if args.tiny else [4, 8, 16, 32, 64, 128] + ([256, 512] if cuda and not args.quick else [])
@@ -243,6 +254,7 @@ def main() -> None:
             spec = (make_layers((64 if not args.tiny else 16, [128 if not args.tiny else 16] * n, 10, "mlp"), "tanh"),
                     (64 if not args.tiny else 16,), 64 if not args.tiny else 8, 20 if not args.tiny else 3, "se")
             result["depth"][n] = measure(f"depth {n}", spec, device, rounds, min_time, loop=n <= 64)
+            save()
     if want("wide") and (cuda or args.tiny):
         result["wide"] = {}
         width, B, L = (16, 8, 3) if args.tiny else (1024, 1024, 32)
@@ -250,6 +262,7 @@ def main() -> None:
         for precision in ("fp32", "tf32", "bf16"):
             result["wide"][precision] = measure(f"wide {precision}", spec, device, rounds, min_time, loop=False,
                                                 precision=precision)
+            save()
     if want("ops"):
         result["ops"] = {}  # host work per step against depth: flat when replayed, linear when eager
         os.environ["PCDIST_NATIVE"] = "0"  # count the ops a GPU runs: no fused CPU kernel
@@ -259,11 +272,28 @@ def main() -> None:
             print(f"ops per step, {n} hidden layers: eager {work['eager']['ops']} ({work['eager']['kernels']} "
                   f"kernels), graph {work['graph']['ops']}; host reads {work['eager']['reads']} / "
                   f"{work['graph']['reads']}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_{device.type}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    save()
     plot(result, args.out / stem)
     print(f"wrote {args.out / (stem + '.json')} and its pictures")
+
+
+def profile(spec, device, steps: int = 5) -> None:
+    """The device time of the eager PC step by kernel (the replayed step runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    layers, in_shape, B, T, energy = spec
+    fns, _ = variants(layers, in_shape, B, T, energy, device, loop=False)
+    for _ in range(3):
+        fns["eager"]()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            fns["eager"]()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"per {steps} eager steps:")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
 def plot(result: dict, stem: Path) -> None:
