@@ -63,10 +63,13 @@ def _act(a, ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, ACCURATE: tl.con
 
 @triton.jit
 def _input_tile(x_ptr, u_ptr, k, B, D, r, cols, mask):
-    """Rows r, columns cols of layer k's input: the chain's input x for k = 0, else layer k - 1's output u."""
-    if k == 0:
-        return tl.load(x_ptr + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    return tl.load(u_ptr + (k - 1) * B * D + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    """Rows r, columns cols of layer k's input: the chain's input x for k = 0, else layer k - 1's output u.
+    Two masked loads, one of them empty, rather than a branch on k (a loop variable): Triton 3.6 neither
+    compiles nor interprets a runtime branch that returns from a helper."""
+    off = r[:, None] * D + cols[None, :]
+    hx = tl.load(x_ptr + off, mask=mask & (k == 0), other=0.0)
+    hu = tl.load(u_ptr + (k - 1) * B * D + off, mask=mask & (k > 0), other=0.0)
+    return hx + hu
 
 
 @triton.jit

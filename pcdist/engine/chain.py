@@ -106,6 +106,20 @@ def residual_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor | None, s: Tensor | N
                            ACCURATE=not interpreted(), PREC=_precision(u), BB=BB, BN=BN, BK=BK)
 
 
+def checked(run, reference, what: str) -> bool:
+    """The kernel on a probe (``run()`` returns its outputs) against the torch chain (``reference()``): a
+    kernel that fails to build or run (a Triton this code does not suit), or disagrees, is not used (one
+    warning), and the torch chain runs instead."""
+    try:
+        got = run()
+    except Exception as e:  # Triton's compiler errors are plain RuntimeErrors
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"pcdist: the fused feed-forward kernel failed on {what} ({type(e).__name__}: {first}); "
+                      "using the torch chain (PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
+        return False
+    return agree(got, reference(), what)
+
+
 def agree(got: list[Tensor], want: list[Tensor], what: str) -> bool:
     """The kernel's outputs equal the torch chain's to round-off (relative 1e-4 in float32, 3e-2 in bfloat16,
     of the largest value); otherwise warn once and say the torch chain is used."""

@@ -237,18 +237,24 @@ class DenseBound(BoundGroup):
     def _chain_agrees(self) -> bool:
         """The fused chain against the torch chain on a probe, once (bookkeeping of the first step)."""
         if self.fused_chain is True:
-            ok = True
             with torch.no_grad():
                 h0 = torch.randn(self.h_in.shape[1:], generator=torch.Generator(self.a.device).manual_seed(0),
                                  device=self.a.device).to(self.a.dtype)
-                a, u, h = torch.empty_like(self.a), torch.empty_like(self.u), torch.empty_like(self.a)
-                u = a if self.u is self.a else u
-                chain.dense_chain(h0, self.w_KIO, self.g.b_KO, a, u, h, self.act)
-                x, want = h0, []
-                for k in range(self.K):
-                    x = self.act(torch.addmm(self.g.b_KO[k], x, self.w_KIO[k]))
-                    want.append(x)
-                ok = chain.agree([u, h], [torch.stack(want)] * 2, f"dense layers {self.first}..{self.first + self.K - 1}")
+
+                def run():
+                    a, u, h = torch.empty_like(self.a), torch.empty_like(self.u), torch.empty_like(self.a)
+                    u = a if self.u is self.a else u
+                    chain.dense_chain(h0, self.w_KIO, self.g.b_KO, a, u, h, self.act)
+                    return [u, h]
+
+                def reference():
+                    x, want = h0, []
+                    for k in range(self.K):
+                        x = self.act(torch.addmm(self.g.b_KO[k], x, self.w_KIO[k]))
+                        want.append(x)
+                    return [torch.stack(want)] * 2
+
+                ok = chain.checked(run, reference, f"dense layers {self.first}..{self.first + self.K - 1}")
             self.fused_chain = "yes" if ok else None
         return self.fused_chain is not None
 

@@ -265,16 +265,22 @@ class ResidualBound(BoundGroup):
             with torch.no_grad():
                 h0 = torch.randn(self.h_in.shape[1:], generator=torch.Generator(self.u.device).manual_seed(0),
                                  device=self.u.device).to(self.u.dtype)
-                s = None if self.identity else torch.empty_like(self.s)
-                x = None if self.x is None else torch.empty_like(self.x)
-                u, h = torch.empty_like(self.u), torch.empty_like(self.u)
-                chain.residual_chain(h0, self.w_KIO, self.g.bias, s, x, u, h, self.act, self.a, self.skip)
-                want, got, v = [], [], h0
-                for k in range(self.K):
-                    want.append(self.g.forward_layer(k, v))
-                    v = want[-1]
-                ok = chain.agree([u, h], [torch.stack(want)] * 2,
-                                 f"residual layers {self.first}..{self.first + self.K - 1}")
+
+                def run():
+                    s = None if self.identity else torch.empty_like(self.s)
+                    x = None if self.x is None else torch.empty_like(self.x)
+                    u, h = torch.empty_like(self.u), torch.empty_like(self.u)
+                    chain.residual_chain(h0, self.w_KIO, self.g.bias, s, x, u, h, self.act, self.a, self.skip)
+                    return [u, h]
+
+                def reference():
+                    want, v = [], h0
+                    for k in range(self.K):
+                        want.append(self.g.forward_layer(k, v))
+                        v = want[-1]
+                    return [torch.stack(want)] * 2
+
+                ok = chain.checked(run, reference, f"residual layers {self.first}..{self.first + self.K - 1}")
             self.fused_chain = "yes" if ok else None
         return self.fused_chain is not None
 
