@@ -219,6 +219,9 @@ def main() -> None:
     ap.add_argument("--only", choices=("table", "depth", "wide", "ops"), help="one section")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
+    ap.add_argument("--networks", help="comma-separated table networks to run (default: all)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"),
+                    help="trainer.precision of the table and depth sweeps (the wide section runs all three)")
     ap.add_argument("--profile", metavar="NETWORK", help="print where the eager PC step of one table network spends "
                     "its device time (torch.profiler, by kernel), then stop")
     args = ap.parse_args()
@@ -229,13 +232,14 @@ def main() -> None:
     rounds, min_time = (2, 0.01) if args.tiny else (3, 0.2) if args.quick else (7, 0.5)
     want = lambda section: args.only in (None, section)  # noqa: E731
     result = {"config": {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-                         "torch": torch.__version__, "dtype": "float32", "quick": args.quick, "tiny": args.tiny,
+                         "torch": torch.__version__, "dtype": "float32", "precision": args.precision,
+                         "quick": args.quick, "tiny": args.tiny,
                          "threads": torch.get_num_threads()}}
     nets = networks(args.tiny)
     if args.profile:
         return profile(nets[args.profile], device)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_{device.type}"
+    stem = f"gpu_{device.type}" + ("" if args.precision == "fp32" else f"_{args.precision}")
 
     def save() -> None:  # after every network: a run cut short keeps what it measured
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
@@ -243,9 +247,12 @@ def main() -> None:
     if want("table"):
         result["table"] = {}
         for name, spec in nets.items():
+            if args.networks and name not in args.networks.split(","):
+                continue
             if not cuda and not args.tiny and name in ("vgg5", "mupc-512", "mupc-128"):
                 continue  # minutes per step on a CPU
-            result["table"][name] = measure(name, spec, device, rounds, min_time, loop=len(spec[0]) <= 40)
+            result["table"][name] = measure(name, spec, device, rounds, min_time, loop=len(spec[0]) <= 40,
+                                            precision=args.precision)
             save()
     if want("depth"):
         result["depth"] = {}
@@ -253,7 +260,8 @@ def main() -> None:
         for n in depths:
             spec = (make_layers((64 if not args.tiny else 16, [128 if not args.tiny else 16] * n, 10, "mlp"), "tanh"),
                     (64 if not args.tiny else 16,), 64 if not args.tiny else 8, 20 if not args.tiny else 3, "se")
-            result["depth"][n] = measure(f"depth {n}", spec, device, rounds, min_time, loop=n <= 64)
+            result["depth"][n] = measure(f"depth {n}", spec, device, rounds, min_time, loop=n <= 64,
+                                         precision=args.precision)
             save()
     if want("wide") and (cuda or args.tiny):
         result["wide"] = {}
