@@ -146,8 +146,9 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
-    lim = MatmulLimit(net, B, T, device, dtype) if all(g.kind.kind in ("dense", "residual") for g in net.groups) \
-        else ConvLimit(net, B, T, device, dtype)
+    ldt = torch.bfloat16 if precision == "bf16" else dtype  # the limit in the step's product dtype
+    lim = MatmulLimit(net, B, T, device, ldt) if all(g.kind.kind in ("dense", "residual") for g in net.groups) \
+        else ConvLimit(net, B, T, device, ldt)
     out["limit"] = graphed(lim.step, device) if cuda else lim.step
     bp = Backprop(net, x, y, energy, graph=False)
     out["bp_eager"] = bp.step
@@ -222,11 +223,13 @@ def main() -> None:
     ap.add_argument("--networks", help="comma-separated table networks to run (default: all)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"),
                     help="trainer.precision of the table and depth sweeps (the wide section runs all three)")
+    ap.add_argument("--depths", help="comma-separated hidden-layer counts of the depth sweep (default 4 ... 512)")
     ap.add_argument("--profile", metavar="NETWORK", help="print where the eager PC step of one table network spends "
                     "its device time (torch.profiler, by kernel), then stop")
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = True  # as the service runs (pcdist/service/run.py): cuDNN picks its algorithms
     if not cuda:
         torch.set_num_threads(os.cpu_count() or 1)
     rounds, min_time = (2, 0.01) if args.tiny else (3, 0.2) if args.quick else (7, 0.5)
@@ -257,6 +260,7 @@ def main() -> None:
     if want("depth"):
         result["depth"] = {}
         depths = [2, 4] if args.tiny else [4, 8, 16, 32, 64, 128] + ([256, 512] if cuda and not args.quick else [])
+        depths = [int(n) for n in args.depths.split(",")] if args.depths else depths
         for n in depths:
             spec = (make_layers((64 if not args.tiny else 16, [128 if not args.tiny else 16] * n, 10, "mlp"), "tanh"),
                     (64 if not args.tiny else 16,), 64 if not args.tiny else 8, 20 if not args.tiny else 3, "se")
