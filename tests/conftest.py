@@ -6,6 +6,12 @@ import sys
 
 # Strict conditional numerical reproducibility: MKL results independent of memory alignment.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Waiting OpenMP threads sleep instead of spinning, as pcdist sets for every process that imports it before
+# torch (pcdist/__init__.py). The test processes import torch first (below), and so do the Python blocks of
+# the docs that they run (`import torch, pcdist`): without this, each of two pytest workers' OpenMP threads
+# spins on a core the other worker needs (a conv PCN's steps cost ten times the CPU on a busy 2-core box).
+# The numbers are the same; only the time spent waiting changes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS_DIR)
