@@ -35,3 +35,16 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+FIRST = ["test_slurm.py", "test_launch.py", "test_after_training.py", "test_benchmarks.py", "test_elastic.py",
+         "test_service.py", "test_rundir.py", "test_docs_after_training.py", "test_readme.py", "test_config_data.py",
+         "test_cli.py", "test_modes_service.py", "test_data_arrays.py", "test_preemption.py", "test_sweeps.py"]
+"""The files that take longest, longest first (make test: pytest-xdist's --dist loadfile with
+--no-loadscope-reorder hands out whole files in collection order). The SLURM tests mostly wait on the
+cluster, so they start at once; a long file handed out last would leave the other worker idle."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
