@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU wheel on CI machines; on a CUDA machine the same pin installs the CUDA build.
 TORCH_PIN ?= torch==2.13.0
-PYTEST_ARGS ?= -q -n 2 --dist loadfile
+PYTEST_ARGS ?= -q -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install test bench clean train lint
 

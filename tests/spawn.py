@@ -1,9 +1,13 @@
 """Run a function on N real torch.distributed processes (gloo on CPU), with a deadline.
 
-Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT on a free port) and one intra-op thread. A worker's exception comes back
-to the test as WorkerError with its traceback; a run past the deadline is killed and
-reported, never left hanging.
+Each worker gets the caller's environment as it is at the call, torchrun's variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port) and one intra-op thread. A
+worker's exception comes back to the test as WorkerError with its traceback; a run past the
+deadline is killed and reported, never left hanging.
+
+The workers are forked from a forkserver that imported torch and pcdist once (per test process),
+so that a worker costs its own work, not the second or two of CPU that importing torch costs
+each fresh interpreter: each is still a process of its own, with its own process group.
 """
 
 from __future__ import annotations
@@ -26,7 +30,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, errq):
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "pcdist",
+           "pcdist.distributed.parallel", "pytest", "reference"]
+"""What the forkserver imports before it forks the workers (the tests' modules import the rest). torch._dynamo:
+every torch optimizer imports it when the first one is made (a second of CPU)."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: the first run() of the process
+    return ctx
+
+
+def _entry(rank, world, port, env, fn, args, errq):
+    os.environ.clear()  # the caller's environment now, not the forkserver's from when it started
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -46,10 +64,11 @@ def _entry(rank, world, port, fn, args, errq):
 
 def run(fn, world: int, *args, timeout: float = 120.0) -> None:
     """Run fn(rank, world, *args) on `world` processes; raise WorkerError on any failure."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errq = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq), daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env, fn, args, errq), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
