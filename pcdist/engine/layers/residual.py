@@ -174,6 +174,11 @@ class ResidualGroup(LayerGroup):
             h = u + h if s.skip else u
         return h
 
+    def layer(self, k: int, h: Tensor) -> Tensor:
+        s = self.kind
+        u = s.scale * F.linear(s.activation(h), self.weight[k].T, None if self.bias is None else self.bias[k])
+        return u + h if s.skip else u
+
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ResidualBound":
         return ResidualBound(self, h_in, h_out, e_out, b)
 
