@@ -53,13 +53,14 @@ def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSched
           need_all_deltas: bool = False, final: bool = False, solver: str = "euler") -> None:
     """T inference steps on the Stage ``st`` through the exchange ``par`` (see the module docstring).
 
-    Where the weights hold (no ``after_step``) and inference starts at the feed-forward state without noise,
-    node n's gradient is exactly zero before step top - n (top: h_L if free, else h_{L-1}): the error front.
-    Adam on the values zeroes it there rather than scale round-off up to full steps (``ValueOptimizer``)."""
+    Where the weights hold (no ``after_step``), the target is clamped and inference starts at the
+    feed-forward state without noise, node n's gradient is exactly zero before step L - 1 - n: the error
+    front. Adam on the values zeroes it there rather than scale round-off up to full steps (``ValueOptimizer``).
+    """
     vo = st.values
     vo.tableau = TABLEAUS.get(solver)
-    front = st.init in ("ff", "deeppcr") and noise is None and after_step is None
-    vo.front = st.net.num_layers - (0 if st.free_top else 1) if front else None
+    front = st.init in ("ff", "deeppcr") and noise is None and after_step is None and not st.free_top
+    vo.front = st.net.num_layers - 1 if front else None
     S = 1 if vo.tableau is None else vo.tableau.stages
     for t in range(T + final):
         last = t == T

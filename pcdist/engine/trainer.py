@@ -86,8 +86,8 @@ class PCTrainer:
     ):
         _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = _check_slice(net, parallel)
-        self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), solver, value_noise, init,
-                                               parallel)
+        self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
+                                               value_noise, init, parallel)
         self.net, self.optimizer, self.scheduler, self.parallel = net, optimizer, scheduler, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above = init, skip_above
