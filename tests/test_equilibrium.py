@@ -182,3 +182,59 @@ def test_the_inits_refuse_what_they_cannot_do():
         tr.step(None, y)
     with pytest.raises(ValueError, match="init"):
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), init="newtonish")
+
+
+@pytest.mark.parametrize("kind", ["mupc-tanh", "mupc-relu-ce", "conv"])
+def test_every_kind_takes_the_same_newton_step_both_ways(kind):
+    """The residual kind's closed-form products and the conv kind's torch.func ones give the step that cyclic
+    reduction computes from torch.func's per-sample Jacobians of the same layers (an independent route)."""
+    g = torch.Generator().manual_seed(5)
+    if kind.startswith("mupc"):
+        act, energy = kind.split("-")[1], "ce" if kind.endswith("ce") else "se"
+        net_of = lambda init: pcdist.PCNetwork(pcdist.mupc_specs(5, 6, 5, 3, act), dtype=DT, seed=2, energy=energy)
+        x = torch.randn(4, 5, generator=g, dtype=DT)
+    else:
+        energy = "se"
+        seq = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1),
+                            nn.Tanh(), nn.Flatten(), nn.Linear(8, 3)).to(DT)
+        net_of = lambda init: pcdist.PCNetwork.from_sequential(seq, input_shape=(1, 4, 4), energy=energy)
+        x = torch.randn(4, 1, 4, 4, generator=g, dtype=DT)
+    y = torch.eye(3, dtype=DT)[torch.tensor([0, 2, 1, 2])] if energy == "ce" else torch.randn(4, 3, generator=g,
+                                                                                                dtype=DT)
+    nodes = {}
+    for init in ("ff", "newton", "newton_cr"):
+        net = net_of(init)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, init=init)
+        with torch.no_grad():
+            st = tr._begin(x, y, None)
+            tr.parallel.feedforward(st)
+        nodes[init] = [st.node(n).clone() for n in range(net.num_layers + 1)]
+    for n, (a, b) in enumerate(zip(nodes["newton"], nodes["newton_cr"])):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"{kind}: h_{n}: {m}")
+    assert max((a - b).abs().max() for a, b in zip(nodes["newton"][1:-1], nodes["ff"][1:-1])) > 1e-4
+
+
+@pytest.mark.parametrize("init", ["newton", "backward"])
+@pytest.mark.parametrize("kind", ["mlp-gelu-ce", "mupc-tanh-se", "mupc-relu-ce"])
+def test_closed_form_products_equal_torch_func(kind, init, monkeypatch):
+    """Dense and residual layers take their Jacobian products in closed form (one GEMM each); through torch.func
+    (as every other kind) the inits are the same to 1e-12."""
+    import pcdist.engine.equilibrium as eq
+
+    name, act, energy = kind.split("-")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 6, generator=g, dtype=DT)
+    y = torch.eye(4, dtype=DT)[torch.tensor([0, 3, 1, 2, 3])] if energy == "ce" else torch.randn(5, 4, generator=g,
+                                                                                                   dtype=DT)
+    specs = pcdist.mlp_specs([6, 7, 7, 7, 4], act) if name == "mlp" else pcdist.mupc_specs(6, 7, 6, 4, act)
+    got = {}
+    for closed in (True, False):
+        monkeypatch.setattr(eq, "CLOSED_FORM", closed)
+        net = pcdist.PCNetwork(specs, dtype=DT, seed=3, energy=energy)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, init=init)
+        with torch.no_grad():
+            st = tr._begin(x, y, None)
+            tr.parallel.feedforward(st)
+        got[closed] = [st.node(n).clone() for n in range(net.num_layers + 1)]
+    for n, (a, b) in enumerate(zip(got[True], got[False])):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=lambda m: f"{kind} {init}: h_{n}: {m}")

@@ -15,8 +15,8 @@ output signal d = -pi_L dE_out/du_L (r = d at the feed-forward state) and H = pi
     output            d = r - H S d   ->   (I + H S) d = r                   (one small solve)
 
 ``newton`` takes that step: one backward chain of O-wide vector-Jacobian products (A_l for every
-layer, torch.func.vjp vmapped over the O rows), the [O x O] solve per sample, then a feed-forward
-pass with the errors injected, h_l = u_l(h_{l-1}) + e_l / pi_l. It is exactly Newton's step on the
+layer: for dense and residual layers one GEMM of O x B rows each, for other kinds torch.func.vjp
+vmapped over the O rows), the [O x O] solve per sample, then a feed-forward pass with the errors injected, h_l = u_l(h_{l-1}) + e_l / pi_l. It is exactly Newton's step on the
 energy from the feed-forward state (there every hidden error is zero, so the Hessian is the
 Gauss-Newton one; the output energy's own curvature is H).
 
@@ -45,6 +45,9 @@ from torch.func import jacrev, jvp, vjp, vmap
 
 __all__ = ["near_equilibrium", "output_hessian", "block_tridiagonal_solve"]
 
+CLOSED_FORM = True
+"""Dense and residual layers' Jacobian products in closed form (False: through torch.func, as other kinds)."""
+
 
 def _layers(st) -> list[Callable[[Tensor], Tensor]]:
     """u_l = f_l(h_{l-1}) for l = 1 .. L (index 0 unused), from each group's per-layer prediction."""
@@ -55,6 +58,71 @@ def _layers(st) -> list[Callable[[Tensor], Tensor]]:
         for k in range(gr.K):
             fns.append(lambda h, g=gr.g, k=k: g.layer(k, h))
     return fns
+
+
+class Linearised:
+    """Layer l at the input h_{l-1}: its prediction ``u`` and the products with its Jacobian J there,
+    ``vjp(R)`` = R J for rows R [N, B, *S_out] and ``jvp(v)`` = J v for v [B, *S_in]. Dense and residual layers
+    in closed form (one GEMM each); any other kind through torch.func (vjp vmapped over the rows)."""
+
+    def __init__(self, g, k: int, h: Tensor):
+        self.in_shape = h.shape
+        kind = getattr(g.kind, "kind", None) if CLOSED_FORM else None
+        act = getattr(g.kind, "activation", None)
+        if kind == "dense":
+            x = h.flatten(1) if g.kind.input_shape is not None else h
+            a = torch.addmm(g.b_KO[k], x, g.weight[k])
+            self.u = a if act is None else act(a)
+            self.fp = None if act is None else act.grad(torch.ones_like(a), a, self.u, out=torch.empty_like(a))
+            self.w, self.mode = g.weight[k], "dense"
+        elif kind == "residual":
+            s = act(h)
+            self.fp = act.grad(torch.ones_like(h), h, s, out=torch.empty_like(h))
+            self.w, self.scale, self.skip, self.mode = g.weight[k], float(g.kind.scale), g.kind.skip, "residual"
+            self._fn, self._h = (lambda x: g.layer(k, x)), h
+        else:
+            with torch.enable_grad():  # torch.func's own transforms; nothing is recorded on the parameters
+                self.u, self._pull = vjp(lambda x: g.layer(k, x), h)
+            self._fn, self._h, self.mode = (lambda x: g.layer(k, x)), h, "func"
+
+    @property
+    def u(self) -> Tensor:
+        """The prediction at h (computed on first use where the products do not need it)."""
+        if "_u" not in self.__dict__:
+            self._u = self._fn(self._h)
+        return self._u
+
+    @u.setter
+    def u(self, value: Tensor) -> None:
+        self._u = value
+
+    def vjp(self, R: Tensor) -> Tensor:
+        """R J for rows R [N, B, *S_out] (N = 1 for a single cotangent)."""
+        if self.mode == "dense":
+            t = R if self.fp is None else R * self.fp
+            return torch.matmul(t, self.w.T).reshape(*R.shape[:-1], *self.in_shape[1:])
+        if self.mode == "residual":
+            out = torch.matmul(R, self.w.T).mul_(self.fp).mul_(self.scale)
+            return out.add_(R) if self.skip else out
+        return _vjp_rows(self._pull, R)
+
+    def jvp(self, v: Tensor) -> Tensor:
+        """J v for v [B, *S_in]."""
+        if self.mode == "dense":
+            t = v.flatten(1) @ self.w
+            return t if self.fp is None else t.mul_(self.fp)
+        if self.mode == "residual":
+            out = torch.matmul(v * self.fp, self.w).mul_(self.scale)
+            return out.add_(v) if self.skip else out
+        return jvp(self._fn, (self._h,), (v,))[1]
+
+
+def _linearised(st, l: int, h: Tensor) -> Linearised:
+    """Layer l of the Stage ``st`` linearised at its input h."""
+    for gr in st.groups:
+        if gr.first > 0 and gr.first <= l < gr.first + gr.K:
+            return Linearised(gr.g, l - gr.first, h)
+    raise IndexError(l)
 
 
 def output_hessian(energy, u_BO: Tensor, y_BO: Tensor) -> Tensor:
@@ -79,7 +147,7 @@ def output_hessian(energy, u_BO: Tensor, y_BO: Tensor) -> Tensor:
 
 
 def _vjp_rows(pullback, rows: Tensor) -> Tensor:
-    """J^T applied to each of the rows [O, B, *S_out] (vmapped; a loop where vmap has no rule)."""
+    """Each of the rows [N, B, *S_out] times J (vmapped; a loop where vmap has no rule)."""
     try:
         return vmap(pullback)(rows)[0]
     except (RuntimeError, NotImplementedError):
@@ -107,18 +175,17 @@ def near_equilibrium(st, how: str) -> None:
     B = hs[0].shape[0]
     if L < 2:
         return
-    with torch.enable_grad():  # torch.func's own transforms; nothing is recorded on the parameters
-        u_L, pull_L = vjp(fns[L], hs[L - 1])
+    top = _linearised(st, L, hs[L - 1])
     y = hs[L].reshape(B, -1)
-    u = u_L.detach().reshape(B, -1)
+    u = top.u.reshape(B, -1)
     r = energy.signal(u, y, torch.empty_like(u))  # d at the feed-forward state (pi_L included)
     H = output_hessian(energy, u, y)
     if how == "newton":
-        errors = _newton(L, pis, hs, fns, pull_L, r, H, u_L.shape)
+        errors = _newton(st, L, pis, hs, top, r, H)
     elif how == "newton_cr":
         errors = _newton_cr(L, pis, hs, fns, r, H)
     else:
-        errors = _backward(L, pis, hs, fns, pull_L, r, H, u_L.shape)
+        errors = _backward(st, L, pis, hs, top, r, H)
     h = hs[0]
     for l in range(1, L):  # the feed-forward pass with the errors injected: h_l = u_l + e_l / pi_l
         out = fns[l](h)
@@ -129,42 +196,39 @@ def near_equilibrium(st, how: str) -> None:
             gr.cached = False
 
 
-def _newton(L, pis, hs, fns, pull_L, r_BO, H_BOO, out_shape) -> dict[int, Tensor]:
+def _newton(st, L, pis, hs, top, r_BO, H_BOO) -> dict[int, Tensor]:
     """e_l = A_l^T d with (I + H S) d = r (the O-wide backward chain and one small solve)."""
     B, O = r_BO.shape
     eye = torch.eye(O, dtype=r_BO.dtype, device=r_BO.device)
-    rows = eye.unsqueeze(1).expand(O, B, O).reshape(O, *out_shape)  # row o: the unit vector o per sample
+    rows = eye.unsqueeze(1).expand(O, B, O).reshape(O, *top.u.shape)  # row o: the unit vector o per sample
     A = {}
     S = torch.zeros(B, O, O, dtype=r_BO.dtype, device=r_BO.device)
-    pull = pull_L
+    layer = top
     for l in range(L - 1, 0, -1):
-        A[l] = _vjp_rows(pull, rows)  # [O, B, *S_l]: the rows of A_l
-        flat = A[l].reshape(O, B, -1)
+        A[l] = rows = layer.vjp(rows)  # [O, B, *S_l]: the rows of A_l
+        flat = rows.reshape(O, B, -1)
         S.add_(torch.einsum("obd,pbd->bop", flat, flat), alpha=1.0 / pis[l - 1])
         if l > 1:
-            with torch.enable_grad():
-                _, pull = vjp(fns[l], hs[l - 1])
-            rows = A[l]
+            layer = _linearised(st, l, hs[l - 1])
     M = torch.baddbmm(eye.expand(B, O, O), H_BOO, S)
     d = torch.linalg.solve_ex(M, r_BO.unsqueeze(-1))[0].squeeze(-1)  # [B, O]
     return {l: torch.einsum("ob...,bo->b...", A[l], d) for l in A}
 
 
-def _backward(L, pis, hs, fns, pull_L, r_BO, H_BOO, out_shape) -> dict[int, Tensor]:
+def _backward(st, L, pis, hs, top, r_BO, H_BOO) -> dict[int, Tensor]:
     """e_l = alpha A_l^T r, alpha minimising the linearised energy along it (one backward, one forward chain)."""
     B = r_BO.shape[0]
-    b = {}
-    g = r_BO.reshape(out_shape)
-    pull = pull_L
+    b, layers = {}, {L: top}
+    g = r_BO.reshape(1, *top.u.shape)
     for l in range(L - 1, 0, -1):
-        b[l] = g = pull(g)[0]
+        g = layers[l + 1].vjp(g)
+        b[l] = g[0]
         if l > 1:
-            with torch.enable_grad():
-                _, pull = vjp(fns[l], hs[l - 1])
+            layers[l] = _linearised(st, l, hs[l - 1])
     delta = b[1] / pis[0]
     for l in range(2, L):  # delta_l = b_l / pi_l + J_l delta_{l-1}
-        delta = jvp(fns[l], (hs[l - 1],), (delta,))[1].add_(b[l], alpha=1.0 / pis[l - 1])
-    s = jvp(fns[L], (hs[L - 1],), (delta,))[1].reshape(B, -1)  # S r
+        delta = layers[l].jvp(delta).add_(b[l], alpha=1.0 / pis[l - 1])
+    s = top.jvp(delta).reshape(B, -1)  # S r
     q = (r_BO * s).sum(-1)
     curv = torch.einsum("bo,bop,bp->b", s, H_BOO, s)
     alpha = q / (q + curv).clamp_min(torch.finfo(q.dtype).tiny)
