@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import pcdist
+from pcdist.service.autostep import resolve_x_lr
 from pcdist.service.backprop import BackpropTrainer
 from pcdist.service.config import CONF_DIR, make_config
 from pcdist.service.data import DataError, Dataset, check_files, load_dataset, one_hot
@@ -119,7 +120,7 @@ def time_steps(name: str, batch: int | None, data, rounds: int, per_round: int, 
         net = pcdist.PCNetwork(specs, energy=c.model.energy, seed=c.trainer.seed)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
         trainers[algo] = (BackpropTrainer(net, opt) if algo == "bp" else
-                          pcdist.PCTrainer(net, opt, T=T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum))
+                          pcdist.PCTrainer(net, opt, T=T, x_lr=resolve_x_lr(c, None), x_momentum=c.pc.x_momentum))
     for tr in trainers.values():  # warm-up: caches, traced graphs
         tr.step(x, y, log=False)
     samples = {k: [] for k in trainers}

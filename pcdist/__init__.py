@@ -28,6 +28,7 @@ from .engine.layers.prior import Prior
 from .engine.schedules import top_down
 from .engine.network import PCNetwork, mlp_specs
 from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
+from .engine.values import ValueRule
 from .errors import ConfigError
 from .service import data
 from .service.config import compose
@@ -56,6 +57,7 @@ __all__ = [
     "predict",
     "Result",
     "Run",
+    "ValueRule",
     "RunError",
     "ENERGIES",
     "Activation",

@@ -17,7 +17,13 @@ pi_l(t) = precision[l] * schedule(l, t, L) at inference step t (t = T for the fi
 Value gradient  g_l = d(sum_batch E)/dh_l  (i.e. B * dF/dh_l, per-sample gradient) of every free node;
 weight gradient      d(mean_batch E)/dW    (= dF/dW), a learned m_0 included.
 Value optimizer: SGD with momentum reset every batch, v <- g + mu v, h <- h - x_lr v, then
-value noise h <- h + sqrt(2 x_lr tau) xi (xi from the documented per-node generator seed).
+value noise h <- h + sqrt(2 x_lr tau) xi (xi from the documented per-node generator seed); or, state
+reset every batch, t = 1..T: Nesterov (m <- mu m + g, h <- h - x_lr (g + mu m)), Adam (m <- b1 m +
+(1 - b1) g, s <- b2 s + (1 - b2) g^2, h <- h - x_lr m_hat / (sqrt(s_hat) + eps), hats divided by
+1 - b^t) and AdamW (Adam after h <- (1 - x_lr decay) h).
+Solvers of dh/dt = -g(h) with dt = x_lr, from their Butcher tableaux: Euler (the value optimizer),
+Heun (k1 = g(h), k2 = g(h - dt k1), h <- h - dt (k1 + k2) / 2) and classic RK4; T counts solver
+steps; pi(t) holds through step t's stages; iPC's weight step uses the gradient at the step's start.
 Init: h_0 = x or m_0; hidden (and a free h_L) by the feed-forward pass; h_L = y if clamped.
 """
 import copy
@@ -100,16 +106,18 @@ def feed_forward_values(seq, x, y):
     return feed_forward_from(sequential_predict(layers), len(layers), x, y)
 
 
-def reference_step(seq, opt, x, y, T, x_lr, x_momentum, algorithm, energy):
-    """One training step of a Sequential (Linear, act, ..., Linear) on the batch (x, y); see ``pc_step``."""
+def reference_step(seq, opt, x, y, T, x_lr, x_momentum, algorithm, energy, **method):
+    """One training step of a Sequential (Linear, act, ..., Linear) on the batch (x, y); see ``pc_step``
+    (``method``: its value_optimizer, betas, eps, decay, solver)."""
     layers = split_layers(seq)
     return pc_step(sequential_predict(layers), len(layers), list(seq.parameters()), opt, x, y, T, x_lr,
-                   x_momentum, algorithm, energy)
+                   x_momentum, algorithm, energy, **method)
 
 
 def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energy, precision=None, schedule=None,
             prior_precision=1.0, prior_mean=None, noise=0.0, noise_seed_=0, call=0, rows=None, total=None,
-            batch_size=None):
+            batch_size=None, value_optimizer="sgd", betas=(0.9, 0.999), eps=1e-8, decay=0.0, solver="euler",
+            init_nodes=None):
     """One training step on the batch (x, y) of the network u_l = predict(l, h_{l-1}), l = 1..L;
     updates ``params`` in place via ``opt`` (a torch.optim optimizer over them).
 
@@ -119,7 +127,9 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
     ``noise``: tau; at every step t one randn over the whole global batch (``total`` rows) of every
     node h_0 .. h_L in order, from a generator seeded ``noise_seed(noise_seed_, call)`` at the start
     of the call; node n's xi is its block [total, *S_n], cut to ``rows`` (default the whole batch).
-    ``batch_size``: the batch when both ends are free.
+    ``batch_size``: the batch when both ends are free. ``value_optimizer`` (sgd, nesterov, adam, adamw with
+    ``betas``, ``eps``, ``decay``) and ``solver`` (euler, heun, rk4): see the module docstring.
+    ``init_nodes``: value nodes to start from instead of the feed-forward pass.
 
     Returns ``(stats, hs)``: stats = {"energy": float, "layer_energies": [L floats], "prior_energy"}
     of the evaluation described in the API (pc: fresh evaluation at the final h, before the weight
@@ -128,9 +138,11 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
     """
     assert algorithm in ("pc", "ipc") and T >= 1
     assert x is not None or prior_mean is not None, "a free h_0 needs prior_mean (its shape)"
-    hs = feed_forward_from(predict, L, x, y, prior_mean, batch_size)
+    hs = feed_forward_from(predict, L, x, y, prior_mean, batch_size) if init_nodes is None \
+        else [h.detach().clone() for h in init_nodes]
     free = [n for n in range(L + 1) if (n > 0 or x is None) and (n < L or y is None)]
     vs = {n: torch.zeros_like(hs[n]) for n in free}  # value momentum, reset every batch
+    ss = {n: torch.zeros_like(hs[n]) for n in free}  # adam's second moments
     B = hs[0].shape[0]
     total = B if total is None else total
     rows = slice(0, B) if rows is None else rows
@@ -139,9 +151,10 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
         base = [1.0] * L if precision is None else list(precision)
         return [base[l - 1] * (1.0 if schedule is None else schedule(l, t, L)) for l in range(1, L + 1)]
 
-    def evaluate(t):
-        """Energy at the current (h, W) with pi(t); autograd gradients w.r.t. the free h and W."""
-        nodes = [h.detach().requires_grad_(n in free) for n, h in enumerate(hs)]
+    def evaluate(t, at=None):
+        """Energy at the current (h, W) (or the nodes ``at``) with pi(t); autograd gradients w.r.t. the free h
+        and W."""
+        nodes = [h.detach().requires_grad_(n in free) for n, h in enumerate(hs if at is None else at)]
         energies = layer_energies_from(predict, L, nodes, energy, pis(t))
         prior = 0.5 * prior_precision * ((nodes[0] - prior_mean) ** 2).flatten(1).sum(1) if x is None \
             else torch.zeros(B, dtype=nodes[0].dtype)
@@ -161,8 +174,21 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
     def value_step(g_h, t):
         xis = torch.randn(sum(sizes), generator=gen, dtype=hs[0].dtype).split(sizes) if noise else None
         for n in free:
-            vs[n] = g_h[n] + x_momentum * vs[n]
-            hs[n] = hs[n] - x_lr * vs[n]
+            g = g_h[n]
+            if value_optimizer == "sgd":
+                vs[n] = g + x_momentum * vs[n]
+                hs[n] = hs[n] - x_lr * vs[n]
+            elif value_optimizer == "nesterov":
+                vs[n] = x_momentum * vs[n] + g
+                hs[n] = hs[n] - x_lr * (g + x_momentum * vs[n])
+            else:
+                b1, b2 = betas
+                vs[n] = b1 * vs[n] + (1 - b1) * g
+                ss[n] = b2 * ss[n] + (1 - b2) * g * g
+                m_hat, s_hat = vs[n] / (1 - b1 ** (t + 1)), ss[n] / (1 - b2 ** (t + 1))
+                if value_optimizer == "adamw":
+                    hs[n] = hs[n] * (1 - x_lr * decay)
+                hs[n] = hs[n] - x_lr * m_hat / (torch.sqrt(s_hat) + eps)
             if noise:
                 xi = xis[n].view(total, *hs[n].shape[1:])[rows]
                 hs[n] = hs[n] + math.sqrt(2 * x_lr * noise) * xi
@@ -173,9 +199,27 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
             p.grad = g.detach().clone()
         opt.step()
 
+    tableau = {"heun": ([[1.0]], [0.5, 0.5]),
+               "rk4": ([[0.5], [0.0, 0.5], [0.0, 0.0, 1.0]], [1 / 6, 1 / 3, 1 / 3, 1 / 6])}
+
+    def solver_step(g_h, t):
+        """One step of an explicit Runge-Kutta method (Butcher tableau a, b) on dh/dt = -g(h), dt = x_lr."""
+        a, b = tableau[solver]
+        ks = [g_h]
+        for row in a:
+            at = list(hs)
+            for n in free:
+                at[n] = hs[n] - x_lr * sum(c * k[n] for c, k in zip(row, ks))
+            ks.append(evaluate(t, at)[0])
+        for n in free:
+            hs[n] = hs[n] - x_lr * sum(c * k[n] for c, k in zip(b, ks))
+
     for t in range(T):
         g_h, g_w, stats = evaluate(t)  # h-step and (ipc) W-step from the same state
-        value_step(g_h, t)
+        if solver == "euler":
+            value_step(g_h, t)
+        else:
+            solver_step(g_h, t)
         if algorithm == "ipc":
             weight_step(g_w)
     if algorithm == "pc":
@@ -187,10 +231,10 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
 class ReferenceTrainer:
     """Holds a deep copy of ``seq`` and its own optimizer ``make_opt(copy.parameters())``."""
 
-    def __init__(self, seq, make_opt, T, x_lr, x_momentum=0.0, algorithm="pc", energy="se"):
+    def __init__(self, seq, make_opt, T, x_lr, x_momentum=0.0, algorithm="pc", energy="se", **method):
         self.seq = copy.deepcopy(seq)
         self.opt = make_opt(self.seq.parameters())
-        self.kw = dict(T=T, x_lr=x_lr, x_momentum=x_momentum, algorithm=algorithm, energy=energy)
+        self.kw = dict(T=T, x_lr=x_lr, x_momentum=x_momentum, algorithm=algorithm, energy=energy, **method)
         self.hs = None
 
     def step(self, x, y):

@@ -206,3 +206,32 @@ def test_fidelity_benchmark_reports_old_recipe_and_backprop_per_seed(tmp_path):
         assert row[f"{k}_mean"] == pytest.approx(statistics.fmean(row[k]))
     assert row["bp"] == [max(a, b) for a, b in zip(row["bp_old_optim"], row["bp_recipe_optim"])]
     assert row["gap_points"] == pytest.approx(100 * (row["bp_mean"] - row["recipe_mean"]))
+
+
+def test_solvers_benchmark_traces_times_and_trains_every_method(tmp_path):
+    """benchmarks/solvers.py --tiny: per network, every method's energy after each inference step from the same
+    init (the feed-forward methods all start at one energy, the inits near equilibrium below it), a step time at
+    T = 1, 5 and T_max whose per-step slope and fixed part are the ones the script defines, the adaptive
+    solver's points, the plots, and one accuracy cell per (method, T)."""
+    out = tmp_path / "solvers.json"
+    run("solvers.py", "--tiny", "--networks", "digits_mlp", "mupc64", "--Ts", "2", "--rounds", "1",
+        "--out", str(out))
+    res = json.loads(out.read_text())
+    for name in ("solvers_energy.png", "solvers_time.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+    for net in ("digits_mlp", "mupc64"):
+        methods = res["trace"][net]["methods"]
+        assert set(methods) >= {"euler", "heun", "rk4", "nesterov", "adam", "newton", "backward"}
+        first = {m: v["energy"][0] for m, v in methods.items()}
+        for m in ("heun", "rk4", "nesterov", "adam"):
+            assert first[m] == pytest.approx(first["euler"], rel=1e-6), "same feed-forward init"
+            assert len(methods[m]["energy"]) == 4  # T_max = 3 in --tiny
+        for m in ("newton", "backward"):
+            assert first[m] < first["euler"], "an init near equilibrium starts lower"
+        for v in methods.values():
+            assert v["per_step_s"] == pytest.approx((v["step_s_T3"] - v["step_s_T1"]) / 2, rel=1e-9)
+        assert [a["tol"] for a in res["trace"][net]["adaptive"]] == [0.1, 0.01, 0.001]
+        cells = res["accuracy"][net]
+        assert {k.split("@")[1] for k in cells} <= {"2", "5"}
+        assert {k.split("@")[0] for k in cells} == {"euler", "heun", "newton", "backward"}
+        assert all(0.0 <= c["accuracy"] <= 1.0 for c in cells.values())

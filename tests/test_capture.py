@@ -6,7 +6,8 @@ frozen. So the core must read nothing on the host between log points, and every 
 run takes inside a step (the learning rate schedule, skipping a diverged update, value noise,
 precision schedules) must happen on the device with the same result as on the host:
 
-* every layer kind and mode, pc and ipc, with a schedule, skips, noise and momentum: a step with
+* every layer kind and mode, pc and ipc, with a schedule, skips, noise and momentum, every value optimizer,
+  solver and init near equilibrium: a step with
   ``log=False`` reads nothing on the host (counted with pcdist.engine.capture.HostReads, which
   treats every tensor as a device tensor), and ``compile="graph"`` finds nothing to fall back on;
 * ``compile="graph"`` (the capturable core: learning rates read from a device table, the skip
@@ -89,6 +90,16 @@ CASES = {
     "unsupervised-learned-prior-noise-schedule": ("mlp", dict(prior=Prior(0.5, "learned")),
                                                   dict(value_noise=0.05, lr_schedule=True), "y"),
     "free-top-ipc-noise": ("mlp", dict(precision=(0.5, 2.0, 1.5, 1.0)), dict(algorithm="ipc", value_noise=0.02), "x"),
+    # Issue 30: value optimizers, solvers and the inits near equilibrium in the capturable core.
+    "mlp-pc-nesterov": ("mlp", {}, dict(value_optimizer="nesterov", x_momentum=0.5), "xy"),
+    "conv-pc-ce-adam": ("conv", dict(energy="ce"), dict(value_optimizer="adam"), "xy"),
+    "unsupervised-adamw-ipc": ("mlp", dict(prior=Prior(0.5, "learned")), dict(value_optimizer="adamw",
+                                                                              algorithm="ipc"), "y"),
+    "mupc-pc-heun-schedule": ("mupc", {}, dict(solver="heun", precision_schedule=top_down(0.3)), "xy"),
+    "module-ipc-rk4": ("module", {}, dict(algorithm="ipc", solver="rk4"), "xy"),
+    "mlp-pc-ce-newton-init": ("mlp", dict(energy="ce"), dict(init="newton"), "xy"),
+    "mupc-pc-backward-init-adam": ("mupc", {}, dict(init="backward", value_optimizer="adam"), "xy"),
+    "conv-pc-newton-init-heun": ("conv", {}, dict(init="newton", solver="heun"), "xy"),
 }
 
 

@@ -66,7 +66,8 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     """NPROC=2 CPU processes with no parallel settings: the layer axis takes both (parallel.layer = 2 / 1),
     said in one line; with no terminal, progress is a line per logged step; train.log has every line the
-    console shows (the mesh, the new run, the progress, the end), time-stamped."""
+    console shows (the mesh, the new run, the value step pc.x_lr=auto chose, the progress, the end),
+    time-stamped."""
     run_dir = tmp_path / "run"
     out = run(["launch/local.sh", "logger=none", "trainer.max_steps=22", "trainer.log_every=11",
                "trainer.eval_every=22", f"hydra.run.dir={run_dir}"], NPROC="2", PYTHON=sys.executable,
@@ -80,8 +81,10 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     assert "accuracy" not in progress[0] and "accuracy" in progress[1], "accuracy where it was evaluated"
     logged = [l.split("  ", 1)[1] for l in (run_dir / "train.log").read_text().splitlines()]
     assert logged == out.stdout.splitlines(), "train.log holds what the console shows: mesh, new run, progress, end"
-    assert logged[:2] == mesh + [f"new run in {run_dir} (config: configs/attempt-1.yaml)"] and logged[2:4] == progress
-    assert logged[4].startswith("step 22: val/accuracy ") and logged[4].endswith(f"; run directory: {run_dir}")
+    assert logged[:2] == mesh + [f"new run in {run_dir} (config: configs/attempt-1.yaml)"]
+    assert logged[2].startswith("pc.x_lr=auto: "), "the value step chosen from the first batches (both ranks agree)"
+    assert logged[3:5] == progress
+    assert logged[5].startswith("step 22: val/accuracy ") and logged[5].endswith(f"; run directory: {run_dir}")
     assert yaml_layer(run_dir) == 2
 
 

@@ -122,7 +122,17 @@ def test_a_cnn_trains_on_cifar100_images(tmp_path):
 
 BAD_CONFIGS = [
     (["pc.T=0"], "config pc.T=0 is invalid: allowed an integer >= 1"),
-    (["pc.x_lr=-1"], "config pc.x_lr=-1.0 is invalid: allowed a finite number > 0"),
+    (["pc.x_lr=-1"], "config pc.x_lr=-1 is invalid: allowed a finite number > 0 or auto"),
+    (["pc.x_lr=fast"], "config pc.x_lr='fast' is invalid: allowed a finite number > 0 or auto"),
+    (["pc.value_optimizer=rmsprop"], "config pc.value_optimizer='rmsprop' is invalid: allowed sgd, nesterov, adam, adamw"),
+    (["pc.value_optimizer=nesterov"], "config pc.x_momentum=0.0 is invalid: allowed a number in (0, 1) with "
+                                      "pc.value_optimizer=nesterov"),
+    (["pc.solver=adaptive"], "config pc.solver='adaptive' is invalid: allowed euler, heun, rk4 (adaptive: "
+                             "pc.eval_solver only)"),
+    (["pc.solver=heun", "pc.x_momentum=0.5"], "config pc.solver='heun' is invalid: allowed euler with "
+                                              "pc.value_optimizer=sgd pc.x_momentum=0.5"),
+    (["pc.init=newton", "pc.mode=generative"], "config pc.init='newton' is invalid: allowed ff or deeppcr with "
+                                               "pc.mode=generative"),
     (["pc.x_momentum=1"], "config pc.x_momentum=1.0 is invalid: allowed a number in [0, 1)"),
     (["pc.algorithm=dfa"], "config pc.algorithm='dfa' is invalid: allowed pc, ipc, bp"),
     (["optim.lr=0"], "config optim.lr=0.0 is invalid: allowed a finite number > 0"),

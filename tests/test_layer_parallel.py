@@ -52,13 +52,17 @@ class Case:
     noise: float = 0.0
     compile: str = "none"  # "graph": the capturable core (device-side skip and learning rates), eager on a CPU
     skip: float | None = None  # skip_above; step 1's target is then scaled by 1e3, so that step diverges
+    value_optimizer: str = "sgd"  # issue 30: the value optimizers and solvers
+    solver: str = "euler"
+    x_lr: float = 0.1
 
 
 def pc_kwargs(case):
     """The network's energy and the trainer's schedule, noise, skip and compile mode of a case."""
     net = dict(energy=case.energy, precision=case.precision, prior=Prior(*case.prior))
     trainer = dict(precision_schedule=None if case.schedule is None else top_down(case.schedule),
-                   value_noise=case.noise, noise_seed=3, compile=case.compile, skip_above=case.skip)
+                   value_noise=case.noise, noise_seed=3, compile=case.compile, skip_above=case.skip,
+                   value_optimizer=case.value_optimizer, solver=case.solver)
     return net, trainer
 
 
@@ -109,6 +113,19 @@ CASES = {
     "graph-core-D2xP2-ipc-skip-noise": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", compile="graph",
                                             skip=1e3, optimizer="sgd-fused", noise=0.02, x_momentum=0.5),
     "skip-masked-restore-P3": Case((6, 8, 8, 8, 8, 4), layer=3, skip=1e3, optimizer="sgd", energy="ce"),
+    # Issue 30: the value optimizers and solvers; the replica of each boundary node takes its owner's step.
+    "nesterov-P2": Case((6, 8, 8, 8, 8, 4), layer=2, value_optimizer="nesterov", x_momentum=0.6, micro_batches=2),
+    "adam-P3-ce": Case((6, 8, 8, 8, 8, 8, 4), layer=3, energy="ce", value_optimizer="adam", x_lr=0.02),
+    "adamw-D2xP2-ipc": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", value_optimizer="adamw", x_lr=0.03,
+                            optimizer="adamw"),
+    "heun-P2-ipc-one-batch-exchange": Case((6, 8, 8, 8, 8, 4), layer=2, algorithm="ipc", solver="heun",
+                                           prepost=False),
+    "rk4-P4-ce": Case((6, 8, 8, 8, 8, 8, 4), layer=4, energy="ce", solver="rk4"),
+    "mupc-heun-P3": Case((6, 8, 7, 4), layer=3, mupc="tanh", solver="heun", micro_batches=2),
+    "conv-adam-P2": Case((), layer=2, net="conv", value_optimizer="adam", x_lr=0.02),
+    "mixed-rk4-D2xP2-unsupervised": Case((), layer=2, data=2, net="mixed", solver="rk4", bottom="free",
+                                         prior=(1.0, "learned")),
+    "unsupervised-adam-P3": Case((6, 8, 8, 8, 8, 5), layer=3, bottom="free", value_optimizer="adam", x_lr=0.02),
 }
 
 
@@ -179,7 +196,7 @@ def single_process(case):
     net_kw, tr_kw = pc_kwargs(case)
     net = pcdist.PCNetwork(specs_of(case), dtype=DT, init=False, **net_kw)
     net.load_layer_state_dict(initial_state(case))
-    tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
+    tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=case.x_lr,
                           x_momentum=case.x_momentum, algorithm=case.algorithm, init=case.init, **tr_kw)
     stats, nodes = [], []
     for x, y in batches(case):
@@ -200,7 +217,7 @@ def worker(rank, world, case, out_dir):
     net_kw, tr_kw = pc_kwargs(case)
     net = pcdist.PCNetwork(specs, layers=par.layers, dtype=DT, init=False, **net_kw)
     net.load_layer_state_dict(initial_state(case))
-    tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=0.1,
+    tr = pcdist.PCTrainer(net, make_optimizer(case, net.parameters()), T=case.T, x_lr=case.x_lr,
                           x_momentum=case.x_momentum, algorithm=case.algorithm, parallel=par, init=case.init, **tr_kw)
     rows = torch.tensor_split(torch.arange(case.B), case.data)[par.data_rank]
     stats, nodes = [], []
@@ -260,6 +277,7 @@ def test_parallel_run_equals_single_process(name, tmp_path):
 
 
 INFER_CASES = {"P2": (2, 1), "P3": (3, 1), "D2xP2": (2, 2)}
+ADAPTIVE_TOL = 1e-4
 
 
 def infer_worker(rank, world, layer, data, out_dir):
@@ -275,6 +293,8 @@ def infer_worker(rank, world, layer, data, out_dir):
     y = torch.rand(8, 6, generator=g, dtype=DT)
     rows = torch.tensor_split(torch.arange(8), data)[par.data_rank]
     got = {"nodes": tr.infer(None, y[rows], noise=0.1, global_batch=8), "labels": classify(tr, y[rows]),
+           "adaptive": tr.infer(None, y[rows], solver="adaptive", tol=ADAPTIVE_TOL),
+           "heun": tr.infer(None, y[rows], solver="heun"),
            "recon": reconstruct(tr, y[rows]), "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]][rows])}
     if par.is_logging:
         torch.save(got, f"{out_dir}/logging.pt")
@@ -284,7 +304,8 @@ def infer_worker(rank, world, layer, data, out_dir):
 
 @pytest.mark.parametrize("name", list(INFER_CASES))
 def test_inference_at_test_time_on_a_layer_split_equals_one_process(name, tmp_path):
-    """trainer.infer (nodes gathered onto the logging rank, value noise included) and the modes' tests
+    """trainer.infer (nodes gathered onto the logging rank, value noise included; Heun and the adaptive solver,
+    whose accepted and rejected steps are decided from one all-reduced error norm) and the modes' tests
     (classify, reconstruct, generate) on P layer ranks and a 2 x 2 mesh give one process's results."""
     from pcdist.engine.modes import classify, generate, reconstruct
 
@@ -295,11 +316,14 @@ def test_inference_at_test_time_on_a_layer_split_equals_one_process(name, tmp_pa
     net = pcdist.PCNetwork(specs, dtype=DT, seed=4, prior=Prior(0.5, "uniform"))
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, noise_seed=2)
     y = torch.rand(8, 6, generator=torch.Generator().manual_seed(9), dtype=DT)
-    want = {"nodes": tr.infer(None, y, noise=0.1), "labels": classify(tr, y), "recon": reconstruct(tr, y),
+    want = {"nodes": tr.infer(None, y, noise=0.1), "labels": classify(tr, y),
+            "adaptive": tr.infer(None, y, solver="adaptive", tol=ADAPTIVE_TOL), "heun": tr.infer(None, y, solver="heun"),
+            "recon": reconstruct(tr, y),
             "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]])}
     assert len(got["nodes"]) == len(want["nodes"]) == 5
-    for a, b in zip(got["nodes"], want["nodes"]):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    for key in ("nodes", "heun", "adaptive"):  # the adaptive solver's steps are decided on every rank alike
+        for a, b in zip(got[key], want[key]):
+            torch.testing.assert_close(a, b, atol=1e-9, rtol=0, msg=key)
     assert torch.equal(got["labels"], want["labels"])
     torch.testing.assert_close(got["recon"], want["recon"], atol=1e-9, rtol=0)
     torch.testing.assert_close(got["gen"], want["gen"], atol=1e-9, rtol=0)

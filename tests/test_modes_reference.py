@@ -116,7 +116,11 @@ def batches(feature, shape, steps, gen):
     return out
 
 
-def compare(kind, feature, algorithm, x_momentum, optimizer, steps=3, T=4):
+def compare(kind, feature, algorithm, x_momentum, optimizer, steps=3, T=4, method=None):
+    """pcdist against ``pc_step`` on ``steps`` batches; ``method``: the value optimizer / solver options (of
+    both) and the value step, e.g. dict(solver="heun", x_lr=0.1)."""
+    method = dict(method or {})
+    x_lr = method.pop("x_lr", 0.1)
     layers, shape = network(kind)
     L = len(layers)
     f = FEATURES[feature]
@@ -126,8 +130,9 @@ def compare(kind, feature, algorithm, x_momentum, optimizer, steps=3, T=4):
     net = pcdist.PCNetwork.from_layers(copy.deepcopy(layers), energy=energy, input_shape=shape, precision=precision,
                                        prior=prior)
     make_opt = OPTIMIZERS[optimizer]
-    trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=0.1, x_momentum=x_momentum,
-                               algorithm=algorithm, precision_schedule=schedule, value_noise=noise, noise_seed=5)
+    trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=x_lr, x_momentum=x_momentum,
+                               algorithm=algorithm, precision_schedule=schedule, value_noise=noise, noise_seed=5,
+                               **{k: v for k, v in method.items() if k in ("value_optimizer", "solver")})
     ref = copy.deepcopy(layers)
     params = [p for m in ref for p in m.parameters()]
     fill = {"zero": 0.0, "uniform": 1.0 / math.prod(shape), "learned": 0.0}[prior.mean]
@@ -138,8 +143,9 @@ def compare(kind, feature, algorithm, x_momentum, optimizer, steps=3, T=4):
     for s, (x, y) in enumerate(batches(f, shape, steps, torch.Generator().manual_seed(7))):
         stats = trainer.step(x, y)
         ref_stats, hs = pc_step(lambda l, h: ref[l - 1](h), L, params + ([m0] if prior.mean == "learned" else []),
-                                opt, x, y, T, 0.1, x_momentum, algorithm, energy, precision=pis, schedule=schedule,
-                                prior_precision=prior.precision, prior_mean=m0, noise=noise, noise_seed_=5, call=s)
+                                opt, x, y, T, x_lr, x_momentum, algorithm, energy, precision=pis, schedule=schedule,
+                                prior_precision=prior.precision, prior_mean=m0, noise=noise, noise_seed_=5, call=s,
+                                **method)
         what = f"{kind} {feature} {algorithm} mu={x_momentum} {optimizer} step {s}"
         for n, (a, b) in enumerate(zip(trainer.value_nodes(), hs)):
             assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"{what}: h_{n}: {m}")
@@ -215,3 +221,30 @@ def test_infer_equals_the_reference_inference(kind):
             assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"{kind} infer call {call}: h_{n}: {m}")
     for p, q in zip(net.parameters(), before):
         assert torch.equal(p.detach(), q)
+
+
+# The value optimizers and solvers of issue 30 on every kind: each cycles through the features without noise
+# (noise is an Euler-Maruyama step) and through pc / ipc.
+METHODS = {"nesterov": dict(value_optimizer="nesterov", x_lr=0.1), "adam": dict(value_optimizer="adam", x_lr=0.02),
+           "adamw": dict(value_optimizer="adamw", x_lr=0.03, decay=0.01), "heun": dict(solver="heun", x_lr=0.1),
+           "rk4": dict(solver="rk4", x_lr=0.1)}
+QUIET = [f for f in FEATURES if not FEATURES[f].get("noise")]
+METHOD_CASES = [(k, m) for k in KINDS for m in METHODS]
+
+
+@pytest.mark.parametrize("kind,method", METHOD_CASES, ids=[f"{k}-{m}" for k, m in METHOD_CASES])
+def test_value_optimizers_and_solvers_on_every_kind(kind, method):
+    """Adam divides each gradient by its own scale, so wherever the exact gradient is zero it turns round-off into
+    full steps (tests/test_reference.py): Adam on the values meets no free top (it starts where its energy is
+    flat) and, in iPC, AdamW on the weights (its decay moves the weights below the error front, which SGD leaves
+    alone) and no learned prior mean (AdamW would scale up the round-off of its first, exactly zero gradient)."""
+    i = METHOD_CASES.index((kind, method))
+    algorithm = ("pc", "ipc")[i % 2]
+    adam = method.startswith("adam")
+    quiet = [f for f in QUIET if not (FEATURES[f].get("bottom") == "onehot" and kind == "conv")
+             and not (adam and (FEATURES[f].get("top") == "free"
+                                or algorithm == "ipc" and FEATURES[f].get("prior", Prior()).mean == "learned"))]
+    feature = quiet[i % len(quiet)]
+    optimizer = "adamw" if adam and algorithm == "ipc" else "sgd"
+    mu = 0.6 if method == "nesterov" else 0.0
+    compare(kind, feature, algorithm, mu, optimizer, steps=2, T=3, method=METHODS[method])

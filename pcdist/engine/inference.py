@@ -17,6 +17,14 @@ error pass. Inference step t is
 and ``final=True`` adds an evaluation of the errors at the nodes where inference stopped (t = T,
 every layer's signal, no exchange): what pc's weight update and the trace's last row read.
 
+``solver``: inference is gradient flow dh/dt = -g(h) on the energy, and the step above is its
+explicit Euler step of size dt = x_lr. ``"heun"`` (2nd order) and ``"rk4"`` (classic 4th order)
+take S = 2 or 4 evaluations per step instead (errors, back-projection and one boundary exchange
+each; the stage combinations are ``engine.values.Tableau``); T still counts solver steps, each
+hook runs once per step (record and each_step at its first evaluation, after_step after its
+last). ``relax_adaptive`` (inference at test time only) integrates the same flow to t = T x_lr
+with Heun steps whose size follows a tolerance, reading one error norm per step on the host.
+
 With ``fused`` (pc without momentum: the weights and every prediction stay fixed until the value
 step) each group's error pass also takes h -= x_lr e and the back-projection adds x_lr P straight
 into h (pcdist/engine/stage.py); the errors are then not kept, so an energy trace runs unfused.
@@ -25,38 +33,108 @@ Nothing here reads a device value on the host: the routine is part of a step's c
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
 from .schedules import PrecisionSchedule
+from .values import TABLEAUS
 
-__all__ = ["relax", "set_precision"]
+__all__ = ["relax", "relax_adaptive", "set_precision", "SOLVERS", "check_solver"]
+
+SOLVERS = ("euler", *TABLEAUS)
 
 Hook = Callable[[int], None] | None
 
 
 def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSchedule | None = None,
           noise: Hook = None, record: Hook = None, each_step: Hook = None, after_step: Hook = None,
-          need_all_deltas: bool = False, final: bool = False) -> None:
-    """T inference steps on the Stage ``st`` through the exchange ``par`` (see the module docstring)."""
+          need_all_deltas: bool = False, final: bool = False, solver: str = "euler") -> None:
+    """T inference steps on the Stage ``st`` through the exchange ``par`` (see the module docstring).
+
+    Where the weights hold (no ``after_step``), the target is clamped and inference starts at the
+    feed-forward state without noise, node n's gradient is exactly zero before step L - 1 - n: the error
+    front. Adam on the values zeroes it there rather than scale round-off up to full steps (``ValueOptimizer``).
+    """
+    vo = st.values
+    vo.tableau = TABLEAUS.get(solver)
+    front = st.init in ("ff", "deeppcr") and noise is None and after_step is None and not st.free_top
+    vo.front = st.net.num_layers - 1 if front else None
+    S = 1 if vo.tableau is None else vo.tableau.stages
     for t in range(T + final):
         last = t == T
         set_precision(st, schedule, t)
-        par.errors(st, need_all_deltas=need_all_deltas or last, exchange=not last,
-                   step_lr=x_lr if fused and not last else None)
-        if record is not None:
-            record(t)
-        if last:
-            return
-        par.backproject(st)
-        if each_step is not None:
-            each_step(t)
-        par.update_values(st, x_lr, more=t < T - 1)
+        for s in range(S):
+            par.errors(st, need_all_deltas=need_all_deltas or last, exchange=not last,
+                       step_lr=x_lr if fused and not last else None)
+            if record is not None and s == 0:
+                record(t)
+            if last:
+                return
+            par.backproject(st)
+            if each_step is not None and s == 0:
+                each_step(t)
+            vo.stage = s
+            par.update_values(st, x_lr, more=t < T - 1 or s < S - 1)
         if noise is not None:
             noise(t)
         if after_step is not None:
             after_step(t)
+
+
+def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | None = None) -> dict:
+    """Heun steps of adaptive size integrating the flow to t = T x_lr (inference at test time; not capturable).
+
+    Each step's local error is Heun's against Euler's, dt/2 (k_1 - k_0), per entry over tol (1 + |h|), and
+    its root mean square over every node of every rank (one all-reduce) decides: at most 1 the step is
+    taken, else the nodes are put back. Either way the next dt is dt min(5, max(0.2, 0.9 / sqrt(err))),
+    starting from x_lr and never past the end. Returns {"accepted", "rejected", "evaluations", "t"}."""
+    if not (tol > 0 and math.isfinite(tol)):
+        raise ValueError(f"the adaptive solver's tolerance must be a finite number > 0, got {tol!r}")
+    vo = st.values
+    vo.tableau = TABLEAUS["heun"]
+    boundary = st.send_error is not None
+    like = st.node(st.net.stop - 1)
+    count = float(vo.owned_count(boundary))
+    end, t, dt = T * x_lr, 0.0, x_lr
+    max_steps = 100 * T if max_steps is None else max_steps
+    done = {"accepted": 0, "rejected": 0, "evaluations": 0}
+    try:
+        while t < end * (1 - 1e-12) and done["accepted"] + done["rejected"] < max_steps:
+            dt = min(dt, end - t)
+            vo.estimate = [tol, torch.zeros((), dtype=torch.float64, device=like.device)]
+            for s in range(2):
+                par.errors(st, exchange=True)
+                par.backproject(st)
+                vo.stage = s
+                par.update_values(st, dt, more=s == 0)
+            done["evaluations"] += 2
+            total = par.all_sum(torch.stack([vo.estimate[1].double(),
+                                             torch.tensor(count, dtype=torch.float64, device=like.device)]))
+            sq, n = total.tolist()
+            err = math.sqrt(sq / max(n, 1.0))
+            if err <= 1.0:
+                t += dt
+                done["accepted"] += 1
+            else:
+                vo.restore()
+                done["rejected"] += 1
+            dt *= min(5.0, max(0.2, 0.9 / math.sqrt(err))) if err > 0 else 5.0
+    finally:
+        vo.estimate = None
+    done["t"] = t
+    return done
+
+
+def check_solver(solver: str, *, adaptive: bool = False) -> str:
+    """``solver``, or a ValueError listing the solvers (``adaptive``: "adaptive" is allowed too)."""
+    allowed = SOLVERS + (("adaptive",) if adaptive else ())
+    if solver not in allowed:
+        raise ValueError(f"unknown inference solver {solver!r}; allowed: {', '.join(allowed)}"
+                         + ("" if adaptive or solver != "adaptive" else
+                            " (the adaptive solver runs at test time only: trainer.infer(..., solver='adaptive'))"))
+    return solver
 
 
 def set_precision(st, schedule: PrecisionSchedule | None, t: int) -> None:

@@ -43,11 +43,11 @@ from .energies import OutputEnergy
 from .layers import Binding, BoundGroup
 from .network import PCNetwork
 from .nodes import ValueNodes
-from .values import ValueOptimizer
+from .values import ValueOptimizer, ValueRule
 
-__all__ = ["Stage", "INITS", "energy_dtype"]
+__all__ = ["Stage", "INITS", "check_init", "energy_dtype"]
 
-INITS = ("ff", "deeppcr")
+INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
 
 
 class Stage:
@@ -61,19 +61,18 @@ class Stage:
     schedule will change them); otherwise only networks with precisions pay for them.
     """
 
-    def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float = 0.0, init: str = "ff",
+    def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float | ValueRule = 0.0, init: str = "ff",
                  static_weights: bool = False, free_bottom: bool = False, free_top: bool = False,
                  dynamic_precision: bool = False, dtype: torch.dtype | None = None):
-        if init not in INITS:
-            raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+        check_init(init)
         self.net, self.B, self.init = net, batch_size, init
         self.free_bottom, self.free_top = free_bottom, free_top
         p = next(net.parameters())
         dtype = dtype or p.dtype  # the nodes' (float32 under precision="bf16", whose products are bfloat16)
         L, first, stop = net.num_layers, net.first, net.stop
-        mu = float(x_momentum)
-        # v and e are one tensor unless momentum keeps v, or a kind's back-projection reads e.
-        separate = mu != 0.0 or any(g.reads_errors for g in net.groups)
+        rule = x_momentum if isinstance(x_momentum, ValueRule) else ValueRule("sgd", float(x_momentum))
+        # v and e are one tensor unless heavy-ball momentum keeps v, or a kind's back-projection reads e.
+        separate = rule.plain and rule.momentum != 0.0 or any(g.reads_errors for g in net.groups)
         self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, free_bottom, free_top,
                                 dtype=dtype, device=p.device)
         # pi_first .. pi_{stop-1}; None when all are 1 and no schedule changes them (no extra pass).
@@ -93,7 +92,7 @@ class Stage:
         self.recv_input, self.send_node = nd.recv_input, nd.send_node
         self.has_replica, self.recv_error, self.send_backproj = nd.has_replica, nd.recv_error, nd.send_backproj
         self.send_error, self.recv_backproj = nd.send_error, nd.recv_backproj
-        self.values = ValueOptimizer(nd, mu, not separate)
+        self.values = ValueOptimizer(nd, rule, not separate)
         self.energy_index = 0 if self.groups[0].first == 0 else first  # global index of layer_energies()[0]
         # What a step's core writes for the host to read at log points, and the precision schedule's rows.
         self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(dtype), device=p.device)
@@ -137,9 +136,14 @@ class Stage:
         ``rows`` restricts the pass to a micro-batch (the pipelined init of a layer slice).
         With ``init="deeppcr"`` a group of K > 1 hidden layers is solved as one chain by
         Newton + parallel cyclic reduction (pcdist/engine/deeppcr.py) instead of K dependent steps.
+        ``init="newton"``, ``"newton_cr"`` or ``"backward"`` then move the hidden nodes near the
+        equilibrium of inference (pcdist/engine/equilibrium.py).
         """
         for gr in self.groups:
             gr.feedforward(rows, self.init)
+        if rows is None and self.init in ("newton", "newton_cr", "backward"):
+            from .equilibrium import near_equilibrium
+            near_equilibrium(self, self.init)
 
     def errors(self, groups: list[BoundGroup] | None = None, need_all_deltas: bool = False,
                step_lr: float | None = None) -> None:
@@ -221,6 +225,15 @@ class Stage:
         """Batch-mean energy of each owned group's layers, from the last ``errors``: the global layers
         ``energy_index`` .. stop - 1, where index 0 is the prior of a free h_0."""
         return torch.cat([gr.energies().to(self.energy_log.dtype) for gr in self.groups]) / self.B
+
+
+def check_init(init: str) -> str:
+    """``init``, or a ValueError listing the value-node inits."""
+    if init not in INITS:
+        raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr', 'newton' "
+                         "(the linearised equilibrium, low-rank), 'newton_cr' (the same by cyclic reduction), "
+                         "'backward' (one backward chain, scaled)")
+    return init
 
 
 def energy_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -20,13 +20,13 @@ from torch import Tensor
 
 from .capture import Runner, compile_mode
 from .exchange import Local
-from .inference import relax, set_precision
+from .inference import check_solver, relax, relax_adaptive, set_precision
 from .network import PCNetwork
 from .precision import MixedPrecision
 from .schedules import PrecisionSchedule, warmup_cosine
-from .stage import INITS, Stage
+from .stage import Stage, check_init
 from .update import WeightUpdate
-from .values import ValueNoise, stage_noise
+from .values import ValueNoise, ValueRule, stage_noise, value_rule
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
 
@@ -43,7 +43,12 @@ class PCTrainer:
     ``parallel``: the exchange of a layer slice in a torch.distributed job
     (``pcdist.distributed.Parallel.from_mesh``); ``net`` then owns exactly that slice. Without it the
     trainer is the single-process case of the same schedule (``engine.exchange.Local``).
-    ``init``: "ff" (the feed-forward pass) or "deeppcr" (pcdist/engine/deeppcr.py).
+    ``init``: "ff" (the feed-forward pass), "deeppcr" (pcdist/engine/deeppcr.py), or an init near the
+    equilibrium of inference: "newton", "newton_cr" or "backward" (pcdist/engine/equilibrium.py; one layer
+    slice).
+    ``value_optimizer``: "sgd" (momentum ``x_momentum``), "nesterov", "adam", "adamw" or a ``ValueRule``;
+    ``solver``: "euler" (the value optimizer's step), "heun" or "rk4" (T counts solver steps;
+    pcdist/engine/inference.py); ``infer`` also takes solver="adaptive".
 
     ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the step's energy F
     is not finite or exceeds this value; decided on the device (pcdist/engine/update.py).
@@ -77,9 +82,13 @@ class PCTrainer:
         compile: str = "auto",
         precision: str = "fp32",
         say=print,
+        value_optimizer: str | ValueRule = "sgd",
+        solver: str = "euler",
     ):
         _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
         parallel = _check_slice(net, parallel)
+        self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
+                                               value_noise, init, parallel)
         self.net, self.parallel = net, parallel
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above = init, skip_above
@@ -118,7 +127,7 @@ class PCTrainer:
         cached = self._stages.get(key)
         if cached is None or cached[0] != ptrs:
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
-            st = Stage(net, batch_size, self.x_momentum, self.init, static_weights=self.algorithm == "pc",
+            st = Stage(net, batch_size, self.rule, self.init, static_weights=self.algorithm == "pc",
                        free_bottom=free_bottom, free_top=free_top,
                        dynamic_precision=self.precision_schedule is not None, dtype=self.mixed.master_dtype)
             cached = self._stages[key] = (ptrs, st)
@@ -165,11 +174,11 @@ class PCTrainer:
         if ipc:
             relax(st, par, T, self.x_lr, fused=False, schedule=self.precision_schedule, noise=noise, record=record,
                   each_step=lambda t: par.weight_grads(st), after_step=lambda t: self.update(st, t),
-                  need_all_deltas=True)
+                  need_all_deltas=True, solver=self.solver)
             clock.append(time.perf_counter())
         else:
             relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=noise, record=record,
-                  final=True)
+                  final=True, solver=self.solver)
             clock.append(time.perf_counter())
             par.weight_grads(st)
             self.update(st)
@@ -177,38 +186,39 @@ class PCTrainer:
 
     @torch.no_grad()
     def infer(self, x: Tensor | None = None, y: Tensor | None = None, T: int | None = None, noise: float = 0.0,
-              batch_size: int | None = None, gather: bool = True, global_batch: int | None = None):
+              batch_size: int | None = None, gather: bool = True, global_batch: int | None = None,
+              solver: str | None = None, tol: float = 1e-3):
         """Inference with the weights untouched: clamp what is given (``x`` at h_0, ``y`` at h_L; None
-        leaves that end free), run ``T`` steps (default the trainer's), and return the value nodes
-        h_0 .. h_L. ``noise``: a Langevin temperature tau (MCPC: sampling). ``batch_size``: for a call
-        that clamps nothing.
-
-        Every rank of a parallel run calls it alike; the nodes are gathered onto the logging rank (the
-        whole batch of every data rank), None elsewhere. ``gather=False`` returns this rank's own
-        nodes instead, as {node index: [B_local, ...]}.
+        leaves that end free), run ``T`` steps (default the trainer's) of ``solver`` (default the trainer's;
+        "adaptive": Heun steps of size set by ``tol`` up to t = T x_lr, ``relax_adaptive``), and return the
+        value nodes h_0 .. h_L. ``noise``: a Langevin temperature tau (MCPC: sampling). ``batch_size``: for
+        a call that clamps nothing. Every rank of a parallel run calls it alike; the nodes are gathered onto
+        the logging rank (the whole batch of every data rank), None elsewhere; ``gather=False`` returns this
+        rank's own nodes instead, as {node index: [B_local, ...]}.
         """
-        T = self.T if T is None else _check_T(T)
+        T, solver = self.T if T is None else _check_T(T), check_solver(solver or self.solver, adaptive=True)
         _check_noise(noise)
+        _check_method(self.rule, solver, noise, self.init, self.parallel)
         st, par = self._begin(x, y, batch_size), self.parallel
         draw = self._noise(st, noise, global_batch, -1 - self._inferred)
         self._inferred += 1
 
         def core() -> None:
             par.feedforward(st)
-            relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw)
+            if solver == "adaptive":  # a step count that depends on the data: run eagerly, never captured
+                self.last_infer = relax_adaptive(st, par, T, self.x_lr, tol)
+            else:
+                relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw, solver=solver)
 
-        self.runner(("infer", st, T, noise), core)
+        core() if solver == "adaptive" else self.runner(("infer", st, T, noise, solver), core)
         dtype = self.mixed.master_dtype
         own = {n: st.node(n).to(dtype, copy=True) for n in range(0 if self.net.first == 1 else self.net.first,
                                                                  self.net.stop)}
         return own if not gather else par.gather_nodes(own, self.net.num_layers)
 
     def trace(self, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
-        """Per-layer energies at the init and after each of the T inference steps, weights untouched
-        (with a free h_0 each row starts with its prior's energy).
-
-        Every rank must call it; the logging rank gets the list, others None.
-        """
+        """Per-layer energies at the init and after each of the T inference steps, weights untouched (with a
+        free h_0 each row starts with its prior's energy); every rank calls it, the logging rank gets the list."""
         return energy_trace(self, x, y)
 
     # -- the pieces ------------------------------------------------------------------
@@ -224,11 +234,8 @@ class PCTrainer:
         return stage_noise(st, self.parallel, self.x_lr, tau, global_batch, self._generator, self.noise_seed, call)
 
     def value_nodes(self) -> list[Tensor]:
-        """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference.
-
-        On a layer slice [a, b): h_{a-1} .. h_{b-1}, where h_{a-1} (for a > 1) is the
-        copy last received from the upstream rank, not a node this rank owns.
-        """
+        """Copies of the value nodes h_0 .. h_L at the end of the last step's (or infer's) inference; on a
+        layer slice [a, b): h_{a-1} .. h_{b-1}, h_{a-1} (a > 1) the copy last received from upstream."""
         if self._stage is None:
             raise RuntimeError("value_nodes() is only defined after a step()")
         st = self._stage
@@ -242,7 +249,7 @@ def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list
     rows = torch.zeros(tr.T + 1, len(st.energy_log), dtype=st.energy_log.dtype, device=st.energy_log.device)
     par.feedforward(st)
     relax(st, par, tr.T, tr.x_lr, fused=False, schedule=tr.precision_schedule,
-          record=lambda t: rows[t].copy_(st.layer_energies()), final=True)
+          record=lambda t: rows[t].copy_(st.layer_energies()), final=True, solver=tr.solver)
     full = par.gather_layer_energies(rows, st.B, st.energy_index)
     return None if full is None else [row[0 if st.free_bottom else 1:] for row in full.tolist()]
 
@@ -274,9 +281,23 @@ def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:
         raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
-    if init not in INITS:
-        raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr'")
+    check_init(init)
     _check_noise(value_noise)
+
+
+def _check_method(rule: ValueRule, solver: str, noise: float, init: str, parallel) -> tuple[ValueRule, str]:
+    """(rule, solver) if they go together (and with value noise and the init), else a ValueError."""
+    check_solver(solver, adaptive=True)
+    if solver != "euler" and not (rule.plain and rule.momentum == 0.0):
+        raise ValueError(f"solver={solver!r} integrates the gradient flow itself: it takes value_optimizer='sgd' "
+                         f"without momentum, got {rule.name!r} with momentum {rule.momentum}")
+    if solver != "euler" and noise:
+        raise ValueError(f"value noise (MCPC's Langevin step) is an Euler-Maruyama step: use solver='euler', "
+                         f"not {solver!r}")
+    if init in ("newton", "newton_cr", "backward") and parallel.layer_size > 1:
+        raise ValueError(f"init={init!r} solves for the equilibrium over the whole network: it runs on one layer "
+                         "slice (parallel.layer=1; a data axis is fine)")
+    return rule, solver
 
 
 def _check_T(T) -> int:

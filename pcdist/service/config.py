@@ -33,6 +33,9 @@ from ..engine.schedules import PRECISION_SCHEDULES
 from ..engine.capture import COMPILE
 from ..engine.precision import PRECISIONS
 from ..engine.trainer import ALGORITHMS
+from ..engine.inference import SOLVERS
+from ..engine.stage import INITS
+from ..engine.values import VALUE_OPTIMIZERS
 
 __all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
@@ -145,16 +148,32 @@ class DataConfig:
 class PCConfig:
     T: int = 20
     """Inference steps per batch (>= 1)."""
-    x_lr: float = 0.1
-    """Value-node learning rate (> 0)."""
+    x_lr: Any = "auto"
+    """Value-node learning rate (> 0), or auto: in supervised runs the largest of 1, 0.5, 0.2, 0.1, ... 0.001
+    whose inference energy falls at every step and whose weight update stays within cos 0.99 of backprop's
+    gradient at every layer on the first two batches (printed, and kept in the run directory's x_lr.json);
+    0.1 in the other modes (docs/solvers.md)."""
     x_momentum: float = 0.0
-    """Value-node SGD momentum in [0, 1), reset every batch."""
+    """Value-node momentum in [0, 1), reset every batch (pc.value_optimizer sgd: heavy ball; nesterov)."""
+    value_optimizer: str = "sgd"
+    """The value step: sgd (with pc.x_momentum), nesterov (needs pc.x_momentum > 0), adam or adamw (decay 0.01),
+    state reset every batch (docs/solvers.md)."""
+    solver: str = "euler"
+    """Inference as an ODE: euler (the value optimizer's step), heun (2nd order, 2 evaluations a step) or rk4
+    (4th order, 4); pc.T counts solver steps (docs/solvers.md)."""
+    eval_solver: Optional[str] = None
+    """The solver of the generative and unsupervised tests' inference: euler, heun, rk4 or adaptive (Heun steps
+    of a size set by pc.eval_tol, to the time pc.eval_T x pc.x_lr); null: pc.solver."""
+    eval_tol: float = 1e-3
+    """The adaptive solver's tolerance on each step's error, relative to 1 + |h| (> 0)."""
     algorithm: str = "pc"
     """pc (one weight step per batch), ipc (a weight step at every inference step) or bp (the backprop
     twin: the same network, data, optimizer, schedule and seed trained by autograd on the output energy
     of the feed-forward pass; one process)."""
     init: str = "ff"
-    """Value-node init: ff (feed-forward pass) or deeppcr (fused groups solved by DeepPCR)."""
+    """Value-node init: ff (feed-forward pass), deeppcr (fused groups solved by DeepPCR), or near the equilibrium
+    of inference (supervised, one layer slice): newton (Newton's step, low-rank), newton_cr (the same step by
+    cyclic reduction) or backward (one backward chain, scaled) (docs/solvers.md)."""
     mode: str = "supervised"
     """supervised (h_0 = data, h_L = label; test: feed-forward), generative (h_0 = label, h_L = data; test:
     classification by inference, val/accuracy, and reconstruction) or unsupervised (h_0 = a free latent of
@@ -525,10 +544,26 @@ def validate(c: Config) -> None:
     _check(not d.signal or d.name == "arrays", "data.signal", d.signal, f"false with data={d.name} (it reads data=arrays' "
            f"[N, L] inputs as one-channel signals)")
     _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
-    _check(_finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0")
+    _check(pc.x_lr == "auto" or _finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0 or auto")
     _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
+    _check(pc.value_optimizer in VALUE_OPTIMIZERS, "pc.value_optimizer", pc.value_optimizer,
+           ", ".join(VALUE_OPTIMIZERS))
+    _check(pc.value_optimizer != "nesterov" or pc.x_momentum > 0, "pc.x_momentum", pc.x_momentum,
+           "a number in (0, 1) with pc.value_optimizer=nesterov")
+    _check(not pc.value_optimizer.startswith("adam") or pc.x_momentum == 0, "pc.x_momentum", pc.x_momentum,
+           f"0 with pc.value_optimizer={pc.value_optimizer} (Adam keeps its own averages)")
+    _check(pc.solver in SOLVERS, "pc.solver", pc.solver, ", ".join(SOLVERS) + " (adaptive: pc.eval_solver only)")
+    _check(pc.solver == "euler" or pc.value_optimizer == "sgd" and pc.x_momentum == 0, "pc.solver", pc.solver,
+           f"euler with pc.value_optimizer={pc.value_optimizer} pc.x_momentum={pc.x_momentum} (heun and rk4 "
+           "integrate the plain gradient flow)")
+    _check(pc.solver == "euler" or not pc.value_noise, "pc.solver", pc.solver, "euler with pc.value_noise > 0")
+    _check(pc.eval_solver is None or pc.eval_solver in (*SOLVERS, "adaptive"), "pc.eval_solver", pc.eval_solver,
+           "null, " + ", ".join((*SOLVERS, "adaptive")))
+    _check(_finite(pc.eval_tol) and pc.eval_tol > 0, "pc.eval_tol", pc.eval_tol, "a finite number > 0")
     _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
-    _check(pc.init in ("ff", "deeppcr"), "pc.init", pc.init, "ff (feed-forward), deeppcr")
+    _check(pc.init in INITS, "pc.init", pc.init, "ff (feed-forward), deeppcr, newton, newton_cr, backward")
+    _check(pc.init in ("ff", "deeppcr") or pc.mode == "supervised", "pc.init", pc.init,
+           f"ff or deeppcr with pc.mode={pc.mode} (the inits near equilibrium need both ends clamped)")
     _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
     _check(pc.mode == "supervised" or pc.algorithm != BP, "pc.algorithm", pc.algorithm,
            f"pc or ipc with pc.mode={pc.mode} (the backprop twin trains the supervised feed-forward map)")

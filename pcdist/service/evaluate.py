@@ -25,6 +25,7 @@ from ..engine.modes import mean_prediction, reconstruct
 from ..engine.trainer import PCTrainer
 from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, load_config
 from .data import Dataset, StreamedData, load_dataset, one_hot
+from .autostep import method_options, resolve_x_lr
 from .load import Run, RunError, load
 
 __all__ = ["evaluate", "predict", "EVALUATORS", "evaluate_supervised", "read_inputs"]
@@ -80,8 +81,8 @@ def evaluate_supervised(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
     at the feed-forward init (``loss``, the output energy) and after ``pc.T`` inference steps (``energy``)."""
     net = run.network
     C = net.node_shapes[-1][0]
-    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.T, x_lr=c.pc.x_lr,
-                        x_momentum=c.pc.x_momentum, init=c.pc.init)
+    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.T,
+                        **method_options(c, resolve_x_lr(c, run.run_dir)))
     xs = run.preprocess(x)
     device = next(net.parameters()).device
     confusion = torch.zeros(C, C, dtype=torch.int64)
@@ -103,8 +104,8 @@ def evaluate_supervised(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
 
 def _mode_trainer(run: Run, c: Config) -> PCTrainer:
     net = run.network
-    return PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.eval_T or c.pc.T, x_lr=c.pc.x_lr,
-                     x_momentum=c.pc.x_momentum, init=c.pc.init)
+    return PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=c.pc.eval_T or c.pc.T,
+                     **method_options(c, resolve_x_lr(c, run.run_dir)))
 
 
 @torch.no_grad()
@@ -116,7 +117,8 @@ def evaluate_generative(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
     C = run.network.node_shapes[0][0]
     confusion, sq = torch.zeros(C, C, dtype=torch.int64), 0.0
     for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
-        h = trainer.infer(None, xb.to(next(run.network.parameters()).device))
+        h = trainer.infer(None, xb.to(next(run.network.parameters()).device), solver=c.pc.eval_solver,
+                          tol=c.pc.eval_tol)
         confusion += torch.bincount(lb * C + h[0].argmax(1).cpu(), minlength=C * C).reshape(C, C)
         sq += float((mean_prediction(run.network.energy, run.network(h[0])).cpu() - xb.cpu()).square().sum())
     n = int(confusion.sum())

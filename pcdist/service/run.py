@@ -39,6 +39,7 @@ from ..engine.schedules import precision_schedule
 from .loader import Streamed
 from .validate import pictures, validate
 from .diagnostics import FILE as DIAGNOSTICS_FILE, Diagnostics, check_trace
+from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .metrics import check_logger, make_logger, truncate_jsonl
 from ..engine.network import PCNetwork, mlp_specs
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
@@ -467,8 +468,13 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     if c.pc.algorithm == "bp":
         trainer = BackpropTrainer(net, opt, scheduler=sched, skip_above=skip)
     else:
-        trainer = PCTrainer(net, opt, T=c.pc.T, x_lr=c.pc.x_lr, x_momentum=c.pc.x_momentum, algorithm=c.pc.algorithm,
-                            scheduler=sched, parallel=par, skip_above=skip, init=c.pc.init,
+        if c.pc.init in ("newton", "newton_cr", "backward") and par.layer_size > 1:
+            raise ConfigError(f"config pc.init={c.pc.init} solves for the equilibrium over the whole network: it runs "
+                              f"on one layer slice, but parallel.layer={par.layer_size}; use parallel.layer=1 (a data "
+                              "axis is fine) or pc.init=ff")
+        trainer = PCTrainer(net, opt, T=c.pc.T, algorithm=c.pc.algorithm,
+                            scheduler=sched, parallel=par, skip_above=skip,
+                            **method_options(c, resolve_x_lr(c, run_dir if resume.checkpoint is not None else None)),
                             precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
                             value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
                             precision=c.trainer.precision)
@@ -497,6 +503,11 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
             ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
                           c.data.prefetch_factor, device, dtype, flatten=inputs.flatten,
                           data_at_top=c.pc.mode != "supervised")
+        if isinstance(trainer, PCTrainer):  # pc.x_lr=auto: the step from the first batches (autostep.py)
+            first = [ds.batch(s) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, s, seed),
+                                                                          device, dtype) for s in range(BATCHES)]
+            settle_x_lr(c, trainer, run_dir, [clamps(c.pc.mode, x, y) for x, y in first],
+                        resume.checkpoint is not None, par.is_logging, logger.say)
         batches = _batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
                                  is_rank0, image_shape=image_shape)
@@ -505,7 +516,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
             logger.log_trace(trace)
-            check_trace(trace, c.pc.x_lr, c.pc.T, logger)
+            check_trace(trace, getattr(trainer, "x_lr", None), c.pc.T, logger)
         result = Result(result, run_dir=str(run_dir), finished=result["step"] >= c.trainer.max_steps)
         result.network = net
         if par.is_logging:

@@ -45,7 +45,7 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
                     y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
                     energy += float(OutputEnergy(c.model.energy).value(logits, y, y - logits))
                 continue
-            own = trainer.infer(None, x, c.pc.eval_T, gather=False)
+            own = trainer.infer(None, x, c.pc.eval_T, gather=False, solver=c.pc.eval_solver, tol=c.pc.eval_tol)
             if mode == "generative" and 0 in own:  # h_0 lives on the first layer slice
                 correct += int((own[0].argmax(1).cpu() == labels).sum())
                 total += len(labels)

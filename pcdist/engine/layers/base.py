@@ -123,6 +123,11 @@ class LayerGroup(nn.Module):
         """Feed-forward through the K layers in order (a chain: sequential by nature)."""
         raise NotImplementedError
 
+    def layer(self, k: int, h: Tensor) -> Tensor:
+        """Layer k's prediction of a batch h [B, *I] (differentiable, for torch.func: the inits near
+        equilibrium, pcdist/engine/equilibrium.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-layer prediction")
+
     def bind(self, h_in: Tensor, h_out: Tensor, e_out: Tensor, b: "Binding") -> "BoundGroup":
         """The group's phases over a Stage's views: ``h_in`` [K, B, *I] and ``h_out`` / ``e_out``
         [K, B, *O] (for the output layer h_out holds the top node: the clamped target, or a free

@@ -189,6 +189,9 @@ class ConvGroup(LayerGroup):
             h = pool(h, s.pool_kernel, s.pool_stride, s.pool_padding)
         return h
 
+    def layer(self, k: int, h: Tensor) -> Tensor:
+        return self.to_module_ops(k, h)
+
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ConvBound":
         return ConvBound(self, h_in, h_out, e_out, b)
 

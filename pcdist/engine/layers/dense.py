@@ -164,6 +164,11 @@ class DenseGroup(LayerGroup):
                 h_BI = act(h_BI)
         return h_BI
 
+    def layer(self, k: int, h: Tensor) -> Tensor:
+        act = self.kind.activation
+        a = torch.addmm(self.b_KO[k], h.flatten(1) if self.kind.input_shape is not None else h, self.weight[k])
+        return a if act is None else act(a)
+
     def bind(self, h_in, h_out, e_out, b: Binding) -> "DenseBound":
         return DenseBound(self, h_in, h_out, e_out, b)
 

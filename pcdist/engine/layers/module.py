@@ -195,6 +195,9 @@ class ModuleGroup(LayerGroup):
             h = self.call(k, h)
         return h
 
+    def layer(self, k: int, h: Tensor) -> Tensor:
+        return self.call(k, h)
+
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ModuleBound":
         return ModuleBound(self, h_in, h_out, e_out, b)
 

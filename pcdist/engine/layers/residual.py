@@ -169,14 +169,13 @@ class ResidualGroup(LayerGroup):
 
     def forward(self, h: Tensor) -> Tensor:
         for k in range(self.K):
-            h = self.forward_layer(k, h)
+            h = self.layer(k, h)
         return h
 
-    def forward_layer(self, k: int, h: Tensor) -> Tensor:
+    def layer(self, k: int, h: Tensor) -> Tensor:
         """Layer k of the group on h: skip * h + scale * (phi(h) W_k + b_k)."""
         s = self.kind
-        b = None if self.bias is None else self.bias[k]
-        u = s.scale * F.linear(s.activation(h), self.weight[k].T, b)
+        u = s.scale * F.linear(s.activation(h), self.weight[k].T, None if self.bias is None else self.bias[k])
         return u + h if s.skip else u
 
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ResidualBound":
@@ -276,7 +275,7 @@ class ResidualBound(BoundGroup):
                 def reference():
                     want, v = [], h0
                     for k in range(self.K):
-                        want.append(self.g.forward_layer(k, v))
+                        want.append(self.g.layer(k, v))
                         v = want[-1]
                     return [torch.stack(want)] * 2
 

@@ -1,0 +1,140 @@
+"""pc.x_lr=auto: the value step chosen from the first batches of a run, and the run's methods.
+
+PC's weight update is backprop's gradient in the limit of small errors (docs/fidelity.md): a value
+step large enough to drive the nodes far within T steps makes the output layer learn from a top node
+far from the feed-forward one, and on data other than the digits that costs accuracy without a
+sign (a 1-D MLP at 0.46 against backprop's 0.89 with the old x_lr = 0.1). The diagnostics on the
+first batches measure exactly that at the run's own T, solver and init: with ``auto`` the run takes
+the largest step of ``CANDIDATES`` for which, on each of the first ``BATCHES`` batches at the
+initial weights,
+
+    the inference energy falls at every step (no oscillation or growth), and
+    every layer's weight update is within cos >= ``MIN_COS`` (8 degrees) of backprop's gradient
+
+(``pcdist.diagnose``; the smallest candidate if none passes). The choice is printed in the log and
+kept in the run directory (``x_lr.json``: the value and every candidate's numbers); a resumed run
+reads it back instead of choosing again, and ``pcdist.load`` / ``evaluate`` read it too. Backprop's
+gradient exists only for supervised PC: in the other modes auto is 0.1 (the old default).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..engine.diagnostics import diagnose
+
+__all__ = ["CANDIDATES", "BATCHES", "MIN_COS", "choose_x_lr", "resolve_x_lr", "saved_x_lr", "method_options",
+           "OTHER_MODES"]
+
+CANDIDATES = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001)
+BATCHES = 2
+MIN_COS = 0.99
+OTHER_MODES = 0.1
+FILE = "x_lr.json"
+
+
+def method_options(c, x_lr: float) -> dict:
+    """The trainer's value step, optimizer, solver and init from the config (``x_lr`` resolved)."""
+    return dict(x_lr=x_lr, x_momentum=c.pc.x_momentum, value_optimizer=c.pc.value_optimizer, solver=c.pc.solver,
+                init=c.pc.init)
+
+
+def _monotone(energies: list[float]) -> bool:
+    return all(b <= a * (1 + 1e-6) + 1e-12 for a, b in zip(energies, energies[1:]))
+
+
+def choose_x_lr(trainer, batches) -> tuple[float, list[dict]]:
+    """The largest candidate step that passes on every batch of ``batches`` ((x, y) on this rank; see the module
+    docstring), and one row of numbers per candidate tried. A smaller step keeps the nodes nearer the feed-forward
+    state, so passing is taken to be monotone in the step: a bisection over the candidates tries about four.
+    Every rank calls it; all get the same answer (the logging rank decides and broadcasts)."""
+    par = trainer.parallel
+    rows: list[dict] = []
+
+    def passes(x_lr: float) -> bool:
+        trainer.x_lr = x_lr
+        ok, row = True, {"x_lr": x_lr, "min_cos": [], "monotone": []}
+        for x, y in batches:
+            r = diagnose(trainer, x, y)
+            if r is not None:
+                row["min_cos"].append(min(r["cosine"]))
+                row["monotone"].append(_monotone(r["energy"]))
+                ok = ok and row["monotone"][-1] and row["min_cos"][-1] >= MIN_COS
+            if not _agree(par, ok):
+                break
+        row["passed"] = ok = _agree(par, ok)
+        rows.append(row)
+        return ok
+
+    lo, hi, best = 0, len(CANDIDATES) - 1, len(CANDIDATES) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if passes(CANDIDATES[mid]):
+            best, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    trainer.x_lr = CANDIDATES[best]
+    return CANDIDATES[best], sorted(rows, key=lambda r: -r["x_lr"])
+
+
+def _agree(par, ok: bool) -> bool:
+    """The logging rank's verdict on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    t = torch.tensor([1.0 if ok else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.broadcast(t, src=par.logging_rank if par.logging_rank is not None else 0)
+    return bool(t.item() > 0.5)
+
+
+def saved_x_lr(run_dir: str | Path) -> float | None:
+    """The step a run with pc.x_lr=auto chose (its x_lr.json), None if it has none."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return None
+    return float(json.loads(path.read_text())["x_lr"])
+
+
+def resolve_x_lr(c, run_dir: str | Path | None) -> float:
+    """pc.x_lr as a number: itself, or what the run chose (x_lr.json), or 0.1 outside supervised mode; a run
+    directory without the file (a run made before auto, or not yet started) gives 0.1 as well."""
+    if c.pc.x_lr != "auto":
+        return float(c.pc.x_lr)
+    if c.pc.mode != "supervised" or run_dir is None:
+        return OTHER_MODES
+    saved = saved_x_lr(run_dir)
+    return OTHER_MODES if saved is None else saved
+
+
+def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: bool, say) -> float:
+    """For pc.x_lr=auto: choose the step (or read the run's choice when resuming), set it on the trainer, say it
+    and keep it in run_dir/x_lr.json; returns it. Any other pc.x_lr is returned as it is."""
+    if c.pc.x_lr != "auto":
+        return float(c.pc.x_lr)
+    if c.pc.mode != "supervised":
+        trainer.x_lr = OTHER_MODES
+        if is_logging:
+            say(f"pc.x_lr=auto: {OTHER_MODES:g} (pc.mode={c.pc.mode}: the step is chosen against backprop's "
+                "gradient, which only supervised PC has)")
+        return OTHER_MODES
+    saved = saved_x_lr(run_dir) if resumed else None
+    if saved is not None:
+        trainer.x_lr = saved
+        if is_logging:
+            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({FILE})")
+        return saved
+    x_lr, rows = choose_x_lr(trainer, batches)
+    if is_logging:
+        tried = ", ".join(f"{r['x_lr']:g}" + ("" if r["passed"] else f" (cos {min(r['min_cos'] or [0]):.3f}"
+                                                + ("" if all(r["monotone"]) else ", energy not falling") + ")")
+                          for r in rows)
+        say(f"pc.x_lr=auto: {x_lr:g}, the largest step whose inference energy falls at every step and whose weight "
+            f"update is within cos {MIN_COS} of backprop's gradient at every layer on the first {len(batches)} "
+            f"batches (tried {tried}; {FILE})")
+        (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "candidates": rows}, indent=1))
+    return x_lr

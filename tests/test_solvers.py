@@ -1,0 +1,109 @@
+"""Inference as an ODE (issue 30): the solvers at test time and the adaptive solver.
+
+Inference is gradient flow dh/dt = -g(h) on the energy; ``trainer.infer`` integrates it with the trainer's
+solver (Euler, Heun, RK4: checked against the reference's Butcher tableaux, tests/reference.py) or with
+``solver="adaptive"``: Heun steps whose size a tolerance sets, up to the time T x_lr that Euler's T steps of
+x_lr reach. What the adaptive solver must do, derived from that definition: reach the flow's solution at
+that time (to within its tolerance, and closer at a tighter one), spend fewer evaluations at a looser one,
+refuse to train (a data-dependent step count cannot be captured) and leave the weights alone.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import pcdist
+from pcdist.engine.layers.prior import Prior
+from reference import pc_step
+from test_modes_reference import network
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DT = torch.float64
+
+
+@pytest.mark.parametrize("solver", ["heun", "rk4"])
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_infer_with_a_solver_equals_the_reference(kind, solver):
+    """Classification by inference (free h_0, h_L = data) and a free top, Heun and RK4, against the reference."""
+    layers, shape = network(kind)
+    L = len(layers)
+    net = pcdist.PCNetwork.from_layers(copy.deepcopy(layers), input_shape=shape, prior=Prior(0.5, "uniform"))
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, x_lr=0.1, solver=solver)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(5, *shape, generator=g, dtype=DT), torch.randn(5, 4, generator=g, dtype=DT)
+    m0 = torch.full(shape, 1.0 / torch.Size(shape).numel(), dtype=DT)
+    for xx, yy in ((None, y), (x, None)):
+        got = tr.infer(xx, yy, T=4)
+        ref = copy.deepcopy(layers)
+        params = [p for m in ref for p in m.parameters()]
+        _, want = pc_step(lambda l, h: ref[l - 1](h), L, params, torch.optim.SGD(params, lr=0.0), xx, yy, 4, 0.1, 0.0,
+                          "pc", "se", prior_precision=0.5, prior_mean=m0, solver=solver)
+        for n, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"{kind} {solver}: h_{n}: {m}")
+
+
+def _classifier():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(),
+                        nn.Linear(12, 4)).to(DT)
+    net = pcdist.PCNetwork.from_sequential(seq)
+    g = torch.Generator().manual_seed(1)
+    return net, torch.randn(8, 6, generator=g, dtype=DT), torch.randn(8, 4, generator=g, dtype=DT)
+
+
+def test_the_adaptive_solver_reaches_the_flow_at_its_time():
+    """The adaptive solver integrates to t = T x_lr: against RK4 with 400 small steps to the same time (exact
+    to far below these tolerances) its error is of the order of its tolerance, shrinks with it, and a looser
+    tolerance takes fewer evaluations. Euler's own T steps of x_lr land much further from the flow, and the
+    weights are left alone (numbers seen: errors 7.5e-3, 8.5e-5 and
+    9.4e-7 at tolerances 1e-2, 1e-4, 1e-6, in 18, 112 and 1030 evaluations)."""
+    net, x, y = _classifier()
+    before = [p.detach().clone() for p in net.parameters()]
+    T, x_lr = 10, 0.4
+
+    def nodes(solver, steps, lr, tol=1e-3):
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=steps, x_lr=lr)
+        out = tr.infer(x, y, solver=solver, tol=tol)
+        return torch.cat([h.flatten() for h in out[1:-1]]), getattr(tr, "last_infer", None)
+
+    exact, _ = nodes("rk4", 400, T * x_lr / 400)
+    errs, evals = {}, {}
+    for tol in (1e-2, 1e-4, 1e-6):
+        h, info = nodes("adaptive", T, x_lr, tol)
+        assert info["t"] == pytest.approx(T * x_lr, rel=1e-12)
+        errs[tol], evals[tol] = (h - exact).abs().max().item(), info["evaluations"]
+    # the tolerance bounds each step's error relative to 1 + |h| (nodes of order 1 here): the end within 2 tol
+    assert all(errs[tol] < 2 * tol for tol in errs), errs
+    assert errs[1e-6] < errs[1e-4] < errs[1e-2]
+    assert evals[1e-2] < evals[1e-4] < evals[1e-6]
+    euler, _ = nodes("euler", T, x_lr)
+    assert (euler - exact).abs().max() > 10 * errs[1e-4], "Euler's T steps are a coarse solution of the flow"
+    assert all(torch.equal(p.detach(), q) for p, q in zip(net.parameters(), before))
+
+
+def test_the_adaptive_solver_is_for_inference_only():
+    """A training step must have a fixed step count (it is captured as a graph): the trainer refuses
+    solver="adaptive", and infer refuses it with value noise (Langevin steps are Euler-Maruyama's)."""
+    net, x, y = _classifier()
+    with pytest.raises(ValueError, match="adaptive"):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), solver="adaptive")
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3)
+    with pytest.raises(ValueError, match="Euler-Maruyama"):
+        tr.infer(x, y, solver="adaptive", noise=0.1)
+    with pytest.raises(ValueError, match="unknown inference solver"):
+        tr.infer(x, y, solver="rk45")
+
+
+def test_solvers_refuse_what_they_cannot_take():
+    """Heun and RK4 integrate the plain gradient flow: no momentum or Adam on top, no Langevin noise."""
+    net, _, _ = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for bad in (dict(solver="heun", x_momentum=0.5), dict(solver="rk4", value_optimizer="adam"),
+                dict(solver="heun", value_noise=0.1), dict(value_optimizer="nesterov"),
+                dict(value_optimizer="adam", x_momentum=0.3), dict(value_optimizer="rmsprop")):
+        with pytest.raises(ValueError):
+            pcdist.PCTrainer(net, opt, **bad)
