@@ -97,7 +97,7 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     if T < 0:
         raise ValueError(f"T must be >= 0, got {T}")
     net, par = trainer.net, trainer.parallel
-    L, first, stop = net.num_layers, net.first, net.stop
+    L, first = net.num_layers, net.first
     B = check_batch(net, x, y)
     st = trainer._begin(x, y, None)
     par.feedforward(st)
@@ -109,9 +109,13 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
           record=lambda t: rows[t].copy_(st.layer_energies()), final=True)
     full = par.gather_layer_energies(rows, B, st.energy_index)
     trace = [] if full is None else [row[1:] for row in full.tolist()]
-    groups = [gr.g for gr in st.groups if gr.g.first > 0]
     par.weight_grads(st)
     par.reduce_grads()
+    # Compare in the master network (float32 under precision="bf16", whose products run on a bfloat16 copy):
+    # the copy's weight gradients go into the master's .grad, and backprop runs through the master's layers.
+    trainer.mixed.grads()
+    master = dict(zip(map(id, trainer.mixed.compute.groups), net.groups))
+    groups = [master.get(id(gr.g), gr.g) for gr in st.groups if gr.g.first > 0]
     pc = {l: v for g in groups for l, v in _layer_grads(g, [p.grad for p in g.parameters()]).items()}
     pi_L = float(st.precision[-1]) if st.precision is not None and par.is_last else 1.0
     bp = _backprop(trainer, x_in, y, groups, pi_L, B, global_batch)
