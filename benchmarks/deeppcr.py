@@ -112,8 +112,10 @@ def main() -> None:
                           flush=True)
                 results.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    best = {p: max((r[p]["speedup"], r["L"], r["width"], r["batch"]) for r in results if p in r) for p in ("forward", "backward")}
-    (args.out / "deeppcr.json").write_text(json.dumps({"threads": torch.get_num_threads(), "cells": results, "best": best}, indent=1))
+    best = {p: max((r[p]["speedup"], r["L"], r["width"], r["batch"]) for r in results if p in r)
+            for p in ("forward", "backward")}
+    (args.out / "deeppcr.json").write_text(json.dumps({"threads": torch.get_num_threads(), "cells": results,
+                                                       "best": best}, indent=1))
     plot(results, Ls, Ds, Bs, args.out / "deeppcr.png")
     for p, (s, L, D, B) in best.items():
         print(f"best {p}: {s:.2f}x at L={L}, width={D}, batch={B}")

@@ -53,8 +53,8 @@ TINY_SHAPES = {"A": (16, [16] * 4, 4, "mlp"), "B": (32, [24] * 3, 4, "mlp"), "C"
 TINY_DEPTHS = [2, 4]
 
 
-ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "softplus": nn.Softplus, "elu": nn.ELU,
-               "mish": nn.Mish}
+ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "softplus": nn.Softplus,
+               "elu": nn.ELU, "mish": nn.Mish}
 
 
 def make_seq(d_in: int, hidden: list[int], d_out: int, activation: str = "tanh") -> nn.Sequential:

@@ -126,7 +126,8 @@ def learning(scale: float, out_dir: Path, tag: str = "") -> dict:
     out["unsupervised_linear"] = {"mse": recon(linear, n(200)), "seconds": time.perf_counter() - t0}
     t0 = time.perf_counter()
     hidden = fit(pcdist.PCNetwork(pcdist.mlp_specs([10, 128, 64], "tanh"), prior=pcdist.Prior(1e-3), seed=0,
-                                  precision=[1.0, 0.01]), data, "unsupervised", n(3000), n(100), 0.3, 3e-3, x_momentum=0.9)
+                                  precision=[1.0, 0.01]), data, "unsupervised", n(3000), n(100), 0.3, 3e-3,
+                 x_momentum=0.9)
     out["unsupervised_hidden_value_nodes"] = {"mse": recon(hidden, n(1000)), "seconds": time.perf_counter() - t0}
     t0 = time.perf_counter()
     mlp = pcdist.AnyModule(nn.Sequential(nn.Linear(10, 128), nn.Tanh(), nn.Linear(128, 64)))

@@ -11,7 +11,8 @@ against P independent 1-rank jobs running at the same time:
     adjusted = time(P independent ranks, K layers each) / time(P ranks, P*K layers).
 Also reported: the fraction of the step each rank spends blocked on boundary
 messages, and the same P-rank run with the exchange as one batch_isend_irecv per
-step (NCCL's schedule) instead of gloo's receives posted a step ahead. Variants alternate round by round; medians are compared. Writes
+step (NCCL's schedule) instead of gloo's receives posted a step ahead. Variants
+alternate round by round; medians are compared. Writes
 benchmarks/results/scaling_K{K}_W{W}.json and .png.
 
     python benchmarks/scaling.py                  # P = 1, 2 on a 2-core machine
@@ -85,8 +86,8 @@ def worker(args) -> None:
 def launch(P: int, args, out: str, independent: bool = False, one_batch: bool = False) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}", __file__,
            "--worker", "--worker-out", out, *(["--independent"] if independent else []),
-           *(["--one-batch"] if one_batch else []), "--layers-per-rank", str(args.layers_per_rank), "--width", str(args.width),
-           "--batch", str(args.batch), "--T", str(args.T), "--steps", str(args.steps),
+           *(["--one-batch"] if one_batch else []), "--layers-per-rank", str(args.layers_per_rank),
+           "--width", str(args.width), "--batch", str(args.batch), "--T", str(args.T), "--steps", str(args.steps),
            "--micro-batches", str(args.micro_batches)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     for attempt in (1, 2):
@@ -149,7 +150,8 @@ def main() -> None:
               f"(one-batch exchange: {t_one * 1e3:8.1f} ms/step, efficiency {base / t_one:5.3f})")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"scaling_K{args.layers_per_rank}_W{args.width}"
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "independent", "one_batch", "worker_out", "out")}
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("worker", "independent", "one_batch", "worker_out", "out")}
     stem.with_suffix(".json").write_text(json.dumps({"config": config, "ranks": table}, indent=2))
     plot(table, args, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png")

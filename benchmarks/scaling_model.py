@@ -58,8 +58,8 @@ def step_time(P: int, D: int, a) -> dict:
     wgrad = 2 * B * d * d / (a.tflops * 1e12)  # one layer's weight-gradient GEMM
     allreduce = 0.0 if D == 1 else max(0.0, ring(wbytes * (K - 1) / K) - wgrad) + ring(wbytes / K)
     total = evals + init + allreduce
-    return {"P": P, "D": D, "gpus": P * D, "layers": P * K, "message_MB": msg / 1e6, "exposed_comm_us_per_eval": exposed * 1e6,
-            "exposed_allreduce_ms": allreduce * 1e3, "step_ms": total * 1e3}
+    return {"P": P, "D": D, "gpus": P * D, "layers": P * K, "message_MB": msg / 1e6,
+            "exposed_comm_us_per_eval": exposed * 1e6, "exposed_allreduce_ms": allreduce * 1e3, "step_ms": total * 1e3}
 
 
 def main() -> None:
@@ -96,7 +96,9 @@ def main() -> None:
               f"{r['exposed_comm_us_per_eval']:15.1f} {r['exposed_allreduce_ms']:13.2f} {r['step_ms']:8.2f} "
               f"{r['weak_scaling_efficiency']:10.3f}")
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "scaling_model.json").write_text(json.dumps({"assumptions": {k: v for k, v in vars(a).items() if k != "out"}, "one_gpu_ms": base, "rows": rows}, indent=2))
+    (a.out / "scaling_model.json").write_text(json.dumps({"assumptions": {k: v for k, v in vars(a).items()
+                                                                          if k != "out"},
+                                                          "one_gpu_ms": base, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

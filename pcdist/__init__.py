@@ -23,7 +23,8 @@ from .engine.diagnostics import diagnose
 from .engine.activations import ACTIVATIONS, Activation, get_activation
 from .engine.energies import ENERGIES
 from .engine.fuse import FusedModules, fuse
-from .engine.layers import AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear, mupc_layers, mupc_specs
+from .engine.layers import (AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear,
+                            mupc_layers, mupc_specs)
 from .engine.layers.prior import Prior
 from .engine.schedules import top_down
 from .engine.network import PCNetwork, mlp_specs

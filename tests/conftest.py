@@ -19,9 +19,9 @@ for _p in (_ROOT, _TESTS_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-
-import pytest
-import torch
+# Imported only after the environment above: torch reads MKL_CBWR and OMP_WAIT_POLICY once, when it loads.
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

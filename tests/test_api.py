@@ -94,10 +94,16 @@ def test_batch_size_change_reallocates():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Tanh())), "output layer"),
-        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Softmax(-1), nn.Linear(4, 2))), r"module 1 \(Softmax\) cannot be placed where a value node would go; .* PCNetwork.from_layers"),
-        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2))), "layer 1 outputs 4 features but layer 2 expects 5"),
-        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Tanh(), nn.Linear(3, 2))), "before the first nn.Linear"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2),
+                                                                nn.Tanh())),
+         "output layer"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Softmax(-1), nn.Linear(4, 2))),
+         r"module 1 \(Softmax\) cannot be placed where a value node would go; "
+         r".* PCNetwork.from_layers"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2))),
+         "layer 1 outputs 4 features but layer 2 expects 5"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Tanh(), nn.Linear(3, 2))),
+         "before the first nn.Linear"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], energy="mse"), "unknown energy 'mse'"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], activation="swish"), "unknown activation 'swish'"),
         (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive integer widths"),

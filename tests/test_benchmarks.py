@@ -68,7 +68,8 @@ def test_conv_benchmark_writes_medians_ratios_and_plot(tmp_path):
 
 
 def test_scaling_benchmark_launches_torchrun_and_reports_efficiency(tmp_path):
-    run("scaling.py", "--layers-per-rank", "1", "--width", "32", "--steps", "1", "--rounds", "1", "--out", str(tmp_path))
+    run("scaling.py", "--layers-per-rank", "1", "--width", "32", "--steps", "1", "--rounds", "1",
+        "--out", str(tmp_path))
     res = json.loads((tmp_path / "scaling_K1_W32.json").read_text())
     assert (tmp_path / "scaling_K1_W32.png").read_bytes()[:8] == PNG_MAGIC
     one, two = res["ranks"]["1"], res["ranks"]["2"]
@@ -115,8 +116,8 @@ def test_depth_benchmark_reports_accuracy_time_and_the_gap(tmp_path):
 
 def test_service_benchmark_interleaves_the_service_loop_and_the_engine_step(tmp_path):
     """The real torchrun, 2 ranks; the reported ratio is the median of per-round service / engine ratios."""
-    stdout = run("service.py", "--layers-per-rank", "1", "--width", "32", "--rounds", "2", "--steps", "3", "--warmup", "2",
-                 "--log-every", "2", "--out", str(tmp_path))
+    stdout = run("service.py", "--layers-per-rank", "1", "--width", "32", "--rounds", "2", "--steps", "3",
+                 "--warmup", "2", "--log-every", "2", "--out", str(tmp_path))
     res = json.loads((tmp_path / "service_K1_W32.json").read_text())
     assert (tmp_path / "service_K1_W32.png").read_bytes()[:8] == PNG_MAGIC
     rounds = res["rounds"]

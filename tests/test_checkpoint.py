@@ -153,7 +153,8 @@ def test_a_failed_write_never_damages_the_previous_checkpoint(two_checkpoints, t
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     net = pcdist.PCNetwork.from_dims([64, 256, 10], activation="gelu")
-    with pytest.raises(CheckpointError, match=r"was written by a different model: dense 64->128 tanh, dense 128->128 tanh, dense 128->10 None; "
+    with pytest.raises(CheckpointError, match=r"was written by a different model: dense 64->128 tanh, "
+                       r"dense 128->128 tanh, dense 128->10 None; "
                        r"this run has dense 64->256 gelu, dense 256->10 None"):
         load_checkpoint(latest_checkpoint(two_checkpoints), net, None)
 
@@ -161,9 +162,10 @@ def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
 def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
     """A learning rate that blows the weights up: the run stops with the step, the layer and the value,
     and the checkpoint written before the divergence is intact and loadable."""
-    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "model": TANH, "optim": {"name": "sgd", "lr": 2.0, "momentum": 0.9,
-           "warmup_steps": 0}, "trainer": {"max_steps": 200, "ckpt_every": 2, "log_every": 2, "eval_every": 100,
-           "progress": "off", "max_energy": 1e4}}
+    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "model": TANH,
+           "optim": {"name": "sgd", "lr": 2.0, "momentum": 0.9, "warmup_steps": 0},
+           "trainer": {"max_steps": 200, "ckpt_every": 2, "log_every": 2, "eval_every": 100,
+                       "progress": "off", "max_energy": 1e4}}
     with pytest.raises(FloatingPointError, match=r"step \d+: the energy diverged to \S+ \(layer \d: \S+; limit "
                                                  r"trainer.max_energy=10000.0\); the last good checkpoint is in"):
         pcdist.train(cfg)

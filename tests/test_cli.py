@@ -58,8 +58,8 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
     """launch/local.sh checks the overrides for NPROC ranks in one process before torchrun starts."""
     out = run(["launch/local.sh", "parallel.layer=3", f"hydra.run.dir={tmp_path}"], NPROC="2", PYTHON=sys.executable)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: mesh parallel.data=1 x parallel.layer=3 = 3 ranks, "
-                                                                  "but the world size is 2")
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: mesh parallel.data=1 x parallel.layer=3 = "
+                                                                  "3 ranks, but the world size is 2")
     assert not tmp_path.joinpath("checkpoints").exists()
 
 
@@ -166,10 +166,13 @@ def test_the_service_makes_waiting_openmp_threads_sleep_unless_told_otherwise(en
     """OMP_WAIT_POLICY=PASSIVE in every process that imports pcdist before torch (train.py, python -m pcdist,
     pcdist-train, their torchrun workers): spinning threads made runs 6-13x slower where another process
     holds a core (docs/service.md). Set before torch loads OpenMP, which reads it once; a user's value stays."""
-    start = {"train.py": "import runpy, sys; sys.argv = ['train.py', '--help']; runpy.run_path('train.py', run_name='__main__')",
-             "-m pcdist": "import runpy, sys; sys.argv = ['pcdist', '--help']; runpy.run_module('pcdist', run_name='__main__')",
+    start = {"train.py": "import runpy, sys; sys.argv = ['train.py', '--help']; "
+                         "runpy.run_path('train.py', run_name='__main__')",
+             "-m pcdist": "import runpy, sys; sys.argv = ['pcdist', '--help']; "
+                          "runpy.run_module('pcdist', run_name='__main__')",
              "import pcdist": "import pcdist"}[entry]
-    code = f"import os\ntry:\n    {start}\nexcept SystemExit:\n    pass\nprint('policy', os.environ.get('OMP_WAIT_POLICY'))"
+    code = (f"import os\ntry:\n    {start}\nexcept SystemExit:\n    pass\n"
+            "print('policy', os.environ.get('OMP_WAIT_POLICY'))")
     for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         env.update({"OMP_WAIT_POLICY": given} if given else {})

@@ -66,7 +66,8 @@ def test_epochs_and_max_steps_set_together_are_refused_naming_both(tmp_path):
     small = {"logger": "none", "trainer": {"progress": "off", "eval_every": 1000}}
     with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=2 and trainer.max_steps=50 both set how long the "
                                                  r"run trains, and trainer.epochs would win; set one: trainer.epochs="
-                                                 r"null to train trainer.max_steps steps, or leave out trainer.max_steps$"):
+                                                 r"null to train trainer.max_steps steps, or leave out "
+                                                 r"trainer.max_steps$"):
         pcdist.train({**small, "trainer": {"epochs": 2, "max_steps": 50}, "run_dir": str(tmp_path / "a")})
     with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=5 \(from experiment=deconv_mnist\) and "
                                                  r"trainer.max_steps=5 both"):
@@ -117,14 +118,16 @@ def test_a_cnn_trains_on_cifar100_images(tmp_path):
     assert result["step"] == 3 and 0.0 <= result["val/accuracy"] <= 1.0
     state = torch.load(next((tmp_path / "run" / "checkpoints" / "step-00000003").glob("layers-*.pt")),
                        weights_only=True)["layers"]
-    assert tuple(state["layers.1.weight"].shape) == (4, 3, 3, 3) and tuple(state["layers.3.weight"].shape) == (100, 4 * 8 * 8)
+    assert (tuple(state["layers.1.weight"].shape) == (4, 3, 3, 3)
+            and tuple(state["layers.3.weight"].shape) == (100, 4 * 8 * 8))
 
 
 BAD_CONFIGS = [
     (["pc.T=0"], "config pc.T=0 is invalid: allowed an integer >= 1"),
     (["pc.x_lr=-1"], "config pc.x_lr=-1 is invalid: allowed a finite number > 0 or auto"),
     (["pc.x_lr=fast"], "config pc.x_lr='fast' is invalid: allowed a finite number > 0 or auto"),
-    (["pc.value_optimizer=rmsprop"], "config pc.value_optimizer='rmsprop' is invalid: allowed sgd, nesterov, adam, adamw"),
+    (["pc.value_optimizer=rmsprop"], "config pc.value_optimizer='rmsprop' is invalid: allowed sgd, nesterov, adam, "
+                                     "adamw"),
     (["pc.value_optimizer=nesterov"], "config pc.x_momentum=0.0 is invalid: allowed a number in (0, 1) with "
                                       "pc.value_optimizer=nesterov"),
     (["pc.solver=adaptive"], "config pc.solver='adaptive' is invalid: allowed euler, heun, rk4 (adaptive: "
@@ -140,10 +143,11 @@ BAD_CONFIGS = [
     (["model.activation=swish"], "config model.activation='swish' is invalid: allowed tanh, relu, leaky_relu, gelu, "
                                  "hard_tanh, sigmoid, identity, silu, softplus, elu, mish"),
     (["model=cnn", "model.channels=[16,32,64]"], "config model.channels=[16, 32, 64] has 3 conv layers but model.pool="
-                                                 "['max', 'max'] has 2 entries: one pooling (max, avg or none) per conv "
-                                                 "layer, e.g. model.pool=[max,max,max]"),
+                                                 "['max', 'max'] has 2 entries: one pooling (max, avg or none) per "
+                                                 "conv layer, e.g. model.pool=[max,max,max]"),
     (["model.energy=mse"], "config model.energy='mse' is invalid: allowed se, ce"),
-    (["parallel.layer=5"], "config parallel.layer=5 is invalid: allowed at most the number of layers (3, from model.dims)"),
+    (["parallel.layer=5"], "config parallel.layer=5 is invalid: allowed at most the number of layers "
+                           "(3, from model.dims)"),
     (["parallel.data=2"], "parallel.data=2 x parallel.layer=1 needs 2 processes, but this is one process; launch it "
                           "with torchrun --nproc_per_node=2 train.py"),
     (["trainer.batch_size=0"], "config trainer.batch_size=0 is invalid: allowed an integer >= 1"),

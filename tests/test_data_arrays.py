@@ -95,7 +95,8 @@ def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tm
                        rng.standard_normal((16, 40, 1), np.float32), np.arange(16) % 4)
     said = train_py_refuses(tmp_path, "data=arrays", f"data.path={signals}", "model=cnn", "trainer.batch_size=16")
     assert said.startswith(f"error: data arrays ({signals}) has samples of shape [40, 1], channels-last [L, C], but "
-                           f"model.name=cnn reads signals [C, L] channels-first; transpose the arrays to [N, 1, 40]"), said
+                           f"model.name=cnn reads signals [C, L] channels-first; transpose the arrays to "
+                           f"[N, 1, 40]"), said
     transposed = save_npz(tmp_path / "cl.npz", *(a.transpose(0, 2, 1) if a.ndim == 3 else a for a in
                                                   np.load(signals).values()))
     assert pcdist.train({"data": {"name": "arrays", "path": str(transposed)}, "model": "cnn", "logger": "none",

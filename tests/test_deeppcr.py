@@ -149,4 +149,5 @@ def test_generic_path_equals_the_analytic_one():
             lin.bias.copy_(b[l])
         blocks.append(nn.Sequential(lin, nn.Tanh()))
     x0 = torch.randn(3, 5, dtype=torch.float64)
-    torch.testing.assert_close(deeppcr.solve(blocks, x0).states, deeppcr.solve((w, b, A), x0).states, atol=1e-12, rtol=0)
+    torch.testing.assert_close(deeppcr.solve(blocks, x0).states, deeppcr.solve((w, b, A), x0).states,
+                               atol=1e-12, rtol=0)

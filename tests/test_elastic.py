@@ -13,8 +13,9 @@ import torch
 
 from test_service import ROOT, layer_state, torchrun
 
-COMMON = ["parallel.layer=2", "parallel.timeout_s=60", "trainer.max_steps=400", "trainer.ckpt_every=50", "trainer.eval_every=200",
-          "trainer.log_every=50", "trainer.dtype=float64", "logger=none", "trainer.progress=off"]
+COMMON = ["parallel.layer=2", "parallel.timeout_s=60", "trainer.max_steps=400", "trainer.ckpt_every=50",
+          "trainer.eval_every=200", "trainer.log_every=50", "trainer.dtype=float64", "logger=none",
+          "trainer.progress=off"]
 
 
 def children(pid: int) -> list[int]:
@@ -102,6 +103,7 @@ def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_pat
            "split into 1 slices; 1 torch thread per rank (OMP_NUM_THREADS)")
     assert one in out.stdout.splitlines(), out.stdout[-3000:]
     said = [line.split("  ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines() if "  mesh: " in line]
-    assert said == [one.replace("1 rank =", "2 ranks =").replace("parallel.layer 1 (parallel.layer = 1", "parallel.layer "
-                    "2 (parallel.layer = 2").replace("into 1 slices", "into 2 slices"), one], said
+    assert said == [one.replace("1 rank =", "2 ranks =")
+                    .replace("parallel.layer 1 (parallel.layer = 1", "parallel.layer 2 (parallel.layer = 2")
+                    .replace("into 1 slices", "into 2 slices"), one], said
     assert f"resumed from {run_dir / 'checkpoints/step-00000020'} at step 20" in out.stdout

@@ -70,7 +70,8 @@ def test_a_registered_energy_works_by_name_in_every_output_kind(kind, free_top):
         g = torch.Generator().manual_seed(1)
         out = []
         for _ in range(3):
-            x, y = torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+            x, y = (torch.randn(8, 5, generator=g, dtype=torch.float64),
+                    torch.randn(8, 3, generator=g, dtype=torch.float64))
             out.append(tr.step(x, None if free_top else y)["energy"])
         runs[energy if isinstance(energy, str) else "callable"] = (out, list(net.parameters()), tr.value_nodes())
     (e_a, w_a, h_a), (e_b, w_b, h_b) = runs["huber"], runs["callable"]

@@ -160,7 +160,8 @@ def test_block_tridiagonal_solve_equals_a_dense_solve():
 
 def test_deep_network_learns_in_every_layer_at_small_T():
     """From the feed-forward init an error moves one layer per step: at T = 2 on a 12-layer network the lowest
-    nine layers get no weight gradient (in exact arithmetic; round-off here). From any init near equilibrium every layer gets one."""
+    nine layers get no weight gradient (in exact arithmetic; round-off here). From any init near equilibrium
+    every layer gets one."""
     specs = pcdist.mupc_specs(6, 16, 12, 4, "tanh")
     x, y = batch(8, 6, 4, "se", seed=1)
     for init, reach in (("ff", "top"), ("newton", "all"), ("backward", "all")):
@@ -191,13 +192,19 @@ def test_every_kind_takes_the_same_newton_step_both_ways(kind):
     g = torch.Generator().manual_seed(5)
     if kind.startswith("mupc"):
         act, energy = kind.split("-")[1], "ce" if kind.endswith("ce") else "se"
-        net_of = lambda init: pcdist.PCNetwork(pcdist.mupc_specs(5, 6, 5, 3, act), dtype=DT, seed=2, energy=energy)
+
+        def net_of(init):
+            return pcdist.PCNetwork(pcdist.mupc_specs(5, 6, 5, 3, act), dtype=DT, seed=2, energy=energy)
+
         x = torch.randn(4, 5, generator=g, dtype=DT)
     else:
         energy = "se"
         seq = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1),
                             nn.Tanh(), nn.Flatten(), nn.Linear(8, 3)).to(DT)
-        net_of = lambda init: pcdist.PCNetwork.from_sequential(seq, input_shape=(1, 4, 4), energy=energy)
+
+        def net_of(init):
+            return pcdist.PCNetwork.from_sequential(seq, input_shape=(1, 4, 4), energy=energy)
+
         x = torch.randn(4, 1, 4, 4, generator=g, dtype=DT)
     y = torch.eye(3, dtype=DT)[torch.tensor([0, 2, 1, 2])] if energy == "ce" else torch.randn(4, 3, generator=g,
                                                                                                 dtype=DT)

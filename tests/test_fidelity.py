@@ -18,7 +18,8 @@ from pcdist.service.signals import save_signals
 def cfg(tmp_path, **over) -> list[str]:
     """Command-line overrides (as train.py takes them) of a quiet run in tmp_path/run."""
     def text(v):
-        return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else v
+        return ("[" + ",".join(map(str, v)) + "]" if isinstance(v, list)
+                else str(v).lower() if isinstance(v, bool) else v)
 
     return ["logger=none", "trainer.progress=off", f"run_dir={tmp_path / 'run'}",
             *(f"{k}={text(v)}" for k, v in over.items())]

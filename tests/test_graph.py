@@ -145,7 +145,8 @@ def test_a_module_tracing_cannot_take_keeps_the_eager_calls():
     assert isinstance(b._by_input, EagerCall), "a data-dependent branch cannot be traced"
 
 
-@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES[:2], ids=["-".join(map(str, m)) for m in MODES[:2]])
+@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES[:2],
+                         ids=["-".join(map(str, m)) for m in MODES[:2]])
 def test_eager_calls_equal_the_reference_too(monkeypatch, algorithm, x_momentum, energy, optimizer):
     """PCDIST_TRACE=0: every module group on its eager calls, same numbers as the reference."""
     monkeypatch.setenv("PCDIST_TRACE", "0")
@@ -232,7 +233,8 @@ def test_parameter_free_layers_train(monkeypatch):
 
 def test_a_parameter_the_output_ignores_gets_a_zero_gradient(monkeypatch):
     torch.manual_seed(1)
-    layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()).to(DT), Unused().to(DT), Unused().to(DT), nn.Linear(6, 4).to(DT)]
+    layers = [nn.Sequential(nn.Linear(5, 6), nn.Tanh()).to(DT), Unused().to(DT), Unused().to(DT),
+              nn.Linear(6, 4).to(DT)]
     (b,) = traced_and_eager(monkeypatch, layers, (5,))
     assert isinstance(b._by_weight, GraphCall)
     assert torch.count_nonzero(b.g.stacked["spare__weight"].grad) == 0

@@ -46,7 +46,10 @@ def build(layers):
 
 def run(impl, seq, x, y, T, x_lr, x_momentum, algorithm, energy, lr):
     """One step with plain SGD(lr); returns (stats, value nodes, [(W, b) per layer] after the step)."""
-    make_opt = lambda params: torch.optim.SGD(params, lr=lr)
+
+    def make_opt(params):
+        return torch.optim.SGD(params, lr=lr)
+
     x, y = torch.tensor(x, dtype=DT), torch.tensor(y, dtype=DT)
     if impl == "reference":
         trainer = ReferenceTrainer(seq, make_opt, T=T, x_lr=x_lr, x_momentum=x_momentum,

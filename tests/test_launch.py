@@ -114,7 +114,8 @@ def test_the_installed_wheel_trains_without_a_checkout(wheel, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = [p.parent for p in work.glob("runs/*/*/config.yaml")]
     assert (run_dir / "checkpoints/step-00000002/manifest.json").is_file()
-    where = subprocess.run([str(venv / "bin/python"), "-c", "import pcdist.service.config as c; print(c.__file__, c.CONF_DIR)"],
+    where = subprocess.run([str(venv / "bin/python"), "-c",
+                            "import pcdist.service.config as c; print(c.__file__, c.CONF_DIR)"],
                            cwd=work, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), f"not the installed copy: {where}"
     out = subprocess.run([str(venv / "bin/python"), "-m", "pcdist", "--cfg", "job", "optim=sgd"], cwd=work,
@@ -154,7 +155,8 @@ def fresh_clone(tmp_path_factory):
             (clone / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, clone / f)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(clone / ".venv")], check=True, timeout=120)
-    site = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([str(clone / ".venv/bin/python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "_pcdist_editable.pth").write_text(f"{clone}\n")  # pcdist from the copy, as pip install -e puts it
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -169,7 +171,8 @@ def fresh_clone(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
-                                  if not Path(p, "python").is_file() or Path(p).resolve() != Path(sys.prefix, "bin").resolve())
+                                  if not Path(p, "python").is_file()
+                                  or Path(p).resolve() != Path(sys.prefix, "bin").resolve())
     env["OMP_NUM_THREADS"] = "1"  # a shared CI box: one thread per process keeps the many launches below calm
     from doc_blocks import blocks, commands
 

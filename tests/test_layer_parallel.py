@@ -73,7 +73,8 @@ CASES = {
     "D2xP2-ipc-se": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", micro_batches=3),
     "P2-deeppcr-init": Case((6, 8, 8, 8, 8, 8, 4), layer=2, micro_batches=2, init="deeppcr"),
     "P2-ipc-one-batch-exchange": Case((6, 8, 8, 8, 8, 4), layer=2, algorithm="ipc", x_momentum=0.5, prepost=False),
-    "uneven-7-over-3": Case((6, 8, 8, 5, 5, 5, 7, 4), layer=3, algorithm="ipc", energy="se", micro_batches=3, x_momentum=0.5),
+    "uneven-7-over-3": Case((6, 8, 8, 5, 5, 5, 7, 4), layer=3, algorithm="ipc", energy="se", micro_batches=3,
+                            x_momentum=0.5),
     "mupc-P2-pc-se": Case((6, 8, 8, 4), layer=2, mupc="relu", micro_batches=2),
     "mupc-P4-ipc-ce-momentum": Case((6, 8, 10, 4), layer=4, algorithm="ipc", energy="ce", x_momentum=0.5,
                                     optimizer="adamw", mupc="tanh"),
@@ -243,7 +244,8 @@ def test_parallel_run_equals_single_process(name, tmp_path):
         for key, val in res["state"].items():  # weights: every rank holds its layers, equal to one process
             torch.testing.assert_close(val, ref_state[key], atol=1e-9, rtol=0, msg=key)
             covered.add(key)
-        for step in range(case.steps):  # value nodes h_{a-1} .. h_{b-1} of this rank's rows (h_{a-1}: h_0 or the replica)
+        # value nodes h_{a-1} .. h_{b-1} of this rank's rows (h_{a-1}: h_0 or the replica)
+        for step in range(case.steps):
             for i, n in enumerate(range(a - 1, b)):
                 torch.testing.assert_close(res["nodes"][step][i], ref_nodes[step][n][res["rows"]], atol=1e-9, rtol=0,
                                            msg=f"step {step} node {n}")
@@ -261,7 +263,8 @@ def test_parallel_run_equals_single_process(name, tmp_path):
     for got, want in zip(logging[0]["stats"], ref_stats):
         assert abs(got["energy"] - want["energy"]) < 1e-9
         assert abs(got.get("prior_energy", 0.0) - want.get("prior_energy", 0.0)) < 1e-9
-        torch.testing.assert_close(torch.tensor(got["layer_energies"]), torch.tensor(want["layer_energies"]), atol=1e-9, rtol=0)
+        torch.testing.assert_close(torch.tensor(got["layer_energies"]), torch.tensor(want["layer_energies"]),
+                                   atol=1e-9, rtol=0)
     others = [res for res in results if not res["logging"]]
     assert all(s == {} for res in others for s in res["stats"])
     assert all(res["eager"] == [] for res in results), "the capturable core reads nothing on the host"
@@ -295,7 +298,8 @@ def infer_worker(rank, world, layer, data, out_dir):
     got = {"nodes": tr.infer(None, y[rows], noise=0.1, global_batch=8), "labels": classify(tr, y[rows]),
            "adaptive": tr.infer(None, y[rows], solver="adaptive", tol=ADAPTIVE_TOL),
            "heun": tr.infer(None, y[rows], solver="heun"),
-           "recon": reconstruct(tr, y[rows]), "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]][rows])}
+           "recon": reconstruct(tr, y[rows]),
+           "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]][rows])}
     if par.is_logging:
         torch.save(got, f"{out_dir}/logging.pt")
     else:
@@ -317,7 +321,8 @@ def test_inference_at_test_time_on_a_layer_split_equals_one_process(name, tmp_pa
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=6, x_lr=0.1, noise_seed=2)
     y = torch.rand(8, 6, generator=torch.Generator().manual_seed(9), dtype=DT)
     want = {"nodes": tr.infer(None, y, noise=0.1), "labels": classify(tr, y),
-            "adaptive": tr.infer(None, y, solver="adaptive", tol=ADAPTIVE_TOL), "heun": tr.infer(None, y, solver="heun"),
+            "adaptive": tr.infer(None, y, solver="adaptive", tol=ADAPTIVE_TOL),
+            "heun": tr.infer(None, y, solver="heun"),
             "recon": reconstruct(tr, y),
             "gen": generate(tr, torch.eye(5, dtype=DT)[[0, 1, 2, 3, 4, 0, 1, 2]])}
     assert len(got["nodes"]) == len(want["nodes"]) == 5

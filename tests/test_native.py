@@ -33,7 +33,8 @@ def test_kernel_builds_where_a_compiler_exists():
 
 
 def torch_ops(act, a, bias, h, lr, stepped, prec=None):
-    """What the kernel computes, as separate torch ops: u = f(a + b); e = pi (h - u); d = e f'(a); h[:stepped] -= lr e."""
+    """What the kernel computes, as separate torch ops: u = f(a + b); e = pi (h - u); d = e f'(a);
+    h[:stepped] -= lr e."""
     pre = a + bias.unsqueeze(1)
     u = act.forward(pre.clone())
     e = h - u if prec is None else (h - u) * prec.view(-1, 1, 1)
@@ -89,7 +90,8 @@ def test_kernel_rejects_mismatched_buffers():
         pytest.skip("no C compiler")
     a = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="buffer h must be contiguous"):
-        native.Kernel(Activation("tanh"), a, torch.zeros(2, 4, 3).transpose(1, 2), a.clone(), a.clone(), torch.zeros(2, 4))
+        native.Kernel(Activation("tanh"), a, torch.zeros(2, 4, 3).transpose(1, 2), a.clone(), a.clone(),
+                      torch.zeros(2, 4))
     with pytest.raises(ValueError, match="bias must be contiguous"):
         native.Kernel(Activation("tanh"), a, a.clone(), a.clone(), a.clone(), torch.zeros(2, 5))
 

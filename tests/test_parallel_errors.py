@@ -119,8 +119,9 @@ def test_a_lost_peer_leaves_each_survivor_one_line_not_a_traceback(tmp_path):
     from test_service import ROOT
 
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.5",
-           f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), "parallel.layer=2", "parallel.timeout_s=20",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--monitor-interval=0.5", f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), "parallel.layer=2",
+           "parallel.timeout_s=20",
            "trainer.max_steps=100000", "trainer.ckpt_every=20", "logger=none", "trainer.progress=off",
            f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,

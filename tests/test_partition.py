@@ -35,7 +35,8 @@ def test_partition_is_contiguous_and_optimal(seed):
 
 def test_balanced_by_flops_not_by_count():
     """A wide layer weighs as much as many narrow ones; layer 1 (clamped input) is nearly free."""
-    specs = [LayerSpec(64, 64, None), LayerSpec(64, 4096, None), LayerSpec(4096, 64, None)] + [LayerSpec(64, 64, None)] * 6
+    specs = ([LayerSpec(64, 64, None), LayerSpec(64, 4096, None), LayerSpec(4096, 64, None)]
+             + [LayerSpec(64, 64, None)] * 6)
     costs = [layer_flops(s, l) for l, s in enumerate(specs, start=1)]
     assert costs[0] < costs[3] < costs[1]
     assert partition_layers(costs, 2) == [(1, 3), (3, 10)]

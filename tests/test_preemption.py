@@ -144,8 +144,9 @@ SECOND_CTRL_C = textwrap.dedent("""
     d = pcdist.data.load_digits()
     at = int(sys.argv[2])
     data = StreamedData(Pressed(d.x_train, d.y_train, at), torch.utils.data.TensorDataset(d.x_val, d.y_val), 10)
-    pcdist.train({"run_dir": sys.argv[1], "logger": "none", "data": {"num_workers": 0}, "trainer": {"max_steps": 40, "ckpt_every": 4,
-                  "log_every": 1, "eval_every": 40, "batch_size": 16, "progress": "off"}}, data=data)
+    pcdist.train({"run_dir": sys.argv[1], "logger": "none", "data": {"num_workers": 0},
+                  "trainer": {"max_steps": 40, "ckpt_every": 4, "log_every": 1, "eval_every": 40, "batch_size": 16,
+                              "progress": "off"}}, data=data)
     print("finished")
 """)
 

@@ -32,7 +32,8 @@ def run_python(code: str, cwd, timeout=600) -> subprocess.CompletedProcess:
 OTHERS = [(page, code) for page, code in blocks("python") if not code.startswith(CHECKED_BELOW)]
 
 
-@pytest.mark.parametrize("page, code", OTHERS, ids=[f"{p.relative_to(ROOT)}:{c.splitlines()[0][:40]}" for p, c in OTHERS])
+@pytest.mark.parametrize("page, code", OTHERS,
+                         ids=[f"{p.relative_to(ROOT)}:{c.splitlines()[0][:40]}" for p, c in OTHERS])
 def test_every_python_block_runs(page, code, tmp_path):
     """A block a reader copies must run as printed (in a fresh folder, the repository's pcdist installed)."""
     out = run_python(code, tmp_path)
@@ -59,7 +60,8 @@ def test_layer_parallel_script_runs_under_torchrun_and_as_one_process(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
     assert len(mesh) == 5, "exactly one rank (the logging rank) prints, every 20 steps"
     assert mesh[-1] < 0.5 * mesh[0], f"training must lower the energy: {mesh}"
-    plain_env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    plain_env = {k: v for k, v in env.items()
+                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     one = energies_printed(subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=plain_env,
                                           capture_output=True, text=True, timeout=300))
     assert one == pytest.approx(mesh, rel=1e-2)

@@ -140,7 +140,8 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
     assert lines[0] == (f"resumed from {tmp_path / 'run/checkpoints/step-00000012'} at step 12 of 36 with the run's "
                         f"own settings (config: configs/attempt-2.yaml)")
     assert "resume: pc.T changed 4 -> 3: applied (from the resumed step on)" in lines
-    assert "resume: optim.lr changed 0.002 -> 0.01: applied (the LR schedule is recomputed at the resumed step)" in lines
+    assert "resume: optim.lr changed 0.002 -> 0.01: applied (the LR schedule is recomputed at the resumed step)" \
+        in lines
     assert "resume: trainer.max_steps changed 24 -> 36: applied (the LR schedule is recomputed at the resumed step)" \
         in lines
     # The LR used after the resume is the new schedule's: an independent LambdaLR at each logged step.
@@ -281,8 +282,8 @@ def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr[-3000:])
         assert not (tmp_path / "runs").exists(), f"{args} left {sorted(tmp_path.rglob('*'))}"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(ROOT / "train.py"), "trainer.max_steps=0", "logger=none"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          str(ROOT / "train.py"), "trainer.max_steps=0", "logger=none"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode != 0 and out.stderr.count("error: config trainer.max_steps=0 is invalid") == 1, out.stderr
     left = [p for p in tmp_path.glob("runs/*/*") if p.parent.name != ".launches"]
     assert not left, f"under torchrun too (only the launch's name record stays, in runs/.launches): {left}"
@@ -307,10 +308,10 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_p
     before = snapshot(run_dir)
     out = train_py(tmp_path, *CLI_RUN, f"hydra.run.dir={run_dir}")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
-    assert out.stderr == (f"error: {run_dir} holds a run's files (metrics.jsonl, train.log, config.yaml, configs) but no "
-                          f"checkpoint to resume (it stopped before its first one), and a new run there would mix with "
-                          f"them; choose a new run directory (hydra.run.dir=..., or the config key run_dir), or remove "
-                          f"{run_dir} to start it over\n")
+    assert out.stderr == (f"error: {run_dir} holds a run's files (metrics.jsonl, train.log, config.yaml, configs) "
+                          f"but no checkpoint to resume (it stopped before its first one), and a new run there would "
+                          f"mix with them; choose a new run directory (hydra.run.dir=..., or the config key run_dir), "
+                          f"or remove {run_dir} to start it over\n")
     with pytest.raises(pcdist.ConfigError, match="holds a run's files"):
         pcdist.train(cfg(run_dir))
     assert snapshot(run_dir) == before, "nothing overwritten, appended or added"

@@ -106,8 +106,8 @@ def test_a_sweep_into_an_earlier_sweeps_folder_refuses_and_changes_nothing(tmp_p
     assert said.startswith(f"error: sweep job 0 (optim.lr=0.01): {sweep}/0 holds another run, made with ") and \
         "optim.lr=0.002 (this job: 0.01)" in said and "trainer.max_steps=12 (this job: 24)" in said, said
     said = refused("--multirun", "pc.T=4", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert said == (f"error: sweep directory {sweep}: it holds runs that are no job of this sweep (1), which this sweep "
-                    f"would mix with its own; give the sweep a new hydra.sweep.dir (no job was started)\n")
+    assert said == (f"error: sweep directory {sweep}: it holds runs that are no job of this sweep (1), which this "
+                    f"sweep would mix with its own; give the sweep a new hydra.sweep.dir (no job was started)\n")
     said = refused("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "pc.T=range(4, 12, step=4)",
                    *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert said.startswith(f"error: sweep directory {sweep}: it holds the runs of an earlier sweep (0, 1)"), said
@@ -140,7 +140,8 @@ def test_compare_gives_mean_and_std_over_seeds_and_writes_csv_and_json(tmp_path)
     sweep = tmp_path / "seeds"
     train_py("--multirun", "trainer.seed=0,1,2", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     out = subprocess.run([sys.executable, "-m", "pcdist", "compare", str(sweep), "--csv", str(tmp_path / "c.csv"),
-                          "--json", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--json", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     final = {}
     for run in jobs(sweep):

@@ -138,7 +138,8 @@ def _who_fell_behind(ranks: list[int]) -> str:
         return ""
     behind = [r for r in ranks if begun[r] < begun[me]]
     if not behind:
-        return f" (every rank of the group began training step {begun[me]}; one of them died or stopped answering in it)"
+        return (f" (every rank of the group began training step {begun[me]}; "
+                "one of them died or stopped answering in it)")
     return (f" (rank {me} began training step {begun[me]}, but "
             + ", ".join(f"rank {r} only step {begun[r]}" for r in behind) + ": it died or stopped answering)")
 

@@ -55,7 +55,8 @@ class Activation:
     @property
     def needs_input(self) -> bool:
         """True if f'(a) cannot be read from u = f(a), so a must be kept."""
-        return (self.name in ("gelu", "silu", "softplus", "mish") or (self.name == "leaky_relu" and self.negative_slope < 0)
+        return (self.name in ("gelu", "silu", "softplus", "mish")
+                or (self.name == "leaky_relu" and self.negative_slope < 0)
                 or (self.name == "elu" and self.alpha < 0))
 
     def __call__(self, a: Tensor) -> Tensor:

@@ -290,7 +290,8 @@ class Runner:
             program.capture(fn)
         except Exception as e:  # not capturable after all: this stage stays eager
             torch.cuda.synchronize(self.device)
-            self._fallback(key, f"capturing it failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+            self._fallback(key, "capturing it failed: "
+                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
             fn()
             return
         cur.wait_stream(s)

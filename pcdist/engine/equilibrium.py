@@ -16,9 +16,10 @@ output signal d = -pi_L dE_out/du_L (r = d at the feed-forward state) and H = pi
 
 ``newton`` takes that step: one backward chain of O-wide vector-Jacobian products (A_l for every
 layer: for dense and residual layers one GEMM of O x B rows each, for other kinds torch.func.vjp
-vmapped over the O rows), the [O x O] solve per sample, then a feed-forward pass with the errors injected, h_l = u_l(h_{l-1}) + e_l / pi_l. It is exactly Newton's step on the
-energy from the feed-forward state (there every hidden error is zero, so the Hessian is the
-Gauss-Newton one; the output energy's own curvature is H).
+vmapped over the O rows), the [O x O] solve per sample, then a feed-forward pass with the errors
+injected, h_l = u_l(h_{l-1}) + e_l / pi_l. It is exactly Newton's step on the energy from the
+feed-forward state (there every hidden error is zero, so the Hessian is the Gauss-Newton one; the
+output energy's own curvature is H).
 
 ``newton_cr`` takes the same step the way DeepPCR solves a chain (pcdist/engine/deeppcr.py): the
 Hessian in the hidden nodes is block-tridiagonal (diagonal pi_l I + pi_{l+1} J_{l+1}^T J_{l+1},

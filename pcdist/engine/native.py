@@ -212,9 +212,9 @@ class ResidualKernel:
     """The residual kind's elementwise passes over one group's buffers (pcdist/engine/layers/residual.py).
 
     ``activate``: s = phi(h_in) (and x = h_in where phi' needs its input); ``errors``: e = pi (h_out - u)
-    (``prec``: the K layers' precisions, None for 1) and the value step's own-error term h_out -= lr * e; ``backproject``: target = beta * target
-    + alpha_a * t * phi'(h_in) + alpha_e * e, phi' read from s (or x). One pass each, where
-    torch ops take two or three.
+    (``prec``: the K layers' precisions, None for 1) and the value step's own-error term h_out -= lr * e;
+    ``backproject``: target = beta * target + alpha_a * t * phi'(h_in) + alpha_e * e, phi' read from s
+    (or x). One pass each, where torch ops take two or three.
     """
 
     def __init__(self, act, h_in: Tensor, s: Tensor, x: Tensor | None, u: Tensor, h_out: Tensor, e: Tensor,

@@ -25,8 +25,8 @@ from .energies import check_energy
 from .layers import Dense, LayerGroup, LayerKind, group_layers, seeded_generator
 from .layers.prior import Prior, PriorGroup
 
-__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions", "module_structure",
-           "check_specs", "network_input"]
+__all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions",
+           "module_structure", "check_specs", "network_input"]
 
 
 def precisions(precision, num_layers: int) -> tuple[float, ...] | None:
@@ -226,9 +226,11 @@ class PCNetwork(nn.Module):
                     for name, dst in g.public_params(k).items():
                         key = f"layers.{l}.{name}"
                         if key not in state:
-                            raise KeyError(f"missing {key!r} in the layer state (owned layers {self.first}..{self.stop - 1})")
+                            raise KeyError(f"missing {key!r} in the layer state "
+                                           f"(owned layers {self.first}..{self.stop - 1})")
                         if tuple(state[key].shape) != tuple(dst.shape):
-                            raise ValueError(f"{key}: shape {list(state[key].shape)} does not match the model's {list(dst.shape)}")
+                            raise ValueError(f"{key}: shape {list(state[key].shape)} does not match the model's "
+                                             f"{list(dst.shape)}")
                         dst.copy_(state[key])
 
     # -- evaluation ---------------------------------------------------------------

@@ -24,7 +24,8 @@ def warmup_cosine(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from 0 to the base LR over ``warmup_steps``, then cosine decay to final_ratio x base."""
     if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps:
-        raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}")
+        raise ValueError("need 0 <= warmup_steps <= total_steps and total_steps >= 1, "
+                         f"got {warmup_steps}, {total_steps}")
 
     def factor(step: int) -> float:
         if step < warmup_steps:

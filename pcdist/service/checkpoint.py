@@ -65,7 +65,8 @@ def _layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer) -> 
             state = optimizer.state.get(p, {})
             for k, l in enumerate(g.layers):
                 out[f"layers.{l}.{name}"] = {
-                    s: (v[k].clone() if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+                    s: (v[k].clone() if torch.is_tensor(v) and v.dim() > 0
+                        else (v.clone() if torch.is_tensor(v) else v))
                     for s, v in state.items()
                 }
     return out
@@ -130,7 +131,8 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
 def _checkpoints(ckdir: Path) -> list[Path]:
     if not ckdir.is_dir():
         return []
-    return sorted(p for p in ckdir.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+    return sorted(p for p in ckdir.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
 
 
 def _verify(path: Path) -> None:
@@ -181,7 +183,8 @@ def _describe(signature) -> str:
             runs[-1][0] += 1
         else:
             runs.append([1, s])
-    return ", ".join(("" if n == 1 else f"{n} x ") + f"{s.get('kind')} {s.get('in')}->{s.get('out')} {s.get('activation')}"
+    return ", ".join(("" if n == 1 else f"{n} x ")
+                     + f"{s.get('kind')} {s.get('in')}->{s.get('out')} {s.get('activation')}"
                      for n, s in runs)
 
 

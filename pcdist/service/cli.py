@@ -172,7 +172,8 @@ def _train(cfg) -> float | None:
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
         result = run(c, passed, sweep=sweep)
-    except pcdist.Preempted as e:  # checkpointed; the exit status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
+    except pcdist.Preempted as e:
+        # checkpointed; the exit status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
         interrupted = e.signal == signal.SIGINT
         if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
             print(f"{'interrupted' if interrupted else 'pre-empted'}: {e}", flush=True)

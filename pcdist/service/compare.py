@@ -57,7 +57,8 @@ def _summary(rows: list[dict]) -> dict:
     step_s = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
     return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
             "val/accuracy(best)": max(acc) if acc else None, "val/reconstruction_mse": mse[-1] if mse else None,
-            "train/energy": energy[-1] if energy else None, "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
+            "train/energy": energy[-1] if energy else None,
+            "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
 
 
 def compare(paths, plot: str | Path | None = None) -> dict:

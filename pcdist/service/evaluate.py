@@ -136,7 +136,8 @@ def evaluate_unsupervised(run: Run, c: Config, x, labels: torch.Tensor) -> dict:
     trainer, xs = _mode_trainer(run, c), run.preprocess(x)
     sq = 0.0
     for xb in torch.split(xs, 1024):
-        sq += float((reconstruct(trainer, xb.to(next(run.network.parameters()).device)).cpu() - xb.cpu()).square().sum())
+        sq += float((reconstruct(trainer, xb.to(next(run.network.parameters()).device)).cpu()
+                     - xb.cpu()).square().sum())
     return {"mode": "unsupervised", "samples": len(xs), "reconstruction_mse": sq / max(1, xs.numel()),
             "T": trainer.T}
 

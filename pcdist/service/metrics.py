@@ -342,7 +342,8 @@ def plot_heatmap(trace: list[list[float]], what: str = ""):
 
 
 def _linthresh(trace: list[list[float]]) -> float:
-    """The symlog axis's linear range: below the smallest positive energy, so every positive value is on the log part."""
+    """The symlog axis's linear range: below the smallest positive energy, so every positive value is on the
+    log part."""
     pos = [e for t in trace for e in t if e > 0]
     return 10 ** math.floor(math.log10(min(pos))) if pos else 1e-6
 

@@ -7,8 +7,9 @@ resumes, or reports as its own, the earlier sweep's runs. ``check_sweep`` expand
 basic sweeper does (the product of the swept values, in its order), composes and checks each job's
 config as ``train.py --check`` does, and its data against its model, and checks each job's directory:
 a run of other settings there, or runs in the sweep directory that are no job of this sweep, are
-refused, naming the directory and the way out. Other sweepers (Optuna) choose their jobs as they go: their sweep directory must hold no
-runs yet, and each job is checked again as it starts (``pcdist.service.run.run(..., sweep=True)``).
+refused, naming the directory and the way out. Other sweepers (Optuna) choose their jobs as they
+go: their sweep directory must hold no runs yet, and each job is checked again as it starts
+(``pcdist.service.run.run(..., sweep=True)``).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ node l; ``PCNetwork.from_layers`` picks each one's kind), an nn.Sequential (spli
 nodes go, ``PCNetwork.from_sequential``), or a function that returns either. A function that
 can be imported by name (a module-level function of an importable module, not ``__main__``) is
 recorded as ``"package.module:function"`` in the run's model.json, so ``pcdist.load(run_dir,
-trust_code=True)`` can call it again and give back the exact modules (never without that opt-in); otherwise the dense, residual and conv layers are rebuilt
-from their recorded fields and nesting, and generic module layers need ``pcdist.load(run_dir,
-layers=...)``.
+trust_code=True)`` can call it again and give back the exact modules (never without that opt-in);
+otherwise the dense, residual and conv layers are rebuilt from their recorded fields and nesting,
+and generic module layers need ``pcdist.load(run_dir, layers=...)``.
 
 Every rank of a torchrun launch builds the same modules; their weights are the initial weights,
 so build them deterministically (seed first) when the layers are split over ranks.

@@ -68,7 +68,8 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
 
 
 def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_dir: Path) -> dict[str, Path]:
-    """samples.png (generative) or reconstructions.png (unsupervised) of image data, drawn on the logging rank (every rank takes part); {name: path} there, {} elsewhere and for data that are not images."""
+    """samples.png (generative) or reconstructions.png (unsupervised) of image data, drawn on the logging rank
+    (every rank takes part); {name: path} there, {} elsewhere and for data that are not images."""
     mode, par = c.pc.mode, trainer.parallel
     if mode == "supervised" or len(image_shape) != 3 or image_shape[0] not in (1, 3):
         return {}

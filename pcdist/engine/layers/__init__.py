@@ -29,8 +29,8 @@ from .residual import Residual, ResidualGroup, ResidualLinear, mupc_layers, mupc
 
 LayerSpec = Dense  # the name of the dense kind before there were other kinds
 
-__all__ = ["AnyModule", "Binding", "LayerKind", "LayerGroup", "BoundGroup", "Conv", "ModuleGroup", "ModuleKind", "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual",
-           "ResidualGroup",
+__all__ = ["AnyModule", "Binding", "LayerKind", "LayerGroup", "BoundGroup", "Conv", "ModuleGroup", "ModuleKind",
+           "ConvGroup", "Dense", "DenseGroup", "LayerSpec", "Residual", "ResidualGroup",
            "ResidualLinear", "group_layers", "kind_from_module", "mupc_layers", "mupc_specs", "seeded_generator"]
 
 

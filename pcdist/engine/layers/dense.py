@@ -69,7 +69,8 @@ class Dense(LayerKind):
 
     def __str__(self) -> str:
         act = self.activation.name if self.activation else "output"
-        return f"dense {self.in_features} -> {self.out_features}, {act}" + ("" if self.init == "default" else f", {self.init} init")
+        return (f"dense {self.in_features} -> {self.out_features}, {act}"
+                + ("" if self.init == "default" else f", {self.init} init"))
 
     def flops(self, index: int) -> int:
         """A layer predicts (one GEMM), back-projects (another) and does elementwise work.

@@ -92,8 +92,8 @@ class ModuleKind(LayerKind):
         with torch.no_grad():
             out = m(torch.zeros(2, *in_shape, **kw))
         if not isinstance(out, Tensor) or out.shape[0] != 2:
-            raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch [B, {', '.join(map(str, in_shape))}] "
-                             f"to one tensor [B, ...]")
+            raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
+                             f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
         return cls(_structure(m), tuple(in_shape), tuple(out.shape[1:]), copy.deepcopy(m),
                    sum(q.numel() for q in m.parameters()))
 
