@@ -38,30 +38,22 @@ class PCTrainer:
 
     ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation after inference;
     ``"ipc"`` one at every inference step from the same evaluation as the value step. ``scheduler``
-    (any torch LR scheduler) is stepped after every optimizer step, skipped or not.
-
-    ``parallel``: the exchange of a layer slice in a torch.distributed job
-    (``pcdist.distributed.Parallel.from_mesh``); ``net`` then owns exactly that slice. Without it the
-    trainer is the single-process case of the same schedule (``engine.exchange.Local``).
-    ``init``: "ff" (the feed-forward pass), "deeppcr" (pcdist/engine/deeppcr.py), or an init near the
-    equilibrium of inference: "newton", "newton_cr" or "backward" (pcdist/engine/equilibrium.py; one layer
-    slice).
-    ``value_optimizer``: "sgd" (momentum ``x_momentum``), "nesterov", "adam", "adamw" or a ``ValueRule``;
-    ``solver``: "euler" (the value optimizer's step), "heun" or "rk4" (T counts solver steps;
-    pcdist/engine/inference.py); ``infer`` also takes solver="adaptive".
-
+    (any torch LR scheduler) is stepped after every optimizer step, skipped or not. ``parallel``: the
+    exchange of a layer slice in a torch.distributed job (``pcdist.distributed.Parallel.from_mesh``);
+    ``net`` then owns exactly that slice (without it: ``engine.exchange.Local``, one process).
+    ``init``: "ff" (feed-forward), "deeppcr" (engine/deeppcr.py), or near the equilibrium of inference:
+    "newton", "newton_cr", "backward" (engine/equilibrium.py; one layer slice). ``value_optimizer``:
+    "sgd" (momentum ``x_momentum``), "nesterov", "adam", "adamw" or a ``ValueRule``; ``solver``: "euler",
+    "heun" or "rk4" (T counts solver steps; engine/inference.py); ``infer`` also takes "adaptive".
     ``skip_above``: skip the weight update (counted in ``skipped_updates``) when the step's energy F
-    is not finite or exceeds this value; decided on the device (pcdist/engine/update.py).
-
+    is not finite or exceeds this value; decided on the device (engine/update.py).
     ``precision_schedule``: ``factor(layer, t, num_layers)`` scaling each layer's precision at
-    inference step t (pcdist.engine.schedules.top_down). ``value_noise``: the temperature tau of
-    MCPC's Langevin term h += sqrt(2 x_lr tau) xi in every training step's inference, drawn per
-    (``noise_seed``, step) so any layer or data split draws alike (``engine.values.ValueNoise``).
-
-    ``compile``: "none" runs each step eagerly; "graph" captures each stage's step (and inference)
-    as CUDA graphs and replays them (on a CPU the same capturable core runs eagerly); "auto" is graph
-    on CUDA devices (pcdist/engine/capture.py). ``precision``: "fp32", "tf32" or "bf16"
-    (pcdist/engine/precision.py). ``say``: where one-line notes go (a stage that cannot be captured).
+    inference step t (engine/schedules.py top_down). ``value_noise``: the temperature tau of MCPC's
+    Langevin term h += sqrt(2 x_lr tau) xi, drawn per (``noise_seed``, step) so any layer or data split
+    draws alike (engine/values.py ValueNoise). ``compile``: "none" (eager), "graph" (each stage's step
+    captured as CUDA graphs and replayed; on a CPU the same capturable core runs eagerly) or "auto"
+    (graph on CUDA; engine/capture.py). ``precision``: "fp32", "tf32" or "bf16" (engine/precision.py).
+    ``say``: where one-line notes go (a stage that cannot be captured).
     """
 
     def __init__(
