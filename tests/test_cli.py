@@ -13,7 +13,7 @@ import torch
 import pcdist
 from pcdist.service.cli import check_overrides
 from pcdist.service.config import config_keys, load_config
-from pcdist.service.run import cpu_threads
+from pcdist.service.device import cpu_threads
 from test_config_data import SMALL, composed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -108,7 +108,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
         return
 
     from .data import DataError
-    from .run import check as check_run
+    from .checks import check as check_run
 
     try:
         if args.help:

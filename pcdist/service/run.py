@@ -10,12 +10,9 @@ and logs.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import signal
-import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,26 +22,28 @@ import torch.distributed as dist
 
 from .backprop import BackpropTrainer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import (PYTHON_DATA, PYTHON_MODEL, Config, command, make_config, network_options, num_layers,
-                     passed_settings)
-from .data import (DataError, Dataset, StreamedData, augment, check_files, load_dataset, normalization_stats,
-                   normalized, one_hot)
-from .modelfile import Inputs, write_model_file
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, command, make_config, network_options, passed_settings
+from .data import Dataset, StreamedData
 from .userlayers import UserLayers
 from ..errors import ConfigError
-from ..engine.layers import mupc_specs
-from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from .loader import Streamed
 from .validate import pictures, validate
-from .diagnostics import FILE as DIAGNOSTICS_FILE, Diagnostics, check_trace
+from .diagnostics import Diagnostics, check_trace
 from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
-from .metrics import check_logger, make_logger, truncate_jsonl
-from ..engine.network import PCNetwork, mlp_specs
+from .metrics import make_logger
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
-from .rundir import Resume, find_resume, next_run_dir, position_schedule, write_attempt
-from ..engine.trainer import PCTrainer, warmup_cosine
+from .rundir import Resume, find_resume, next_run_dir, position_schedule
+from ..engine.trainer import PCTrainer
+from .batches import _batch_indices, _batches, _shard, _val_chunks
+from .checks import check, check_length, choose_mesh
+from .datachecks import _load_data, _num_train
+from .device import _device, cpu_threads
+from .models import _record_model, make_network, model_specs
+from .optimizer import _optimizer
+from .preemption import Preempted, _StopVote, _catch_stop_signals, _restore_sigint, _stop_message
+from .resume import _announce, _nothing_to_train, forget_lost_steps
 
 __all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
 
@@ -55,235 +54,6 @@ class Result(dict):
     whole network from ``pcdist.load(result["run_dir"])``)."""
 
     network = None
-
-
-def _device(c: Config) -> torch.device:
-    want = c.trainer.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or auto")
-    if want == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return gpu_of_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                       torch.cuda.device_count())
-
-
-def gpu_of_rank(local_rank: int, local_world: int, gpus: int) -> torch.device:
-    """cuda:LOCAL_RANK, or a ConfigError naming both counts when this node runs more processes than it has GPUs."""
-    if local_rank >= gpus or local_world > gpus:
-        raise ConfigError(f"this node runs {max(local_world, local_rank + 1)} processes but has {gpus} GPU"
-                          f"{'s' * (gpus != 1)}: each process needs a GPU of its own; start at most {gpus} per node "
-                          f"(torchrun --nproc_per_node={gpus}, or NPROC={gpus} launch/local.sh / make train), or "
-                          "train on the CPU with trainer.device=cpu")
-    return torch.device(f"cuda:{local_rank}")
-
-
-def _optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
-    """The configured optimizer and LR schedule; fused kernels, so that a captured step can skip an update
-    and read its learning rate from the device (pcdist/engine/update.py)."""
-    o = c.optim
-    if o.name == "adamw":
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
-    else:
-        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
-                              fused=device is not None and device.type == "cuda")
-    warm = min(o.warmup_steps, total_steps)
-    if o.schedule == "cosine":
-        return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
-
-
-IMAGE_MODELS = ("cnn", "vgg", "deconv")
-"""Models whose data nodes stay images [C, H, W]; the others read samples flattened."""
-
-
-def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of h_0 and h_L in pc.mode: (data, label) supervised, (label, data) generative,
-    (latent, data) unsupervised; data flattened unless the model keeps images."""
-    data = tuple(sample_shape) if c.model.name in IMAGE_MODELS else (math.prod(sample_shape),)
-    bottom = {"supervised": data, "generative": (classes,), "unsupervised": (c.pc.latent_dim,)}[c.pc.mode]
-    return bottom, (data if c.pc.mode != "supervised" else (classes,))
-
-
-def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
-    """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
-    from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
-    try:
-        return _model_specs(c, sample_shape, classes)
-    except ValueError as e:  # a layer the data's shape leaves nothing to (a conv on too small a sample)
-        raise ConfigError(f"model.name={c.model.name} on data {c.data.name}'s samples of shape {list(sample_shape)}: "
-                          f"{e}") from e
-
-
-def _model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
-    m = c.model
-    bottom, top = end_shapes(c, sample_shape, classes)
-    if m.name == "mupc":
-        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
-    if m.name == "cnn":
-        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation, m.stride, m.padding)
-    if m.name == "vgg":
-        return vgg_specs(m.variant, bottom, classes, m.activation)
-    if m.name == "deconv":
-        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
-    return mlp_specs(m.dims, m.activation, m.init)
-
-
-def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:
-    """The configured network's layer slice ``layers``: its output energy, precisions and the prior of h_0."""
-    return PCNetwork(specs, energy=c.model.energy, layers=layers, seed=c.trainer.seed, dtype=dtype, device=device,
-                     **network_options(c))
-
-
-def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
-               ) -> tuple[Dataset | StreamedData, Inputs]:
-    """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
-
-    Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
-    take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
-    they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
-    Returns the data and how its inputs were prepared (saved in the run's model.json).
-    """
-    if data is None:
-        data = _dataset(c)
-    elif not isinstance(data, (Dataset, StreamedData)):
-        raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
-                        f"StreamedData (torch Datasets), got {type(data).__name__}")
-    _check_data(c, data)
-    shape = tuple(data.sample_shape)
-    flatten = _flattens(c, shape, user)
-    inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
-    if c.data.normalize:
-        if not isinstance(data, Dataset):
-            raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
-                              "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
-        inputs.mean, inputs.std = normalization_stats(data)
-        data = normalized(data, (inputs.mean, inputs.std))
-    if c.data.augment and len(data.sample_shape) != 3:
-        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
-                          f"samples have shape {list(data.sample_shape)}")
-    if not flatten:
-        return data, inputs
-    return (data.flat() if isinstance(data, Dataset) else data), inputs
-
-
-def _dataset_args(c: Config) -> tuple:
-    """``load_dataset``'s arguments for the configured data."""
-    d = c.data
-    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
-    return (d.name, d.root, tuple(teacher), c.trainer.seed, d.val_fraction, d.synthetic_train, d.synthetic_val,
-            d.path, d.num_classes, d.signal)
-
-
-def _dataset(c: Config) -> Dataset | StreamedData:
-    """The configured data set (data.name's)."""
-    name, root, teacher, *rest = _dataset_args(c)
-    return load_dataset(name, root, list(teacher), *rest)
-
-
-def check_model_on_data(c: Config, loaded: dict | None = None) -> None:
-    """The configured data against the configured model, as a run checks them before it trains (a sweep checks
-    every job so before the first starts); ``loaded``: data sets already read, by their arguments."""
-    loaded = {} if loaded is None else loaded
-    args = _dataset_args(c)
-    if args not in loaded:
-        loaded[args] = _dataset(c)
-    ds = loaded[args]
-    _check_data(c, ds)
-    model_specs(c, tuple(ds.sample_shape), ds.num_classes)
-
-
-def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
-    """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
-    when the first one starts with an nn.Linear."""
-    if user is not None:
-        return user.flattens(sample_shape)
-    return c.model.name not in IMAGE_MODELS
-
-
-def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
-    """Training samples."""
-    return len(ds.data if isinstance(ds, Streamed) else ds)
-
-
-def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
-    """The one line for image or signal samples laid out channels-last ([H, W, C], [L, C]), which conv models
-    read channels-first ([C, H, W], [C, L]); None if they do not look so."""
-    shape = tuple(sample_shape)
-    if len(shape) not in (2, 3) or not (shape[-1] <= 4 and shape[-1] < min(shape[:-1])):
-        return None
-    image = len(shape) == 3
-    want = [shape[-1], *shape[:-1]]
-    layout, axes = ("[H, W, C]", "0, 3, 1, 2") if image else ("[L, C]", "0, 2, 1")
-    source = f"data {c.data.name}" + (f" ({c.data.path})" if c.data.path else "")
-    return (f"{source} has samples of shape {list(shape)}, channels-last {layout}, but model.name="
-            f"{c.model.name} reads {'images [C, H, W]' if image else 'signals [C, L]'} channels-first; transpose "
-            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
-
-
-def _check_data(c: Config, ds) -> None:
-    shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
-    if c.model.name in ("cnn", "vgg") and _channels_last(c, ds.sample_shape):
-        raise DataError(_channels_last(c, ds.sample_shape))
-    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
-        one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
-        raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
-                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
-    if c.model.name == "mlp" and c.pc.mode == "supervised":
-        _check_mlp_ends(c, ds, shape)
-    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
-        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
-        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
-        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
-                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
-                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
-            if got != want:
-                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
-                                f"{list(c.model.dims)}")
-    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
-        for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
-            if not torch.isfinite(x).all():
-                raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
-            if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
-                                                                   or int(labels.max()) >= ds.num_classes)):
-                raise DataError(f"data {c.data.name} {name} labels must be integer class ids in [0, {ds.num_classes})")
-    if _num_train(ds) < c.trainer.batch_size:
-        raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
-                        f"trainer.batch_size={c.trainer.batch_size}")
-
-
-def _check_mlp_ends(c: Config, ds, shape: str) -> None:
-    """model.dims against the data's input features and classes, both fixes said at once (with a note where the
-    labels start at 1, which leaves class 0 empty)."""
-    dims = list(c.model.dims)
-    wrong = [f"{ds.num_features} input features{shape} but model.dims[0]={dims[0]}"] * (ds.num_features != dims[0])
-    wrong += [f"{ds.num_classes} classes but model.dims[-1]={dims[-1]}"] * (ds.num_classes != dims[-1])
-    if not wrong:
-        return
-    fixed = ",".join(map(str, [ds.num_features, *dims[1:-1], ds.num_classes]))
-    raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
-
-
-def _empty_class_0(ds) -> str:
-    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
-    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
-        return ""
-    low = int(torch.cat([ds.y_train, ds.y_val]).min())
-    return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
-            f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
-            f"{low}, y - {low})")
-
-
-def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
-    """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
-    per_epoch = n // B
-    epoch, i = divmod(step, per_epoch)
-    return _permutation(n, seed * 7919 + epoch)[i * B : (i + 1) * B]
-
-
-@functools.lru_cache(maxsize=2)
-def _permutation(n: int, seed: int) -> torch.Tensor:
-    """One epoch's order, drawn once per epoch (randperm of 60000 takes ~1-2 ms: a step of a small model)."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
 def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> Result:
@@ -348,79 +118,6 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def check(c: Config, world: int) -> str:
-    """Everything about the user's input that can fail before any process group exists: the mesh
-    for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
-    mesh = choose_mesh(c, world)
-    if c.pc.algorithm == "bp" and world > 1:
-        raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
-                          "run it without torchrun")
-    device = _device(c)
-    if c.parallel.backend == "nccl" and device.type != "cuda":
-        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
-    if c.parallel.backend == "gloo" and device.type == "cuda" and c.parallel.layer > 1:
-        raise ConfigError(f"config parallel.backend=gloo cannot send CUDA tensors between the {c.parallel.layer} layer "
-                          "slices (torch's gloo has no GPU send/receive); use parallel.backend=auto (NCCL), "
-                          "parallel.layer=1, or trainer.device=cpu")
-    check_logger(c.logger)
-    check_files(c.data.name, c.data.root)
-    return mesh
-
-
-def check_length(c: Config, passed: dict[str, str] | None) -> None:
-    """trainer.max_steps passed while trainer.epochs is set (passed too, or from a preset or the resumed run):
-    the epochs would silently win, so say so and refuse."""
-    if c.trainer.epochs is None or passed is None or "trainer.max_steps" not in passed:
-        return
-    setter = passed.get("trainer.epochs", "the run's own settings")
-    epochs = setter if setter.startswith("trainer.epochs=") else f"trainer.epochs={c.trainer.epochs} (from {setter})"
-    raise ConfigError(f"{epochs} and {passed['trainer.max_steps']} both set how long the run trains, and "
-                      f"trainer.epochs would win; set one: trainer.epochs=null to train trainer.max_steps steps, or "
-                      f"leave out trainer.max_steps")
-
-
-def choose_mesh(c: Config, world: int) -> str:
-    """Fill in ``parallel.layer`` when it is null (what the world size leaves after
-    ``parallel.data``) and check the mesh against the world size; one line says how it was chosen."""
-    p, layers = c.parallel, num_layers(c)
-    if world == 1 and p.data * (p.layer or 1) > 1:
-        n = p.data * (p.layer or 1)
-        raise ConfigError(f"parallel.data={p.data} x parallel.layer={p.layer or 1} needs {n} processes, but this is one "
-                          f"process; launch it with torchrun --nproc_per_node={n} train.py ... (or "
-                          f"NPROC={n} launch/local.sh ...)")
-    how = "as configured"
-    if p.layer is None:
-        if world % p.data:
-            raise ConfigError(f"parallel.data={p.data} does not divide the {world} processes; use a divisor of "
-                              f"{world} (parallel.layer takes the rest)")
-        p.layer, how = world // p.data, f"parallel.layer = {world} processes / parallel.data"
-        if p.layer > layers:
-            fits = [d for d in range(p.data, world + 1) if world % d == 0 and world // d <= layers]
-            raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
-                              f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
-    ParallelDims(p.data, p.layer).validate(world, layers)
-    return (f"mesh: {world} rank{'s' * (world > 1)} = parallel.data {p.data} x parallel.layer {p.layer} ({how}), {layers} layers "
-            f"split into {p.layer} slices")
-
-
-def cpu_threads(configured: int, env) -> tuple[int, str]:
-    """torch threads per rank on CPU and why: ``trainer.threads`` if > 0, else OMP_NUM_THREADS if
-    set (torchrun sets it to 1 itself when it starts several processes and finds it unset), else
-    the cores this process may use / the ranks on this machine."""
-    if configured:
-        return configured, "trainer.threads"
-    omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp:
-        first = omp.split(",")[0].strip()
-        if not first.isdigit() or int(first) < 1:
-            raise ConfigError(f"OMP_NUM_THREADS={omp!r} is not a number of threads >= 1; unset it or set "
-                              "trainer.threads")
-        return int(first), "OMP_NUM_THREADS"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
 
 
 def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=None, user: UserLayers | None = None,
@@ -526,63 +223,6 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         logger.close()
 
 
-def _record_model(c: Config, run_dir: Path, specs, net: PCNetwork, inputs: Inputs, user: UserLayers | None) -> None:
-    """run_dir/model.json: the layers, their nesting and the input preparation, so that ``pcdist.load``
-    rebuilds the network and its inputs without the data (pcdist/service/modelfile.py)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    structure = user.structure() if user is not None else {}
-    write_model_file(run_dir, specs, c.model.energy, structure, inputs, user.factory if user is not None else None)
-    if user is not None and user.unbuildable(specs):
-        print(f"model.json: layers {user.unbuildable(specs)} are modules that only code can rebuild and no importable "
-              f"function made them; pcdist.load({str(run_dir)!r}, layers=...) needs them (or pass "
-              f"pcdist.train(cfg, layers=<an importable function>))", flush=True)
-
-
-def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
-    """The one line for a rerun into a run that has nothing left to train."""
-    t = c.trainer
-    if step >= t.max_steps:
-        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
-                f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
-                f"directory for a new run)")
-    return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
-            f"trainer.stop_at)")
-
-
-def forget_lost_steps(run_dir: Path, start: int) -> int:
-    """Drop the rows a run logged after the checkpoint it resumes at ``start`` (0: a restart before the first
-    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``) and diagnostics.jsonl (the
-    diagnoses at ``start`` and after). Returns how many metrics rows were dropped."""
-    run_dir = Path(run_dir)
-    truncate_jsonl(run_dir / DIAGNOSTICS_FILE, lambda r: r.get("step", 0) < start)
-    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
-
-
-def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
-    """Keep this attempt's config and say, one line each, how the run starts and what changed."""
-    attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
-    gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"
-    if resume.checkpoint is None:
-        logger.say(f"new run in {run_dir} (config: {attempt})")
-        if dropped:  # a torchrun restart before the first checkpoint
-            logger.say(f"restart: {gone}")
-        return
-    if resume.skipped:
-        logger.say(resume.skipped_line())
-    logger.say(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} with the run's own "
-               f"settings (config: {attempt})")
-    if dropped:
-        logger.say(f"resume: {gone}")
-    for line in resume.lines():
-        logger.say(line)
-    if resume.unknown_config:
-        logger.say("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are "
-                   "not checked")
-    if resume.schedule_changed:
-        logger.say(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
-                   f"{opt.param_groups[0]['lr']:.4g}")
-
-
 def _end_line(c: Config, result: dict) -> str:
     """The run's last line: where it ended, the validation metrics, the directory; after trainer.stop_at, how
     to go on."""
@@ -593,127 +233,6 @@ def _end_line(c: Config, result: dict) -> str:
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
             f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: {command()} "
             f"hydra.run.dir={result['run_dir']}")
-
-
-def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
-    """This rank's (x, y) of every step start..end-1 (``data.augment``: crops and flips drawn from
-    (seed, step) for the whole global batch, so every split of it draws alike)."""
-    B, seed = c.trainer.batch_size, c.trainer.seed
-    if isinstance(ds, Streamed):
-        steps = ds.train(start, end)
-    else:
-        steps = (_shard(c, ds, par, _batch_indices(len(ds.x_train), B, step, seed), device, dtype)
-                 for step in range(start, end))
-    rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
-    for step, (x, y) in enumerate(steps, start):
-        if c.data.augment and par.is_first:
-            x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
-        yield x, y
-
-
-def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
-    """This data rank's share of a global batch, on the device, labels one-hot."""
-    idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
-    return to_device(ds.x_train[idx], device, dtype), to_device(one_hot(ds.y_train[idx], ds.num_classes, dtype),
-                                                                 device, dtype)
-
-
-def to_device(t: torch.Tensor, device: torch.device, dtype) -> torch.Tensor:
-    """A host batch on the device: on a GPU through pinned memory without waiting (the step queued before it
-    keeps running), elsewhere a plain conversion."""
-    if torch.device(device).type != "cuda":
-        return t.to(device=device, dtype=dtype)
-    return t.to(dtype).pin_memory().to(device, non_blocking=True)
-
-
-def _val_chunks(ds, par: Parallel, device, dtype):
-    """This data rank's share of the validation set: (x on the device, labels) chunks."""
-    if isinstance(ds, Streamed):
-        yield from ds.val_chunks()
-        return
-    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
-    for chunk in torch.split(rows, 1024):
-        yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.y_val[chunk]
-
-
-class Preempted(RuntimeError):
-    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived: the run checkpointed and stopped; rerunning resumes it.
-    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption)."""
-
-    def __init__(self, message: str, signal_number: int = signal.SIGTERM):
-        super().__init__(message)
-        self.signal = signal_number
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-def _catch_stop_signals() -> tuple[dict, object]:
-    """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
-    second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
-    got = {"signal": 0}
-    before = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, functools.partial(_on_stop_signal, got))
-    return got, before
-
-
-def _on_stop_signal(got: dict, signum: int, frame) -> None:
-    """Remember the first stop signal; a Ctrl-C after it stops the process at once, without a checkpoint."""
-    if signum == signal.SIGINT and got["signal"]:
-        print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
-              "newest checkpoint)", file=sys.stderr, flush=True)
-        os._exit(130)
-    got["signal"] = got["signal"] or signum
-
-
-def _restore_sigint(before) -> None:
-    """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
-    if threading.current_thread() is threading.main_thread() and before is not None:
-        signal.signal(signal.SIGINT, before)
-
-
-def _stop_message(signum: int, done: int, path: Path, run_dir) -> str:
-    """How the run stopped, its checkpoint, and how to resume it."""
-    how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
-    return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
-
-
-class _StopVote:
-    """Which stop signal any rank got, agreed by all (0: none): each step posts this rank's signal number in
-    a MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by then, so
-    the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).
-    Every rank reads the same votes in the same steps, so all stop after the same step, at most two steps
-    after the signal, and agree on which signal it was (the largest number: a pre-emption over a Ctrl-C).
-    The vote is a host tensor over a gloo group (on GPUs too), so reading it never waits for the device."""
-
-    def __init__(self, distributed: bool, device: torch.device):
-        self.distributed = distributed
-        self.group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
-        self._posted: tuple | None = None
-
-    def __call__(self, signum: int) -> int:
-        """The vote posted at the previous call (0 at the first); posts ``signum`` for the next."""
-        stop = self.finish()
-        if not self.distributed:
-            self._posted = (None, signum)
-            return stop
-        t = torch.tensor([float(signum)])
-        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
-        return stop
-
-    def finish(self) -> int:
-        """Wait for the vote in flight (if any) and return it."""
-        if self._posted is None:
-            return 0
-        work, t = self._posted
-        self._posted = None
-        if work is None:
-            return int(t)
-        with collective("the stop-signal all-reduce"):
-            work.wait()
-        return int(t.item())
 
 
 def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
