@@ -54,7 +54,7 @@ def worker(args) -> None:
 
     from pcdist.service.config import load_config
     from pcdist.distributed.parallel import init_distributed
-    from pcdist.service.run import _batch_indices, _batches, _loop, _run, _shard, check
+    from pcdist.service.run import batch_indices, step_batches, _loop, _run, shard, check
 
     P = int(os.environ["WORLD_SIZE"])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -67,13 +67,13 @@ def worker(args) -> None:
 
     def interleaved(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
                     image_shape=()):
-        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device,
+        x, y = shard(c, ds, par, batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device,
                       dtype)
         step = start
 
         def service(n):
             nonlocal step
-            _loop(c, ds, _batches(c, ds, par, step, step + n, device, dtype), net, opt, sched, trainer, par, logger,
+            _loop(c, ds, step_batches(c, ds, par, step, step + n, device, dtype), net, opt, sched, trainer, par, logger,
                   run_dir, step, device, dtype, is_rank0, until=step + n, image_shape=image_shape)
             step += n
 

@@ -1,5 +1,5 @@
-"""The batch order of a run: every step's global batch, drawn from (seed, epoch) (``_batch_indices``); this
-rank's share of it on the device (``_shard``, ``_batches``) and of the validation set (``_val_chunks``)."""
+"""The batch order of a run: every step's global batch, drawn from (seed, epoch) (``batch_indices``); this
+rank's share of it on the device (``shard``, ``step_batches``) and of the validation set (``val_chunks``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .loader import Streamed
 from ..distributed.parallel import Parallel
 
 
-def _batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
+def batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
     """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
     per_epoch = n // B
     epoch, i = divmod(step, per_epoch)
@@ -26,14 +26,14 @@ def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
+def step_batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
     """This rank's (x, y) of every step start..end-1 (``data.augment``: crops and flips drawn from
     (seed, step) for the whole global batch, so every split of it draws alike)."""
     B, seed = c.trainer.batch_size, c.trainer.seed
     if isinstance(ds, Streamed):
         steps = ds.train(start, end)
     else:
-        steps = (_shard(c, ds, par, _batch_indices(len(ds.x_train), B, step, seed), device, dtype)
+        steps = (shard(c, ds, par, batch_indices(len(ds.x_train), B, step, seed), device, dtype)
                  for step in range(start, end))
     rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
     for step, (x, y) in enumerate(steps, start):
@@ -42,7 +42,7 @@ def _batches(c: Config, ds, par: Parallel, start: int, end: int, device, dtype):
         yield x, y
 
 
-def _shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
+def shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):
     """This data rank's share of a global batch, on the device, labels one-hot."""
     idx = torch.tensor_split(idx, par.data_size)[par.data_rank]
     return to_device(ds.x_train[idx], device, dtype), to_device(one_hot(ds.y_train[idx], ds.num_classes, dtype),
@@ -57,7 +57,7 @@ def to_device(t: torch.Tensor, device: torch.device, dtype) -> torch.Tensor:
     return t.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
-def _val_chunks(ds, par: Parallel, device, dtype):
+def val_chunks(ds, par: Parallel, device, dtype):
     """This data rank's share of the validation set: (x on the device, labels) chunks."""
     if isinstance(ds, Streamed):
         yield from ds.val_chunks()

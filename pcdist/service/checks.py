@@ -10,7 +10,7 @@ from .data import check_files
 from ..errors import ConfigError
 from .metrics import check_logger
 from ..distributed.parallel import ParallelDims
-from .device import _device
+from .device import pick_device
 
 
 def check(c: Config, world: int) -> str:
@@ -20,7 +20,7 @@ def check(c: Config, world: int) -> str:
     if c.pc.algorithm == "bp" and world > 1:
         raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
                           "run it without torchrun")
-    device = _device(c)
+    device = pick_device(c)
     if c.parallel.backend == "nccl" and device.type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
     if c.parallel.backend == "gloo" and device.type == "cuda" and c.parallel.layer > 1:

@@ -1,6 +1,6 @@
 """A run's data, loaded and checked against the model and the batch size before it trains: shapes, labels,
 finite inputs, channels-last images, enough samples (``_check_data``); normalised and flattened as the model
-reads them (``_load_data``)."""
+reads them (``load_data``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .loader import Streamed
 from .models import IMAGE_MODELS, model_specs
 
 
-def _load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
+def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
                ) -> tuple[Dataset | StreamedData, Inputs]:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
@@ -83,7 +83,7 @@ def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None)
     return c.model.name not in IMAGE_MODELS
 
 
-def _num_train(ds: Dataset | StreamedData | Streamed) -> int:
+def num_train(ds: Dataset | StreamedData | Streamed) -> int:
     """Training samples."""
     return len(ds.data if isinstance(ds, Streamed) else ds)
 
@@ -129,8 +129,8 @@ def _check_data(c: Config, ds) -> None:
             if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
                                                                    or int(labels.max()) >= ds.num_classes)):
                 raise DataError(f"data {c.data.name} {name} labels must be integer class ids in [0, {ds.num_classes})")
-    if _num_train(ds) < c.trainer.batch_size:
-        raise DataError(f"data {c.data.name} has {_num_train(ds)} training samples, fewer than "
+    if num_train(ds) < c.trainer.batch_size:
+        raise DataError(f"data {c.data.name} has {num_train(ds)} training samples, fewer than "
                         f"trainer.batch_size={c.trainer.batch_size}")
 
 

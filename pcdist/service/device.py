@@ -11,7 +11,7 @@ from .config import Config
 from ..errors import ConfigError
 
 
-def _device(c: Config) -> torch.device:
+def pick_device(c: Config) -> torch.device:
     want = c.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or "

@@ -1,5 +1,5 @@
 """The model factory: the layer kinds of ``model.name`` on the data's shapes (``model_specs``), the network of a
-layer slice (``make_network``), and the run's model.json (``_record_model``)."""
+layer slice (``make_network``), and the run's model.json (``record_model``)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device)
                      **network_options(c))
 
 
-def _record_model(c: Config, run_dir: Path, specs, net: PCNetwork, inputs: Inputs, user: UserLayers | None) -> None:
+def record_model(c: Config, run_dir: Path, specs, net: PCNetwork, inputs: Inputs, user: UserLayers | None) -> None:
     """run_dir/model.json: the layers, their nesting and the input preparation, so that ``pcdist.load``
     rebuilds the network and its inputs without the data (pcdist/service/modelfile.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from .config import Config
 from ..engine.trainer import warmup_cosine
 
 
-def _optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
+def make_optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
     """The configured optimizer and LR schedule; fused kernels, so that a captured step can skip an update
     and read its learning rate from the device (pcdist/engine/update.py)."""
     o = c.optim

@@ -1,6 +1,6 @@
 """Stopping on a signal: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) are caught so that the step in progress finishes
-and checkpoints (``_catch_stop_signals``); every rank agrees on the stop in a vote that never holds a rank up
-(``_StopVote``); the run then raises ``Preempted``."""
+and checkpoints (``catch_stop_signals``); every rank agrees on the stop in a vote that never holds a rank up
+(``StopVote``); the run then raises ``Preempted``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Preempted(RuntimeError):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def _catch_stop_signals() -> tuple[dict, object]:
+def catch_stop_signals() -> tuple[dict, object]:
     """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
     second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
     got = {"signal": 0}
@@ -49,19 +49,19 @@ def _on_stop_signal(got: dict, signum: int, frame) -> None:
     got["signal"] = got["signal"] or signum
 
 
-def _restore_sigint(before) -> None:
+def restore_sigint(before) -> None:
     """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
     if threading.current_thread() is threading.main_thread() and before is not None:
         signal.signal(signal.SIGINT, before)
 
 
-def _stop_message(signum: int, done: int, path: Path, run_dir) -> str:
+def stop_message(signum: int, done: int, path: Path, run_dir) -> str:
     """How the run stopped, its checkpoint, and how to resume it."""
     how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
     return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
 
 
-class _StopVote:
+class StopVote:
     """Which stop signal any rank got, agreed by all (0: none): each step posts this rank's signal number in
     a MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by then, so
     the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).

@@ -1,6 +1,6 @@
 """How a run starts in its directory, new or resumed (what ``find_resume`` in rundir.py decided): the lines that
-say so (``_announce``), the rows of steps trained again dropped from the logs (``forget_lost_steps``), and the line
-for a run with nothing left to train (``_nothing_to_train``)."""
+say so (``announce``), the rows of steps trained again dropped from the logs (``forget_lost_steps``), and the line
+for a run with nothing left to train (``nothing_to_train``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .metrics import truncate_jsonl
 from .rundir import write_attempt
 
 
-def _nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
+def nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
     """The one line for a rerun into a run that has nothing left to train."""
     t = c.trainer
     if step >= t.max_steps:
@@ -33,7 +33,7 @@ def forget_lost_steps(run_dir: Path, start: int) -> int:
     return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
 
 
-def _announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
+def announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
     """Keep this attempt's config and say, one line each, how the run starts and what changed."""
     attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
     gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"

@@ -36,14 +36,14 @@ from .metrics import make_logger
 from ..distributed.parallel import Parallel, ParallelDims, collective, init_distributed
 from .rundir import Resume, find_resume, next_run_dir, position_schedule
 from ..engine.trainer import PCTrainer
-from .batches import _batch_indices, _batches, _shard, _val_chunks
+from .batches import batch_indices, step_batches, shard, val_chunks
 from .checks import check, check_length, choose_mesh
-from .datachecks import _load_data, _num_train
-from .device import _device, cpu_threads
-from .models import _record_model, make_network, model_specs
-from .optimizer import _optimizer
-from .preemption import Preempted, _StopVote, _catch_stop_signals, _restore_sigint, _stop_message
-from .resume import _announce, _nothing_to_train, forget_lost_steps
+from .datachecks import load_data, num_train
+from .device import pick_device, cpu_threads
+from .models import record_model, make_network, model_specs
+from .optimizer import make_optimizer
+from .preemption import Preempted, StopVote, catch_stop_signals, restore_sigint, stop_message
+from .resume import announce, nothing_to_train, forget_lost_steps
 
 __all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
 
@@ -100,7 +100,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
     mesh = check(c, world)
-    device = _device(c)
+    device = pick_device(c)
     threads = ""
     if device.type == "cpu":
         n, why = cpu_threads(c.trainer.threads, os.environ)
@@ -131,7 +131,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
             with collective("the run-directory barrier"):
                 dist.barrier()
     dtype = getattr(torch, c.trainer.dtype)
-    ds, inputs = _load_data(c, data, user)
+    ds, inputs = load_data(c, data, user)
     image_shape = tuple(inputs.sample_shape)  # for the pictures of generated and reconstructed images
     if user is not None:
         specs = user.specs(inputs.node_shape())
@@ -143,7 +143,7 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
     else:
         par = Parallel.single(len(specs))
     if c.trainer.epochs is not None:
-        c.trainer.max_steps = c.trainer.epochs * (_num_train(ds) // c.trainer.batch_size)
+        c.trainer.max_steps = c.trainer.epochs * (num_train(ds) // c.trainer.batch_size)
     run_dir = Path(c.run_dir)
     start, end = resume.step, min(c.trainer.max_steps, c.trainer.stop_at or c.trainer.max_steps)
     if user is not None:
@@ -152,15 +152,15 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         net = make_network(c, specs, par.layers, dtype, device)
     is_rank0 = not distributed or dist.get_rank() == 0
     if is_rank0:
-        _record_model(c, run_dir, specs, net, inputs, user)
+        record_model(c, run_dir, specs, net, inputs, user)
     if resume.checkpoint is not None and start >= end:
         if par.is_logging:
-            print(_nothing_to_train(c, run_dir, start), flush=True)
+            print(nothing_to_train(c, run_dir, start), flush=True)
         done = Result(step=start, run_dir=str(run_dir), finished=True)
         load_checkpoint(resume.checkpoint, net, None)
         done.network = net
         return done
-    opt, sched = _optimizer(c, net.parameters(), c.trainer.max_steps, device)
+    opt, sched = make_optimizer(c, net.parameters(), c.trainer.max_steps, device)
     skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
     if c.pc.algorithm == "bp":
         trainer = BackpropTrainer(net, opt, scheduler=sched, skip_above=skip)
@@ -194,21 +194,21 @@ def _run(c: Config, device: torch.device, distributed: bool, data=None, loop=Non
         if mesh is not None:
             logger.say(mesh)
         if par.is_logging:
-            _announce(c, resume, run_dir, start, opt, logger, dropped)
-        B, seed, n = c.trainer.batch_size, c.trainer.seed, _num_train(ds)
+            announce(c, resume, run_dir, start, opt, logger, dropped)
+        B, seed, n = c.trainer.batch_size, c.trainer.seed, num_train(ds)
         if isinstance(ds, StreamedData):
-            ds = Streamed(ds, lambda step: _batch_indices(n, B, step, seed), par, B, c.data.num_workers,
+            ds = Streamed(ds, lambda step: batch_indices(n, B, step, seed), par, B, c.data.num_workers,
                           c.data.prefetch_factor, device, dtype, flatten=inputs.flatten,
                           data_at_top=c.pc.mode != "supervised")
         if isinstance(trainer, PCTrainer):  # pc.x_lr=auto: the step from the first batches (autostep.py)
-            first = [ds.batch(s) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, s, seed),
+            first = [ds.batch(s) if isinstance(ds, Streamed) else shard(c, ds, par, batch_indices(n, B, s, seed),
                                                                           device, dtype) for s in range(BATCHES)]
             settle_x_lr(c, trainer, run_dir, [clamps(c.pc.mode, x, y) for x, y in first],
                         resume.checkpoint is not None, par.is_logging, logger.say)
-        batches = _batches(c, ds, par, start, end, device, dtype)
+        batches = step_batches(c, ds, par, start, end, device, dtype)
         result = (loop or _loop)(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype,
                                  is_rank0, image_shape=image_shape)
-        x, y = ds.batch(0) if isinstance(ds, Streamed) else _shard(c, ds, par, _batch_indices(n, B, 0, seed), device,
+        x, y = ds.batch(0) if isinstance(ds, Streamed) else shard(c, ds, par, batch_indices(n, B, 0, seed), device,
                                                                    dtype)
         trace = trainer.trace(*clamps(c.pc.mode, x, y))  # collective: every rank takes part
         if trace is not None:
@@ -244,12 +244,12 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
     t_cfg = c.trainer
     result: dict = {"step": start}
     end = min(t_cfg.max_steps, t_cfg.stop_at or t_cfg.max_steps)
-    got, before = _catch_stop_signals()
+    got, before = catch_stop_signals()
     try:
         result = _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
                         until, image_shape, got, result, end)
     finally:
-        _restore_sigint(before)
+        restore_sigint(before)
     if c.pc.diagnostics and par.is_logging:
         Diagnostics(c, run_dir, logger).plot()
     return result
@@ -257,10 +257,10 @@ def _loop(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start,
 
 def _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0, until,
            image_shape, got, result, end) -> dict:
-    """The training steps of ``_loop``; ``got``: the stop signal this rank caught (``_catch_stop_signals``)."""
+    """The training steps of ``_loop``; ``got``: the stop signal this rank caught (``catch_stop_signals``)."""
     t_cfg = c.trainer
     clock = {"t": time.perf_counter(), "step": start, "comm": par.comm_seconds}
-    vote = _StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
+    vote = StopVote(par.logging_rank is not None, device)  # every rank stops after the same step
     diag = Diagnostics(c, run_dir, logger) if c.pc.diagnostics else None  # pcdist/service/diagnostics.py
     for step in range(start, end if until is None else until):
         done = step + 1
@@ -282,8 +282,8 @@ def _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start
             metrics = _check_and_log(stats, done, t_cfg, opt, par, logger, run_dir, clock)
             result.update(metrics)
         if done % t_cfg.eval_every == 0 or done == end:
-            val = validate(c, _val_chunks(ds, par, device, dtype), trainer, device)
-            images = pictures(c, next(_val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
+            val = validate(c, val_chunks(ds, par, device, dtype), trainer, device)
+            images = pictures(c, next(val_chunks(ds, par, device, dtype))[0], trainer, image_shape,
                               ds.num_classes, run_dir)
             if val is not None:
                 logger.log(val, done)
@@ -304,7 +304,7 @@ def _steps(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start
             vote.finish()
             if is_rank0 and stop != signal.SIGINT:  # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
                 (Path(run_dir) / "PREEMPTED").write_text(f"{done}\n")
-            raise Preempted(_stop_message(stop, done, path, run_dir), stop)
+            raise Preempted(stop_message(stop, done, path, run_dir), stop)
     vote.finish()
     return result
 
