@@ -1,16 +1,19 @@
 """How a run starts in its directory, new or resumed (what ``find_resume`` in rundir.py decided): the lines that
 say so (``announce``), the rows of steps trained again dropped from the logs (``forget_lost_steps``), and the line
-for a run with nothing left to train (``nothing_to_train``)."""
+for a run with nothing left to train (``nothing_to_train``); the checkpoint, schedule and RNG restored
+(``restore_checkpoint``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 
+from .checkpoint import load_checkpoint
 from .config import Config
 from .diagnostics import FILE as DIAGNOSTICS_FILE
 from .metrics import truncate_jsonl
-from .rundir import write_attempt
+from .rundir import Resume, position_schedule, write_attempt
 
 
 def nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
@@ -56,3 +59,19 @@ def announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped:
     if resume.schedule_changed:
         logger.say(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
                    f"{opt.param_groups[0]['lr']:.4g}")
+
+
+def restore_checkpoint(resume: Resume, net, opt, sched) -> None:
+    """Load the checkpoint the run resumes from (none: a new run) into the network and the optimizer, and put
+    the LR schedule and torch's RNG where the run left them (where the schedule changed, this run's schedule
+    at the resumed step)."""
+    if resume.checkpoint is None:
+        return
+    meta = load_checkpoint(resume.checkpoint, net, opt)
+    if resume.schedule_changed:  # this run's schedule, at the resumed step
+        position_schedule(sched, opt, resume.step)
+    else:
+        sched.load_state_dict(meta["scheduler"])
+        for g in opt.param_groups:
+            g["lr"] = meta["lr"]
+    torch.set_rng_state(meta["rng"])
