@@ -1,5 +1,5 @@
 """The device and CPU threads of a run: the GPU of this rank (``gpu_of_rank``), or the CPU and its torch
-threads per rank (``cpu_threads``)."""
+threads per rank (``cpu_threads``); ``pick_device`` chooses, ``use_device`` sets torch up for it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..errors import ConfigError
 
 
 def pick_device(c: Config) -> torch.device:
+    """trainer.device: the CPU, or this rank's GPU (``auto``: a GPU where there is one)."""
     want = c.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config trainer.device='cuda' but no CUDA device is available; use trainer.device=cpu or "
@@ -48,3 +49,14 @@ def cpu_threads(configured: int, env) -> tuple[int, str]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local = int(env.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // local), f"{cores} cores / {local} rank{'s' * (local > 1)} on this machine"
+
+
+def use_device(c: Config, device: torch.device) -> str:
+    """Set torch up for ``device``: on the CPU its threads per rank (``cpu_threads``), on a GPU cuDNN's
+    algorithm search. Returns what the mesh line adds about the threads ("" on a GPU)."""
+    if device.type != "cpu":  # every stage has fixed shapes: let cuDNN time its convolution algorithms once
+        torch.backends.cudnn.benchmark = True
+        return ""
+    n, why = cpu_threads(c.trainer.threads, os.environ)
+    torch.set_num_threads(n)
+    return f"; {n} torch thread{'s' * (n > 1)} per rank ({why})"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ..distributed.parallel import init_distributed
@@ -22,7 +21,7 @@ from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, passed_settings
 from .data import Dataset, StreamedData
-from .device import cpu_threads, pick_device
+from .device import cpu_threads, pick_device, use_device
 from .preemption import Preempted
 from .rundir import find_resume, next_run_dir
 from .trainer import Result, ServiceTrainer
@@ -76,13 +75,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
                           f"and none was passed")
     mesh = check(c, world)
     device = pick_device(c)
-    threads = ""
-    if device.type == "cpu":
-        n, why = cpu_threads(c.trainer.threads, os.environ)
-        torch.set_num_threads(n)
-        threads = f"; {n} torch thread{'s' * (n > 1)} per rank ({why})"
-    else:  # every stage has fixed shapes: let cuDNN time its convolution algorithms once
-        torch.backends.cudnn.benchmark = True
+    threads = use_device(c, device)
     distributed = world > 1
     if distributed:
         init_distributed(device, timeout_s=c.parallel.timeout_s,
