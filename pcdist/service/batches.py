@@ -7,10 +7,10 @@ import functools
 
 import torch
 
+from ..distributed.parallel import Parallel
 from .config import Config
 from .data import augment, one_hot
 from .loader import Streamed
-from ..distributed.parallel import Parallel
 
 
 def batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:

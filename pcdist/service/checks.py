@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-
-
+from ..distributed.parallel import ParallelDims
+from ..errors import ConfigError
 from .config import Config, num_layers
 from .data import check_files
-from ..errors import ConfigError
-from .metrics import check_logger
-from ..distributed.parallel import ParallelDims
 from .device import pick_device
+from .metrics import check_logger
 
 
 def check(c: Config, world: int) -> str:

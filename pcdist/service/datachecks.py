@@ -4,17 +4,15 @@ reads them (``load_data``)."""
 
 from __future__ import annotations
 
-
 import torch
 
-from .config import Config
-from .data import (DataError, Dataset, StreamedData, load_dataset, normalization_stats,
-                   normalized)
-from .modelfile import Inputs
-from .userlayers import UserLayers
 from ..errors import ConfigError
+from .config import Config
+from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized
 from .loader import Streamed
+from .modelfile import Inputs
 from .models import IMAGE_MODELS, model_specs
+from .userlayers import UserLayers
 
 
 def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from .config import Config
 from ..errors import ConfigError
+from .config import Config
 
 
 def pick_device(c: Config) -> torch.device:

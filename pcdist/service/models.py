@@ -6,15 +6,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
-from .config import Config, network_options
-from .modelfile import Inputs, write_model_file
-from .userlayers import UserLayers
-from ..errors import ConfigError
 from ..engine.layers import mupc_specs
 from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.network import PCNetwork, mlp_specs
-
+from ..errors import ConfigError
+from .config import Config, network_options
+from .modelfile import Inputs, write_model_file
+from .userlayers import UserLayers
 
 IMAGE_MODELS = ("cnn", "vgg", "deconv")
 """Models whose data nodes stay images [C, H, W]; the others read samples flattened."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from .config import Config
 from ..engine.trainer import warmup_cosine
+from .config import Config
 
 
 def make_optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
