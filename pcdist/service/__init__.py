@@ -1,6 +1,7 @@
 """The training service: a config in, a trained, logged, checkpointed run out.
 
-* ``config.py``      the structured config (Hydra schema, validation, ``compose``)
+* ``schema.py``      the structured config: a dataclass per group, a docstring per key, ``validate``
+* ``config.py``      the config composed (conf/ through Hydra, ``compose``, ``make_config``), the overrides
 * ``cli.py``         the command line (``train.py``, ``pcdist-train``, ``python -m pcdist``)
 * ``run.py``         ``train(cfg)``: one run on 1 to N ranks: checks, device, process group, then
 * ``trainer.py``     ``ServiceTrainer``: the run on this rank (data, mesh, model, loop, logs, checkpoints),

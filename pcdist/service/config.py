@@ -1,12 +1,15 @@
-"""Structured configuration of a training run, validated before any process group exists.
+"""A run's config composed, before any process group exists: from ``conf/`` and the user's overrides to a
+validated ``Config`` (the dataclasses, their docstrings and ``validate`` are in schema.py; their names are
+re-exported here).
 
 The defaults live in ``conf/`` (shipped inside the package as ``pcdist/conf``): the
 command line (``train.py``, ``pcdist-train``) and ``pcdist.train(dict)`` both compose
 it with Hydra (``compose``, ``make_config``), so both start from the same values.
-``load_config`` merges the composed config onto these dataclasses (an unknown key or a
-wrong type names the key) and ``validate`` checks every value's range (the message
-names the key and what is allowed). The dataclass defaults mirror ``conf/``'s (a test
-keeps them equal), so ``Config()`` is the default run too.
+``load_config`` merges the composed config onto the schema's dataclasses (an unknown key or a
+wrong type names the key) and validates it. ``passed_settings`` says which keys the user's
+overrides set (what a resume applies); ``check_overrides``, ``groups`` and ``did_you_mean`` check
+the command line's overrides against the known keys and groups; ``network_options`` is what the
+network takes from pc.*.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ GROUPS = ("model", "data", "pc", "optim", "parallel", "trainer", "logger", "expe
 """The config groups of conf/config.yaml's defaults list."""
 
 SCHEMA = "pcdist_schema"
-"""conf/config.yaml's first default: the dataclasses above as Hydra's schema, so every key exists
+"""conf/config.yaml's first default: schema.py's dataclasses as Hydra's schema, so every key exists
 (and is typed) while Hydra composes, and ``key=value`` overrides any documented key, also one that
 no file of the chosen group spells out."""
 
