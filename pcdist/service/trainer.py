@@ -96,14 +96,15 @@ class ServiceTrainer:
             record_model(config, self.run_dir, self.specs, self.network, self.inputs, user)
         self.finished = self.resume.checkpoint is not None and self.step >= self.end  # nothing left to train
         self.optimizer = self.scheduler = self.engine = self.logger = None
+        self.dropped = 0  # metrics.jsonl rows of the steps trained again, dropped (never a step twice)
         self.result: dict = {"step": self.step}
         self._started = False
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
             restore_checkpoint(self.resume, self.network, self.optimizer, self.scheduler)
-            # never a step twice in metrics.jsonl
-            self.dropped = forget_lost_steps(self.run_dir, self.step) if self.parallel.is_logging else 0
+            if self.parallel.is_logging:
+                self.dropped = forget_lost_steps(self.run_dir, self.step)
             self.logger = self._make_logger()
 
     def _find_resume(self) -> Resume:
