@@ -69,8 +69,10 @@ class ServiceTrainer:
     ``Streamed`` once training starts), ``inputs`` (how its inputs are prepared, as model.json records);
     ``specs`` (the layer kinds), ``parallel`` (this rank's place in the mesh), ``network`` (this
     rank's layer slice); ``optimizer``, ``scheduler``, ``engine`` (the engine's trainer) and ``logger``,
-    all None where the run has nothing left to train; ``step``: the steps done; ``end``: the step the
-    run stops after (trainer.max_steps, or trainer.stop_at); ``result``: the metrics so far.
+    all None where the run has nothing left to train (``finished``: its directory was at its end already;
+    ``train`` only says so); ``step``: the steps done; ``end``: the step the run stops after
+    (trainer.max_steps, or trainer.stop_at); ``dropped``: the metrics.jsonl rows of steps trained again,
+    dropped; ``result``: the metrics so far.
     """
 
     def __init__(self, config: Config, device: torch.device, distributed: bool, data=None,
