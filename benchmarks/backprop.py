@@ -39,7 +39,7 @@ from pcdist.service.autostep import resolve_x_lr
 from pcdist.service.backprop import BackpropTrainer
 from pcdist.service.config import CONF_DIR, make_config
 from pcdist.service.data import DataError, Dataset, check_files, load_dataset, one_hot
-from pcdist.service.run import model_specs
+from pcdist.service.models import model_specs
 
 OUT = Path(__file__).resolve().parent / "results"
 PRESETS = ["default"] + sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

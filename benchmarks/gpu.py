@@ -229,7 +229,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    torch.backends.cudnn.benchmark = True  # as the service runs (pcdist/service/run.py): cuDNN picks its algorithms
+    torch.backends.cudnn.benchmark = True  # as the service runs (pcdist/service/device.py): cuDNN picks its algorithms
     if not cuda:
         torch.set_num_threads(os.cpu_count() or 1)
     rounds, min_time = (2, 0.01) if args.tiny else (3, 0.2) if args.quick else (7, 0.5)

@@ -1,12 +1,12 @@
 """What the training service's loop costs on top of the engine's own step, side by side.
 
-The real torchrun starts P ranks (gloo, one thread each); each runs ``pcdist.service.run._run``
-(mesh, synthetic data, model, optimizer) on the service's config with
+The real torchrun starts P ranks (gloo, one thread each); each builds a
+``pcdist.service.trainer.ServiceTrainer`` (mesh, synthetic data, model, optimizer) on the service's config with
 ``logger=none``, no evaluation and no checkpoint within the timed steps, and
 instead of training straight through it alternates, round by round, on the same
 network and optimizer:
 
-  service  ``pcdist.service.run._loop`` for N steps: batch assembly, the stop-signal vote, the
+  service  ``ServiceTrainer.train(until=...)`` for N steps: batch assembly, the stop-signal vote, the
            progress marks, logging every ``trainer.log_every`` steps (energy gather,
            metrics.jsonl, progress line), exactly as ``python train.py`` runs them
   engine   N bare ``PCTrainer.step(x, y, log=False)`` on one fixed batch, as
@@ -52,9 +52,10 @@ def worker(args) -> None:
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
-    from pcdist.service.config import load_config
     from pcdist.distributed.parallel import init_distributed
-    from pcdist.service.run import _batch_indices, _batches, _loop, _run, _shard, check
+    from pcdist.service.checks import check
+    from pcdist.service.config import load_config
+    from pcdist.service.trainer import ServiceTrainer
 
     P = int(os.environ["WORLD_SIZE"])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -64,22 +65,17 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     device = torch.device("cpu")
     init_distributed(device, timeout_s=300)
-
-    def interleaved(c, ds, batches, net, opt, sched, trainer, par, logger, run_dir, start, device, dtype, is_rank0,
-                    image_shape=()):
-        x, y = _shard(c, ds, par, _batch_indices(len(ds.x_train), c.trainer.batch_size, 0, c.trainer.seed), device,
-                      dtype)
-        step = start
+    trainer = ServiceTrainer(c, device, True)  # data, mesh, model, optimizer, logger: as train.py builds them
+    try:
+        trainer.start()
+        x, y = trainer.batch(0)
 
         def service(n):
-            nonlocal step
-            _loop(c, ds, _batches(c, ds, par, step, step + n, device, dtype), net, opt, sched, trainer, par, logger,
-                  run_dir, step, device, dtype, is_rank0, until=step + n, image_shape=image_shape)
-            step += n
+            trainer.train(until=trainer.step + n)
 
         def engine(n):
             for _ in range(n):
-                trainer.step(x, y, log=False)
+                trainer.engine.step(x, y, log=False)
 
         variants = {"service": service, "engine": engine}
         for run in variants.values():  # warm-up: caches, gloo pairs, the kernel
@@ -95,9 +91,8 @@ def worker(args) -> None:
                 samples[name].append(float(mine))
         if dist.get_rank() == 0:
             Path(args.worker_out).write_text(json.dumps(samples))
-        return {"step": step}
-
-    _run(c, device, True, loop=interleaved)
+    finally:
+        trainer.close()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -132,7 +127,8 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"benchmark workers failed ({proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-80:]))
+            raise SystemExit(f"benchmark workers failed ({proc.returncode}):\n"
+                             + "\n".join(proc.stderr.splitlines()[-80:]))
         samples = json.loads(out.read_text())
     ratios = [s / e for s, e in zip(samples["service"], samples["engine"])]
     res = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out", "run_dir", "out")},

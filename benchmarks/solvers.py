@@ -40,7 +40,7 @@ import torch
 import pcdist
 from pcdist.service.config import make_config
 from pcdist.service.data import load_dataset, one_hot
-from pcdist.service.run import model_specs
+from pcdist.service.models import model_specs
 
 OUT = Path(__file__).resolve().parent / "results"
 QUIET = ["logger=none", "trainer.progress=off", "trainer.threads=1", "trainer.ckpt_every=100000"]

@@ -13,7 +13,7 @@ import torch
 import pcdist
 from pcdist.service.cli import check_overrides
 from pcdist.service.config import config_keys, load_config
-from pcdist.service.run import cpu_threads
+from pcdist.service.device import cpu_threads
 from test_config_data import SMALL, composed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     its field in pcdist/service/config.py (read here straight from the source)."""
     out = run([sys.executable, "train.py", "--help", "experiment=deep_narrow", "pc.T=7"])
     assert out.returncode == 0, out.stderr[-3000:]
-    source = (ROOT / "pcdist" / "service" / "config.py").read_text()
+    source = (ROOT / "pcdist" / "service" / "schema.py").read_text()
     docs = {}  # "trainer.max_steps" -> the docstring under that field of TrainerConfig
     for cls, body in re.findall(r'^class (\w*)Config:\n(.*?)(?=^\S)', source, re.S | re.M):
         for name, doc in re.findall(r'^    (\w+): [^\n]*\n    """(.*?)"""', body, re.S | re.M):

@@ -260,7 +260,7 @@ def test_labels_out_of_range_are_refused(tmp_path):
 def test_non_finite_inputs_are_refused(tmp_path):
     from pcdist.service.config import load_config
     from pcdist.service.data import Dataset
-    from pcdist.service.run import _check_data
+    from pcdist.service.datachecks import _check_data
 
     x = torch.randn(80, 64)
     x[3, 5] = float("nan")

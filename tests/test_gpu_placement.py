@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from pcdist.errors import ConfigError
-from pcdist.service import run as service_run
+from pcdist.service import checks, device
 from pcdist.service.config import make_config
 
 
 @pytest.mark.parametrize("local_rank, local_world, gpus", [(0, 1, 1), (1, 2, 2), (3, 4, 8)])
 def test_each_process_gets_the_gpu_of_its_local_rank(local_rank, local_world, gpus):
-    assert service_run.gpu_of_rank(local_rank, local_world, gpus) == torch.device(f"cuda:{local_rank}")
+    assert device.gpu_of_rank(local_rank, local_world, gpus) == torch.device(f"cuda:{local_rank}")
 
 
 @pytest.mark.parametrize("local_rank", [0, 1])
 def test_more_processes_than_gpus_is_one_line_naming_both_counts(local_rank):
     """Every process of the node refuses alike (rank 0 too, which has a GPU): none starts a group."""
     with pytest.raises(ConfigError) as e:
-        service_run.gpu_of_rank(local_rank, 2, 1)
+        device.gpu_of_rank(local_rank, 2, 1)
     msg = str(e.value)
     assert "\n" not in msg
     assert "runs 2 processes but has 1 GPU:" in msg
@@ -38,7 +38,7 @@ def test_the_launch_check_refuses_before_any_process_group(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     c = make_config({"parallel": {"layer": 2}, "logger": "none"})
     with pytest.raises(ConfigError, match="runs 2 processes but has 1 GPU"):
-        service_run.check(c, 2)
+        checks.check(c, 2)
 
 
 def test_gloo_on_gpus_refuses_a_layer_split(monkeypatch):
@@ -50,4 +50,4 @@ def test_gloo_on_gpus_refuses_a_layer_split(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     c = make_config({"parallel": {"layer": 2, "backend": "gloo"}, "logger": "none"})
     with pytest.raises(ConfigError, match="parallel.backend=gloo cannot send CUDA tensors"):
-        service_run.check(c, 2)
+        checks.check(c, 2)

@@ -1,8 +1,14 @@
 """The training service: a config in, a trained, logged, checkpointed run out.
 
-* ``config.py``      the structured config (Hydra schema, validation, ``compose``)
+* ``schema.py``      the structured config: a dataclass per group, a docstring per key, ``validate``
+* ``config.py``      the config composed (conf/ through Hydra, ``compose``, ``make_config``), the overrides
 * ``cli.py``         the command line (``train.py``, ``pcdist-train``, ``python -m pcdist``)
-* ``run.py``         ``train(cfg)``: one run on 1 to N ranks
+* ``run.py``         ``train(cfg)``: one run on 1 to N ranks: checks, device, process group, then
+* ``trainer.py``     ``ServiceTrainer``: the run on this rank (data, mesh, model, loop, logs, checkpoints),
+  built from ``checks.py`` (mesh, launch checks), ``device.py`` (device, CPU threads), ``optimizer.py``,
+  ``models.py`` (the model factory, model.json), ``datachecks.py`` (the data against the model),
+  ``batches.py`` (batch order and shards), ``resume.py`` (how a run starts in its directory) and
+  ``preemption.py`` (stop signals, the stop vote)
 * ``rundir.py``      run directories and the resume policy
 * ``checkpoint.py``  atomic checkpoints keyed by global layer
 * ``data.py``, ``loader.py``  datasets (bundled digits, standard files, your arrays) and streamed loading

@@ -108,7 +108,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
         return
 
     from .data import DataError
-    from .run import check as check_run
+    from .checks import check as check_run
 
     try:
         if args.help:
@@ -133,7 +133,7 @@ def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
 
 def help_text(conf_dir: Path, overrides: list[str]) -> str:
     """Usage, the config groups and their options (the chosen one starred), then every key with its
-    value under ``overrides`` and the documentation written under its field in pcdist/service/config.py."""
+    value under ``overrides`` and the documentation written under its field in pcdist/service/schema.py."""
     from omegaconf import OmegaConf
 
     composed = _compose(conf_dir, overrides, hydra=True)

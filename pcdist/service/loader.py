@@ -1,9 +1,9 @@
 """Streamed data on each rank: a DataLoader with worker processes reads every step's batch ahead of training.
 
-In-memory data (``pcdist.data.Dataset``) is indexed directly (``pcdist.run._shard``). For
+In-memory data (``pcdist.data.Dataset``) is indexed directly (``pcdist.service.batches.shard``). For
 ``StreamedData`` (an ``arrays`` folder, or torch Datasets passed to ``pcdist.train``) each
 rank runs a DataLoader whose batch sampler yields this data rank's shard of the same global
-batch of every step (``GlobalBatchSampler``: the order ``pcdist.run._batch_indices`` defines
+batch of every step (``GlobalBatchSampler``: the order ``pcdist.service.batches.batch_indices`` defines
 for all ranks), so layer-parallel ranks agree on the batch exactly as with in-memory data.
 Workers (``data.num_workers``) load ``data.prefetch_factor`` batches ahead each, into pinned
 memory on CUDA, copied to the GPU without blocking: the GPU does not wait on the loader.

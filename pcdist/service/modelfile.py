@@ -1,6 +1,6 @@
 """``model.json``: what a run directory records to rebuild its network and its inputs without the data.
 
-Written by the training service beside ``config.yaml`` (pcdist/service/run.py), read by
+Written by the training service beside ``config.yaml`` (``record_model``, pcdist/service/models.py), read by
 ``pcdist.load`` (pcdist/service/load.py). Plain JSON, nothing unpickled:
 
     {"format": 1,

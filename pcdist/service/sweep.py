@@ -49,7 +49,8 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     """Job ``num`` of the sweep: its config valid for this launch and its data, its directory free or holding its
     own run (``loaded``: the data sets read so far, each once). Returns the directory (None where Hydra names
     it only as it launches the job)."""
-    from .run import check, check_length, check_model_on_data
+    from .checks import check, check_length
+    from .datachecks import check_model_on_data
 
     from omegaconf import open_dict
 

@@ -1,0 +1,66 @@
+"""What a launch checks before any process group exists: the (data, layer) mesh for the world size
+(``choose_mesh``), the device, backend, logger and data files (``check``), and the run's length (``check_length``)."""
+
+from __future__ import annotations
+
+from ..distributed.parallel import ParallelDims
+from ..errors import ConfigError
+from .config import Config, num_layers
+from .data import check_files
+from .device import pick_device
+from .metrics import check_logger
+
+
+def check(c: Config, world: int) -> str:
+    """Everything about the user's input that can fail before any process group exists: the mesh
+    for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
+    mesh = choose_mesh(c, world)
+    if c.pc.algorithm == "bp" and world > 1:
+        raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
+                          "run it without torchrun")
+    device = pick_device(c)
+    if c.parallel.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
+    if c.parallel.backend == "gloo" and device.type == "cuda" and c.parallel.layer > 1:
+        raise ConfigError(f"config parallel.backend=gloo cannot send CUDA tensors between the {c.parallel.layer} layer "
+                          "slices (torch's gloo has no GPU send/receive); use parallel.backend=auto (NCCL), "
+                          "parallel.layer=1, or trainer.device=cpu")
+    check_logger(c.logger)
+    check_files(c.data.name, c.data.root)
+    return mesh
+
+
+def check_length(c: Config, passed: dict[str, str] | None) -> None:
+    """trainer.max_steps passed while trainer.epochs is set (passed too, or from a preset or the resumed run):
+    the epochs would silently win, so say so and refuse."""
+    if c.trainer.epochs is None or passed is None or "trainer.max_steps" not in passed:
+        return
+    setter = passed.get("trainer.epochs", "the run's own settings")
+    epochs = setter if setter.startswith("trainer.epochs=") else f"trainer.epochs={c.trainer.epochs} (from {setter})"
+    raise ConfigError(f"{epochs} and {passed['trainer.max_steps']} both set how long the run trains, and "
+                      f"trainer.epochs would win; set one: trainer.epochs=null to train trainer.max_steps steps, or "
+                      f"leave out trainer.max_steps")
+
+
+def choose_mesh(c: Config, world: int) -> str:
+    """Fill in ``parallel.layer`` when it is null (what the world size leaves after
+    ``parallel.data``) and check the mesh against the world size; one line says how it was chosen."""
+    p, layers = c.parallel, num_layers(c)
+    if world == 1 and p.data * (p.layer or 1) > 1:
+        n = p.data * (p.layer or 1)
+        raise ConfigError(f"parallel.data={p.data} x parallel.layer={p.layer or 1} needs {n} processes, but this is "
+                          f"one process; launch it with torchrun --nproc_per_node={n} train.py ... (or "
+                          f"NPROC={n} launch/local.sh ...)")
+    how = "as configured"
+    if p.layer is None:
+        if world % p.data:
+            raise ConfigError(f"parallel.data={p.data} does not divide the {world} processes; use a divisor of "
+                              f"{world} (parallel.layer takes the rest)")
+        p.layer, how = world // p.data, f"parallel.layer = {world} processes / parallel.data"
+        if p.layer > layers:
+            fits = [d for d in range(p.data, world + 1) if world % d == 0 and world // d <= layers]
+            raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
+                              f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
+    ParallelDims(p.data, p.layer).validate(world, layers)
+    return (f"mesh: {world} rank{'s' * (world > 1)} = parallel.data {p.data} x parallel.layer {p.layer} ({how}), "
+            f"{layers} layers split into {p.layer} slices")

@@ -1,0 +1,154 @@
+"""A run's data, loaded and checked against the model and the batch size before it trains: shapes, labels,
+finite inputs, channels-last images, enough samples (``_check_data``); normalised and flattened as the model
+reads them (``load_data``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .config import Config
+from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized
+from .loader import Streamed
+from .modelfile import Inputs
+from .models import IMAGE_MODELS, model_specs
+from .userlayers import UserLayers
+
+
+def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
+               ) -> tuple[Dataset | StreamedData, Inputs]:
+    """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
+
+    Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
+    take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
+    they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
+    Returns the data and how its inputs were prepared (saved in the run's model.json).
+    """
+    if data is None:
+        data = _dataset(c)
+    elif not isinstance(data, (Dataset, StreamedData)):
+        raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
+                        f"StreamedData (torch Datasets), got {type(data).__name__}")
+    _check_data(c, data)
+    shape = tuple(data.sample_shape)
+    flatten = _flattens(c, shape, user)
+    inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
+    if c.data.normalize:
+        if not isinstance(data, Dataset):
+            raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
+                              "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
+        inputs.mean, inputs.std = normalization_stats(data)
+        data = normalized(data, (inputs.mean, inputs.std))
+    if c.data.augment and len(data.sample_shape) != 3:
+        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
+                          f"samples have shape {list(data.sample_shape)}")
+    if not flatten:
+        return data, inputs
+    return (data.flat() if isinstance(data, Dataset) else data), inputs
+
+
+def _dataset_args(c: Config) -> tuple:
+    """``load_dataset``'s arguments for the configured data."""
+    d = c.data
+    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+    return (d.name, d.root, tuple(teacher), c.trainer.seed, d.val_fraction, d.synthetic_train, d.synthetic_val,
+            d.path, d.num_classes, d.signal)
+
+
+def _dataset(c: Config) -> Dataset | StreamedData:
+    """The configured data set (data.name's)."""
+    name, root, teacher, *rest = _dataset_args(c)
+    return load_dataset(name, root, list(teacher), *rest)
+
+
+def check_model_on_data(c: Config, loaded: dict | None = None) -> None:
+    """The configured data against the configured model, as a run checks them before it trains (a sweep checks
+    every job so before the first starts); ``loaded``: data sets already read, by their arguments."""
+    loaded = {} if loaded is None else loaded
+    args = _dataset_args(c)
+    if args not in loaded:
+        loaded[args] = _dataset(c)
+    ds = loaded[args]
+    _check_data(c, ds)
+    model_specs(c, tuple(ds.sample_shape), ds.num_classes)
+
+
+def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
+    """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
+    when the first one starts with an nn.Linear."""
+    if user is not None:
+        return user.flattens(sample_shape)
+    return c.model.name not in IMAGE_MODELS
+
+
+def num_train(ds: Dataset | StreamedData | Streamed) -> int:
+    """Training samples."""
+    return len(ds.data if isinstance(ds, Streamed) else ds)
+
+
+def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
+    """The one line for image or signal samples laid out channels-last ([H, W, C], [L, C]), which conv models
+    read channels-first ([C, H, W], [C, L]); None if they do not look so."""
+    shape = tuple(sample_shape)
+    if len(shape) not in (2, 3) or not (shape[-1] <= 4 and shape[-1] < min(shape[:-1])):
+        return None
+    image = len(shape) == 3
+    want = [shape[-1], *shape[:-1]]
+    layout, axes = ("[H, W, C]", "0, 3, 1, 2") if image else ("[L, C]", "0, 2, 1")
+    source = f"data {c.data.name}" + (f" ({c.data.path})" if c.data.path else "")
+    return (f"{source} has samples of shape {list(shape)}, channels-last {layout}, but model.name="
+            f"{c.model.name} reads {'images [C, H, W]' if image else 'signals [C, L]'} channels-first; transpose "
+            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
+
+
+def _check_data(c: Config, ds) -> None:
+    shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
+    if c.model.name in ("cnn", "vgg") and _channels_last(c, ds.sample_shape):
+        raise DataError(_channels_last(c, ds.sample_shape))
+    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
+        one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
+        raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
+                        f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
+    if c.model.name == "mlp" and c.pc.mode == "supervised":
+        _check_mlp_ends(c, ds, shape)
+    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
+        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
+        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
+        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
+                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
+                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
+            if got != want:
+                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
+                                f"{list(c.model.dims)}")
+    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
+        for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
+            if not torch.isfinite(x).all():
+                raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")
+            if labels.is_floating_point() or (labels.numel() and (int(labels.min()) < 0
+                                                                   or int(labels.max()) >= ds.num_classes)):
+                raise DataError(f"data {c.data.name} {name} labels must be integer class ids in [0, {ds.num_classes})")
+    if num_train(ds) < c.trainer.batch_size:
+        raise DataError(f"data {c.data.name} has {num_train(ds)} training samples, fewer than "
+                        f"trainer.batch_size={c.trainer.batch_size}")
+
+
+def _check_mlp_ends(c: Config, ds, shape: str) -> None:
+    """model.dims against the data's input features and classes, both fixes said at once (with a note where the
+    labels start at 1, which leaves class 0 empty)."""
+    dims = list(c.model.dims)
+    wrong = [f"{ds.num_features} input features{shape} but model.dims[0]={dims[0]}"] * (ds.num_features != dims[0])
+    wrong += [f"{ds.num_classes} classes but model.dims[-1]={dims[-1]}"] * (ds.num_classes != dims[-1])
+    if not wrong:
+        return
+    fixed = ",".join(map(str, [ds.num_features, *dims[1:-1], ds.num_classes]))
+    raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
+
+
+def _empty_class_0(ds) -> str:
+    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
+    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
+        return ""
+    low = int(torch.cat([ds.y_train, ds.y_val]).min())
+    return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
+            f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
+            f"{low}, y - {low})")

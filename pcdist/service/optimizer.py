@@ -1,0 +1,23 @@
+"""The configured optimizer and its learning-rate schedule (``optim.*``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.trainer import warmup_cosine
+from .config import Config
+
+
+def make_optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
+    """The configured optimizer and LR schedule; fused kernels, so that a captured step can skip an update
+    and read its learning rate from the device (pcdist/engine/update.py)."""
+    o = c.optim
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                              fused=device is not None and device.type == "cuda")
+    warm = min(o.warmup_steps, total_steps)
+    if o.schedule == "cosine":
+        return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))

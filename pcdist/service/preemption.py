@@ -1,0 +1,97 @@
+"""Stopping on a signal: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) are caught so that the step in progress finishes
+and checkpoints (``catch_stop_signals``); every rank agrees on the stop in a vote that never holds a rank up
+(``StopVote``); the run then raises ``Preempted``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.parallel import collective
+
+
+class Preempted(RuntimeError):
+    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived: the run checkpointed and stopped; rerunning resumes it.
+    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption)."""
+
+    def __init__(self, message: str, signal_number: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signal = signal_number
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def catch_stop_signals() -> tuple[dict, object]:
+    """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
+    second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
+    got = {"signal": 0}
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, functools.partial(_on_stop_signal, got))
+    return got, before
+
+
+def _on_stop_signal(got: dict, signum: int, frame) -> None:
+    """Remember the first stop signal; a Ctrl-C after it stops the process at once, without a checkpoint."""
+    if signum == signal.SIGINT and got["signal"]:
+        print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
+              "newest checkpoint)", file=sys.stderr, flush=True)
+        os._exit(130)
+    got["signal"] = got["signal"] or signum
+
+
+def restore_sigint(before) -> None:
+    """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
+    if threading.current_thread() is threading.main_thread() and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
+def stop_message(signum: int, done: int, path: Path, run_dir) -> str:
+    """How the run stopped, its checkpoint, and how to resume it."""
+    how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
+    return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
+
+
+class StopVote:
+    """Which stop signal any rank got, agreed by all (0: none): each step posts this rank's signal number in
+    a MAX all-reduce (``async_op``) and reads the vote posted one step earlier, long complete by then, so
+    the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).
+    Every rank reads the same votes in the same steps, so all stop after the same step, at most two steps
+    after the signal, and agree on which signal it was (the largest number: a pre-emption over a Ctrl-C).
+    The vote is a host tensor over a gloo group (on GPUs too), so reading it never waits for the device."""
+
+    def __init__(self, distributed: bool, device: torch.device):
+        self.distributed = distributed
+        self.group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
+        self._posted: tuple | None = None
+
+    def __call__(self, signum: int) -> int:
+        """The vote posted at the previous call (0 at the first); posts ``signum`` for the next."""
+        stop = self.finish()
+        if not self.distributed:
+            self._posted = (None, signum)
+            return stop
+        t = torch.tensor([float(signum)])
+        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
+        return stop
+
+    def finish(self) -> int:
+        """Wait for the vote in flight (if any) and return it."""
+        if self._posted is None:
+            return 0
+        work, t = self._posted
+        self._posted = None
+        if work is None:
+            return int(t)
+        with collective("the stop-signal all-reduce"):
+            work.wait()
+        return int(t.item())

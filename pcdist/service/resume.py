@@ -1,0 +1,77 @@
+"""How a run starts in its directory, new or resumed (what ``find_resume`` in rundir.py decided): the lines that
+say so (``announce``), the rows of steps trained again dropped from the logs (``forget_lost_steps``), and the line
+for a run with nothing left to train (``nothing_to_train``); the checkpoint, schedule and RNG restored
+(``restore_checkpoint``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .config import Config
+from .diagnostics import FILE as DIAGNOSTICS_FILE
+from .metrics import truncate_jsonl
+from .rundir import Resume, position_schedule, write_attempt
+
+
+def nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
+    """The one line for a rerun into a run that has nothing left to train."""
+    t = c.trainer
+    if step >= t.max_steps:
+        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
+                f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
+                f"directory for a new run)")
+    return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
+            f"trainer.stop_at)")
+
+
+def forget_lost_steps(run_dir: Path, start: int) -> int:
+    """Drop the rows a run logged after the checkpoint it resumes at ``start`` (0: a restart before the first
+    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``) and diagnostics.jsonl (the
+    diagnoses at ``start`` and after). Returns how many metrics rows were dropped."""
+    run_dir = Path(run_dir)
+    truncate_jsonl(run_dir / DIAGNOSTICS_FILE, lambda r: r.get("step", 0) < start)
+    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
+
+
+def announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
+    """Keep this attempt's config and say, one line each, how the run starts and what changed."""
+    attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
+    gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"
+    if resume.checkpoint is None:
+        logger.say(f"new run in {run_dir} (config: {attempt})")
+        if dropped:  # a torchrun restart before the first checkpoint
+            logger.say(f"restart: {gone}")
+        return
+    if resume.skipped:
+        logger.say(resume.skipped_line())
+    logger.say(f"resumed from {resume.checkpoint} at step {start} of {c.trainer.max_steps} with the run's own "
+               f"settings (config: {attempt})")
+    if dropped:
+        logger.say(f"resume: {gone}")
+    for line in resume.lines():
+        logger.say(line)
+    if resume.unknown_config:
+        logger.say("resume: the checkpoint carries no config and the directory no config.yaml: changed settings are "
+                   "not checked")
+    if resume.schedule_changed:
+        logger.say(f"resume: the LR schedule is recomputed at step {start}: lr {resume.meta['lr']:.4g} -> "
+                   f"{opt.param_groups[0]['lr']:.4g}")
+
+
+def restore_checkpoint(resume: Resume, net, opt, sched) -> None:
+    """Load the checkpoint the run resumes from (none: a new run) into the network and the optimizer, and put
+    the LR schedule and torch's RNG where the run left them (where the schedule changed, this run's schedule
+    at the resumed step)."""
+    if resume.checkpoint is None:
+        return
+    meta = load_checkpoint(resume.checkpoint, net, opt)
+    if resume.schedule_changed:  # this run's schedule, at the resumed step
+        position_schedule(sched, opt, resume.step)
+    else:
+        sched.load_state_dict(meta["scheduler"])
+        for g in opt.param_groups:
+            g["lr"] = meta["lr"]
+    torch.set_rng_state(meta["rng"])

@@ -1,0 +1,474 @@
+"""The schema of a run's config: one dataclass per group (``ModelConfig`` ... ``LoggerConfig``, ``Config``),
+a docstring under every key (``config_keys`` reads them for ``--help``), and ``validate``, which checks every
+value's range (the message names the key and what is allowed). The defaults mirror ``conf/``'s (a test keeps
+them equal), so ``Config()`` is the default run too. Composing it with Hydra, the overrides and the command
+line's help are in config.py."""
+
+from __future__ import annotations
+
+import math
+import ast
+import dataclasses
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+from ..engine.activations import ACTIVATIONS
+from ..errors import ConfigError
+from ..engine.energies import ENERGIES
+from ..engine.layers.dense import INITS as DENSE_INITS
+from ..engine.layers.prior import PRIOR_MEANS
+from ..engine.modes import MODES
+from ..engine.schedules import PRECISION_SCHEDULES
+from ..engine.capture import COMPILE
+from ..engine.precision import PRECISIONS
+from ..engine.trainer import ALGORITHMS
+from ..engine.inference import SOLVERS
+from ..engine.stage import INITS
+from ..engine.values import VALUE_OPTIMIZERS
+
+
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays", "signals")
+ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
+"""The data sets read from the standard files in data.root."""
+PYTHON_DATA = "python"
+"""data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
+PYTHON_MODEL = "python"
+"""model.name of a run whose layers were passed to ``pcdist.train(cfg, layers=...)``."""
+RESUME = ("auto", "never", "require")
+BP = "bp"
+"""pc.algorithm of the backprop twin (pcdist/service/backprop.py)."""
+
+
+MODELS = ("mlp", "mupc", "cnn", "vgg", "deconv")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    """mlp (Linear + activation layers of widths model.dims), mupc (a μPC residual network of
+    model.depth layers of width model.width), cnn (conv layers of model.channels, then dense
+    model.head), vgg (PCX's VGG-5 / VGG-7, model.variant) or deconv (a conv decoder for images at
+    h_L: a dense layer, then upsampling + conv layers of model.channels, for pc.mode=generative or
+    unsupervised); mupc, cnn, vgg and deconv take their input and output shapes from the data."""
+    dims: list[int] = field(default_factory=lambda: [64, 128, 128, 10])
+    """mlp: widths input, hidden..., output. Must match the data (input features, classes)."""
+    width: int = 128
+    """mupc: width N of the hidden layers."""
+    depth: int = 32
+    """mupc: number of weight layers L (>= 2): an input layer, L - 2 residual layers, an output layer.
+    python (layers passed to pcdist.train(cfg, layers=...)): their number, set by pcdist.train."""
+    activation: str = "gelu"
+    """Hidden activation (mupc: the phi applied to each residual layer's input): tanh, relu, leaky_relu,
+    gelu, hard_tanh, sigmoid, identity, silu, softplus, elu, mish."""
+    energy: str = "ce"
+    """Output energy: se (squared error), ce (cross-entropy), bce (Bernoulli with logits: data in [0, 1]) or
+    zero (no output energy, PCX's zero_energy)."""
+    init: str = "default"
+    """mlp: weight init, default (nn.Linear's) or orthogonal (orthogonal W, zero bias; for deep plain MLPs)."""
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    """cnn: output channels of each conv layer (one PC layer each: conv, activation, pooling); deconv: of each
+    upsampling conv layer (each doubles the height and width)."""
+    kernel_size: int = 3
+    """cnn: kernel size of every conv layer (strides model.stride, padding model.padding: by default 1 and "same"
+    for odd sizes). Conv2d layers on images [C, H, W], Conv1d on signals [C, L]."""
+    pool: list[str] = field(default_factory=lambda: ["max", "max"])
+    """cnn: pooling after each conv layer, 2 x 2 stride 2 (2 stride 2 on signals): max, avg or none (one entry per
+    layer)."""
+    head: list[int] = field(default_factory=list)
+    """cnn: widths of the dense hidden layers between the flattened conv output and the output layer."""
+    variant: str = "vgg5"
+    """vgg: vgg5 or vgg7, PCX's (pcdist/engine/models.py), for 3 x 32 x 32 images."""
+    stride: list[int] = field(default_factory=list)
+    """cnn: stride of each conv layer (one entry per layer; empty: 1 for every layer)."""
+    padding: list[int] = field(default_factory=list)
+    """cnn: zero padding of each conv layer (one entry per layer; empty: model.kernel_size // 2, "same" for odd
+    kernels at stride 1)."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    """digits (bundled, no download), synthetic, signals (generated 1-D signals [1, 64], ten motifs at random
+    positions: pcdist/service/signals.py), mnist, fashion_mnist, cifar10, cifar100, arrays (your own, data.path)."""
+    root: Optional[str] = None
+    """Folder with the dataset's standard files (mnist, fashion_mnist, cifar10, cifar100)."""
+    path: Optional[str] = None
+    """arrays: an .npz holding x_train, y_train, x_val, y_val (loaded into memory), or a folder of
+    x_train.npy, y_train.npy, x_val.npy, y_val.npy (memory-mapped, streamed by DataLoader workers).
+    x: [N, features], [N, C, L] (1-D signals: model=cnn builds Conv1d layers) or [N, C, H, W], float or integer
+    (uint8 is scaled to [0, 1]); y: integer class ids."""
+    signal: bool = False
+    """arrays: read x of shape [N, L] as 1-D signals of one channel, [N, 1, L] (for model=cnn's Conv1d layers);
+    false: [N, L] are feature vectors."""
+    num_classes: Optional[int] = None
+    """arrays: number of classes; None: the largest label + 1."""
+    num_workers: int = 2
+    """Streamed data (an arrays folder, torch Datasets): DataLoader worker processes per rank (0: load in the
+    training process)."""
+    prefetch_factor: int = 4
+    """Streamed data: batches each worker loads ahead."""
+    val_fraction: float = 0.2
+    """digits: held-out fraction (fixed stratified split)."""
+    synthetic_train: int = 2048
+    """synthetic: number of training samples from the random teacher network."""
+    synthetic_val: int = 512
+    """synthetic: number of validation samples."""
+    normalize: bool = False
+    """Standardise every input channel by the training set's mean and standard deviation (in-memory data)."""
+    augment: bool = False
+    """Images: random crops after 4 pixels of zero padding and random horizontal flips of every training
+    batch (PCX's CIFAR augmentation), drawn from (trainer.seed, step)."""
+
+
+@dataclass
+class PCConfig:
+    T: int = 20
+    """Inference steps per batch (>= 1)."""
+    x_lr: Any = "auto"
+    """Value-node learning rate (> 0), or auto: in supervised runs the largest of 1, 0.5, 0.2, 0.1, ... 0.001
+    whose inference energy falls at every step and whose weight update stays within cos 0.99 of backprop's
+    gradient at every layer on the first two batches (printed, and kept in the run directory's x_lr.json);
+    0.1 in the other modes (docs/solvers.md)."""
+    x_momentum: float = 0.0
+    """Value-node momentum in [0, 1), reset every batch (pc.value_optimizer sgd: heavy ball; nesterov)."""
+    value_optimizer: str = "sgd"
+    """The value step: sgd (with pc.x_momentum), nesterov (needs pc.x_momentum > 0), adam or adamw (decay 0.01),
+    state reset every batch (docs/solvers.md)."""
+    solver: str = "euler"
+    """Inference as an ODE: euler (the value optimizer's step), heun (2nd order, 2 evaluations a step) or rk4
+    (4th order, 4); pc.T counts solver steps (docs/solvers.md)."""
+    eval_solver: Optional[str] = None
+    """The solver of the generative and unsupervised tests' inference: euler, heun, rk4 or adaptive (Heun steps
+    of a size set by pc.eval_tol, to the time pc.eval_T x pc.x_lr); null: pc.solver."""
+    eval_tol: float = 1e-3
+    """The adaptive solver's tolerance on each step's error, relative to 1 + |h| (> 0)."""
+    algorithm: str = "pc"
+    """pc (one weight step per batch), ipc (a weight step at every inference step) or bp (the backprop
+    twin: the same network, data, optimizer, schedule and seed trained by autograd on the output energy
+    of the feed-forward pass; one process)."""
+    init: str = "ff"
+    """Value-node init: ff (feed-forward pass), deeppcr (fused groups solved by DeepPCR), or near the equilibrium
+    of inference (supervised, one layer slice): newton (Newton's step, low-rank), newton_cr (the same step by
+    cyclic reduction) or backward (one backward chain, scaled) (docs/solvers.md)."""
+    mode: str = "supervised"
+    """supervised (h_0 = data, h_L = label; test: feed-forward), generative (h_0 = label, h_L = data; test:
+    classification by inference, val/accuracy, and reconstruction) or unsupervised (h_0 = a free latent of
+    pc.latent_dim with its prior, h_L = data; test: reconstruction, val/reconstruction_mse)."""
+    latent_dim: int = 10
+    """unsupervised: width of the free latent h_0."""
+    prior_precision: float = 1.0
+    """pi_0 of a free h_0's prior 0.5 pi_0 ||h_0 - m_0||^2 (>= 0; 0 only where something else fixes the scale:
+    weight decay in unsupervised training)."""
+    prior_mean: str = "auto"
+    """m_0: zero, uniform (1/width, a label node's init), learned (a parameter) or auto (uniform for generative,
+    zero for unsupervised)."""
+    precision: Any = None
+    """Layers' precisions pi_l weighing their errors: null (all 1), a number (every hidden layer) or a list of
+    one number >= 0 per layer."""
+    precision_schedule: str = "none"
+    """none or top_down (layers switched on from the top over the inference steps, pcdist.top_down)."""
+    precision_decay: float = 0.1
+    """top_down: a layer's precision factor per layer below the error front, in [0, 1]."""
+    eval_T: Optional[int] = None
+    """Inference steps of the generative and unsupervised tests (null: pc.T)."""
+    value_noise: float = 0.0
+    """MCPC: the temperature tau of the Langevin noise h += sqrt(2 x_lr tau) xi in every training step's
+    inference (>= 0; 0: none)."""
+    diagnostics: bool = False
+    """Compare PC with backprop every pc.diagnostics_every steps on the step's batch (pcdist.diagnose; supervised
+    only): energy per layer at every inference step, cos and norm ratio of PC's weight update against backprop's
+    gradient per layer, value change against activation scale; logged as diag/* in metrics.jsonl and wandb,
+    drawn in diagnostics_*.png, and a warning with the likely fix when inference is unstable
+    (docs/fidelity.md). Off: no cost."""
+    diagnostics_every: Optional[int] = None
+    """Steps between diagnostics (>= 1; null: trainer.eval_every); the first is taken before the first update."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """adamw or sgd."""
+    lr: float = 2e-3
+    """Peak weight learning rate (> 0)."""
+    weight_decay: float = 1e-4
+    """Decoupled (adamw) or L2 (sgd) weight decay (>= 0)."""
+    momentum: float = 0.9
+    """sgd: momentum in [0, 1)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: (beta1, beta2), each in [0, 1)."""
+    warmup_steps: int = 22
+    """Linear warm-up steps (>= 0) before the cosine decay."""
+    schedule: str = "cosine"
+    """cosine (warm-up then cosine decay to final_lr_ratio) or constant (warm-up then flat)."""
+    final_lr_ratio: float = 0.0
+    """cosine: final LR as a fraction of lr, in [0, 1]."""
+
+
+@dataclass
+class ParallelConfig:
+    layer: Optional[int] = None
+    """Ranks on the layer axis (each owns a contiguous slice of layers); null: world size / data."""
+    data: int = 1
+    """Ranks on the data axis (each gets a shard of every batch). layer x data = world size."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
+    micro_batches: int = 4
+    """Micro-batches of the pipelined feed-forward init (>= 1)."""
+    timeout_s: float = 300.0
+    """Seconds before a silent peer turns into an error (> 0)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 660
+    """Training steps (batches) in all (>= 1); the LR schedule spans them."""
+    epochs: Optional[int] = None
+    """If set, overrides max_steps: epochs x (training samples // batch_size) steps. Passing trainer.max_steps
+    while it is set (on the same command line, by a preset, or in the run being resumed) is refused: set
+    trainer.epochs=null to count steps."""
+    stop_at: Optional[int] = None
+    """Stop (with a checkpoint) after this step; a later run in the same directory resumes."""
+    batch_size: int = 64
+    """Global batch size (>= 1, at least parallel.data)."""
+    eval_every: int = 66
+    """Validate every N steps and at the end (>= 1)."""
+    log_every: int = 11
+    """Gather and log the training energy every N steps (>= 1)."""
+    ckpt_every: int = 220
+    """Write a checkpoint every N steps and at the end (>= 1)."""
+    ckpt_keep: int = 3
+    """Checkpoints kept on disk (>= 1)."""
+    seed: int = 0
+    """Seed of the weights (per global layer), data order and everything else."""
+    max_energy: float = 1e9
+    """Divergence threshold: a batch energy above this (or not finite) is divergence."""
+    on_divergence: str = "stop"
+    """stop (error naming step, layer, value) or skip (drop that weight update and count it)."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
+    dtype: str = "float32"
+    """float32 or float64 (the master weights under precision=bf16: float32)."""
+    precision: str = "fp32"
+    """fp32, tf32 (TF32 matmuls and convolutions on GPUs) or bf16 (bfloat16 value nodes, errors and
+    matmuls, float32 master weights and optimizer state): docs/gpu.md."""
+    compile: str = "auto"
+    """auto (graph on CUDA devices, none on CPUs), graph (each stage's step captured once as CUDA
+    graphs and replayed; on a CPU the same core runs eagerly) or none (eager): docs/gpu.md."""
+    threads: int = 0
+    """torch threads per rank on CPU; 0: OMP_NUM_THREADS if set, else cores / ranks on this machine."""
+    progress: str = "auto"
+    """auto (a bar on an interactive terminal, else a line per logged step on stdout), on (bar),
+    off (train.log only)."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    """wandb or none (metrics.jsonl is always written)."""
+    mode: str = "offline"
+    """wandb mode: offline (files in the run directory), online, disabled."""
+    project: str = "pcdist"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team or user); None: your default."""
+    run_name: Optional[str] = None
+    """wandb run name; None: wandb picks one."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pc: PCConfig = field(default_factory=PCConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: Optional[str] = None
+    """Where the run writes; train.py sets it to Hydra's run directory. None: a new directory
+    runs/<date>/<time>-<id>, unique per launch (pcdist/service/rundir.py)."""
+    resume: str = "auto"
+    """A run directory that holds a checkpoint: auto (resume it), never (refuse: start a new directory),
+    require (refuse to start fresh: the directory must hold a checkpoint)."""
+
+
+def num_layers(c: Config) -> int:
+    """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
+    m = c.model
+    if m.name in ("mupc", PYTHON_MODEL):
+        return m.depth
+    if m.name == "cnn":
+        return len(m.channels) + len(m.head) + 1
+    if m.name == "vgg":
+        return {"vgg5": 5, "vgg7": 7}[m.variant]
+    if m.name == "deconv":
+        return len(m.channels) + 2
+    return len(m.dims) - 1
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config {key}={value!r} is invalid: allowed {allowed}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(c: Config) -> None:
+    """Raise ValueError naming the first key whose value is out of range."""
+    m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
+    _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
+    _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
+    _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
+    _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
+    _check(m.init in DENSE_INITS, "model.init", m.init, ", ".join(DENSE_INITS))
+    _check(len(m.channels) >= 1 and all(x >= 1 for x in m.channels), "model.channels", m.channels,
+           "a list of at least one channel count >= 1")
+    _check(m.kernel_size >= 1, "model.kernel_size", m.kernel_size, "an integer >= 1")
+    _check(all(p in ("max", "avg", "none") for p in m.pool), "model.pool", m.pool, "a list of max, avg, none")
+    if m.name == "cnn" and len(m.pool) != len(m.channels):
+        raise ConfigError(f"config model.channels={m.channels} has {len(m.channels)} conv layers but model.pool="
+                          f"{m.pool} has {len(m.pool)} entries: one pooling (max, avg or none) per conv layer, e.g. "
+                          f"model.pool=[{','.join(['max'] * len(m.channels))}]")
+    _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
+    for key, vals, low in (("model.stride", m.stride, 1), ("model.padding", m.padding, 0)):
+        _check(all(v >= low for v in vals), key, vals, f"a list of integers >= {low}, one per conv layer")
+        if m.name == "cnn" and vals and len(vals) != len(m.channels):
+            raise ConfigError(f"config {key}={vals} has {len(vals)} entries but model.channels={m.channels} has "
+                              f"{len(m.channels)} conv layers: one per conv layer (or [] for the default)")
+    _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
+    _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
+    _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
+    _check(d.name in DATASETS or d.name == PYTHON_DATA, "data.name", d.name, ", ".join(DATASETS))
+    if d.path is not None and d.name != "arrays":
+        raise ConfigError(f"config data.path={d.path} is read by data=arrays only, but the data is {d.name}: add "
+                          f"data=arrays (or leave out data.path)")
+    if d.root is not None and d.name not in ROOT_DATASETS:
+        raise ConfigError(f"config data.root={d.root} is read by data={', '.join(ROOT_DATASETS)} only, but the data "
+                          f"is {d.name}: choose one of them (or leave out data.root; your own arrays: data=arrays "
+                          f"data.path=...)")
+    _check(d.num_classes is None or d.num_classes >= 1, "data.num_classes", d.num_classes, "null or an integer >= 1")
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
+    _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "an integer >= 1")
+    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a fraction in (0, 1)")
+    _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
+    _check(not d.signal or d.name == "arrays", "data.signal", d.signal,
+           f"false with data={d.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
+    _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
+    _check(pc.x_lr == "auto" or _finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0 or auto")
+    _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
+    _check(pc.value_optimizer in VALUE_OPTIMIZERS, "pc.value_optimizer", pc.value_optimizer,
+           ", ".join(VALUE_OPTIMIZERS))
+    _check(pc.value_optimizer != "nesterov" or pc.x_momentum > 0, "pc.x_momentum", pc.x_momentum,
+           "a number in (0, 1) with pc.value_optimizer=nesterov")
+    _check(not pc.value_optimizer.startswith("adam") or pc.x_momentum == 0, "pc.x_momentum", pc.x_momentum,
+           f"0 with pc.value_optimizer={pc.value_optimizer} (Adam keeps its own averages)")
+    _check(pc.solver in SOLVERS, "pc.solver", pc.solver, ", ".join(SOLVERS) + " (adaptive: pc.eval_solver only)")
+    _check(pc.solver == "euler" or pc.value_optimizer == "sgd" and pc.x_momentum == 0, "pc.solver", pc.solver,
+           f"euler with pc.value_optimizer={pc.value_optimizer} pc.x_momentum={pc.x_momentum} (heun and rk4 "
+           "integrate the plain gradient flow)")
+    _check(pc.solver == "euler" or not pc.value_noise, "pc.solver", pc.solver, "euler with pc.value_noise > 0")
+    _check(pc.eval_solver is None or pc.eval_solver in (*SOLVERS, "adaptive"), "pc.eval_solver", pc.eval_solver,
+           "null, " + ", ".join((*SOLVERS, "adaptive")))
+    _check(_finite(pc.eval_tol) and pc.eval_tol > 0, "pc.eval_tol", pc.eval_tol, "a finite number > 0")
+    _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
+    _check(pc.init in INITS, "pc.init", pc.init, "ff (feed-forward), deeppcr, newton, newton_cr, backward")
+    _check(pc.init in ("ff", "deeppcr") or pc.mode == "supervised", "pc.init", pc.init,
+           f"ff or deeppcr with pc.mode={pc.mode} (the inits near equilibrium need both ends clamped)")
+    _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
+    _check(pc.mode == "supervised" or pc.algorithm != BP, "pc.algorithm", pc.algorithm,
+           f"pc or ipc with pc.mode={pc.mode} (the backprop twin trains the supervised feed-forward map)")
+    _check(pc.latent_dim >= 1, "pc.latent_dim", pc.latent_dim, "an integer >= 1")
+    _check(_finite(pc.prior_precision) and pc.prior_precision >= 0, "pc.prior_precision", pc.prior_precision,
+           "a finite number >= 0")
+    _check(pc.prior_mean in PRIOR_MEANS + ("auto",), "pc.prior_mean", pc.prior_mean, ", ".join(PRIOR_MEANS + ("auto",)))
+    _check(pc.precision is None or _finite(pc.precision) and pc.precision >= 0
+           or isinstance(pc.precision, list) and all(_finite(v) and v >= 0 for v in pc.precision),
+           "pc.precision", pc.precision, "null, a number >= 0 or a list of numbers >= 0 (one per layer)")
+    _check(not isinstance(pc.precision, list) or len(pc.precision) == num_layers(c), "pc.precision", pc.precision,
+           f"a number or one number per layer ({num_layers(c)})")
+    _check(pc.precision_schedule in PRECISION_SCHEDULES, "pc.precision_schedule", pc.precision_schedule,
+           ", ".join(PRECISION_SCHEDULES))
+    _check(_finite(pc.precision_decay) and 0 <= pc.precision_decay <= 1, "pc.precision_decay", pc.precision_decay,
+           "a number in [0, 1]")
+    _check(pc.eval_T is None or pc.eval_T >= 1, "pc.eval_T", pc.eval_T, "null or an integer >= 1")
+    _check(_finite(pc.value_noise) and pc.value_noise >= 0, "pc.value_noise", pc.value_noise, "a finite number >= 0")
+    _check(pc.diagnostics_every is None or pc.diagnostics_every >= 1, "pc.diagnostics_every", pc.diagnostics_every,
+           "null (trainer.eval_every) or an integer >= 1")
+    _check(not pc.diagnostics or (pc.mode == "supervised" and pc.algorithm != BP), "pc.diagnostics",
+           pc.diagnostics, f"false with pc.mode={pc.mode} pc.algorithm={pc.algorithm} (the diagnostics compare a "
+           f"supervised PC run with backprop)")
+    _check(pc.mode == "supervised" or m.name not in ("cnn", "vgg"), "model.name", m.name,
+           f"mlp, mupc or deconv with pc.mode={pc.mode} (cnn and vgg are conv encoders: data in, label out)")
+    _check(pc.mode != "supervised" or m.name != "deconv", "model.name", m.name,
+           "mlp, mupc, cnn or vgg with pc.mode=supervised (deconv is a decoder: use pc.mode=generative or "
+           "unsupervised)")
+    _check(pc.mode != "unsupervised" or pc.prior_precision > 0 or o.weight_decay > 0, "pc.prior_precision",
+           pc.prior_precision, "> 0 in unsupervised training without optim.weight_decay (nothing else fixes the scale "
+           "of the latent: W grows while h_0 shrinks)")
+    _check(pc.mode == "supervised" or m.energy != "ce", "model.energy", m.energy,
+           f"se, bce or zero with pc.mode={pc.mode}: data sit at h_L (ce is for labels there)")
+    _check(o.name in ("adamw", "sgd"), "optim.name", o.name, "adamw, sgd")
+    _check(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a finite number > 0")
+    _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
+    _check(_finite(o.momentum) and 0 <= o.momentum < 1, "optim.momentum", o.momentum, "a number in [0, 1)")
+    _check(len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
+           "two numbers in [0, 1)")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
+    _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
+    _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
+    _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
+    sets_layers = {"mlp": "model.dims", "mupc": "model.depth", "cnn": "model.channels and model.head",
+                   "deconv": "model.channels"}.get(m.name, "model.variant")
+    _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
+           f"at most the number of layers ({num_layers(c)}, from {sets_layers})")
+    _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
+    _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
+    _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")
+    _check(_finite(p.timeout_s) and p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "a number of seconds > 0")
+    for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
+        _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
+    _check(t.epochs is None or t.epochs >= 1, "trainer.epochs", t.epochs, "null or an integer >= 1")
+    _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
+    _check(t.on_divergence in ("stop", "skip"), "trainer.on_divergence", t.on_divergence, "stop, skip")
+    _check(_finite(t.max_energy) and t.max_energy > 0, "trainer.max_energy", t.max_energy, "a finite number > 0")
+    _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
+    _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
+    _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")
+    _check(t.precision in PRECISIONS, "trainer.precision", t.precision, ", ".join(PRECISIONS))
+    _check(t.precision != "bf16" or t.dtype == "float32", "trainer.dtype", t.dtype,
+           "float32 under trainer.precision=bf16 (its float32 master weights)")
+    _check(t.compile in COMPILE, "trainer.compile", t.compile, ", ".join(COMPILE))
+    _check(t.threads >= 0, "trainer.threads", t.threads, "an integer >= 0 (0: automatic)")
+    _check(t.progress in ("auto", "on", "off"), "trainer.progress", t.progress, "auto, on, off")
+    _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")
+    _check(lg.mode in ("offline", "online", "disabled"), "logger.mode", lg.mode, "offline, online, disabled")
+    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
+
+
+def config_keys() -> dict[str, str]:
+    """Every config key (``trainer.max_steps``) and its documentation: the docstring written
+    under its field in this file."""
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    docs = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for a, b in zip(cls.body, cls.body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+                docs[cls.name, a.target.id] = " ".join(b.value.value.split())
+    keys = {}
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            sub = globals().get(f.type) if isinstance(f.type, str) else f.type
+            if dataclasses.is_dataclass(sub):
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                keys[prefix + f.name] = docs.get((cls.__name__, f.name), "")
+
+    walk(Config, "")
+    return keys
