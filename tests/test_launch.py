@@ -1,4 +1,4 @@
-"""The launch scripts and the Dockerfile: linted, and consistent with the package."""
+"""The launch scripts, the Dockerfile and the Python: linted, and consistent with the package."""
 
 import os
 import re
@@ -27,6 +27,13 @@ def tool(name):
 def test_shell_scripts_pass_shellcheck():
     out = subprocess.run([tool("shellcheck"), *map(str, SCRIPTS)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_the_python_passes_ruff():
+    """pcdist, the tests and the benchmarks pass ruff (pyproject.toml: line length 120, pycodestyle and
+    pyflakes), as `make lint` checks."""
+    out = subprocess.run([tool("ruff"), "check", "--no-cache", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:]
 
 
 def test_dockerfile_passes_hadolint():
