@@ -11,7 +11,7 @@ from .config import Config
 from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized
 from .loader import Streamed
 from .modelfile import Inputs
-from .models import IMAGE_MODELS, model_specs
+from .models import IMAGE_MODELS, _check_mlp_ends, model_specs
 from .userlayers import UserLayers
 
 
@@ -130,25 +130,3 @@ def _check_data(c: Config, ds) -> None:
     if num_train(ds) < c.trainer.batch_size:
         raise DataError(f"data {c.data.name} has {num_train(ds)} training samples, fewer than "
                         f"trainer.batch_size={c.trainer.batch_size}")
-
-
-def _check_mlp_ends(c: Config, ds, shape: str) -> None:
-    """model.dims against the data's input features and classes, both fixes said at once (with a note where the
-    labels start at 1, which leaves class 0 empty)."""
-    dims = list(c.model.dims)
-    wrong = [f"{ds.num_features} input features{shape} but model.dims[0]={dims[0]}"] * (ds.num_features != dims[0])
-    wrong += [f"{ds.num_classes} classes but model.dims[-1]={dims[-1]}"] * (ds.num_classes != dims[-1])
-    if not wrong:
-        return
-    fixed = ",".join(map(str, [ds.num_features, *dims[1:-1], ds.num_classes]))
-    raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
-
-
-def _empty_class_0(ds) -> str:
-    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
-    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
-        return ""
-    low = int(torch.cat([ds.y_train, ds.y_val]).min())
-    return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
-            f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
-            f"{low}, y - {low})")
