@@ -6,8 +6,8 @@
 * ``run.py``         ``train(cfg)``: one run on 1 to N ranks: checks, device, process group, then
 * ``trainer.py``     ``ServiceTrainer``: the run on this rank (data, mesh, model, loop, logs, checkpoints),
   built from ``checks.py`` (mesh, launch checks), ``device.py`` (device, CPU threads), ``optimizer.py``,
-  ``models.py`` (the model factory, model.json), ``datachecks.py`` (the data against the model),
-  ``batches.py`` (batch order and shards), ``resume.py`` (how a run starts in its directory) and
+  ``models.py`` (the model registry ``MODELS``, the model factory, model.json), ``datachecks.py`` (the data
+  against the model), ``batches.py`` (batch order and shards), ``resume.py`` (how a run starts in its directory) and
   ``preemption.py`` (stop signals, the stop vote)
 * ``rundir.py``      run directories and the resume policy
 * ``checkpoint.py``  atomic checkpoints keyed by global layer

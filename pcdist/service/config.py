@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
 from ..engine.layers.prior import Prior
-from .schema import (BP, DATASETS, MODELS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
+from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
                      num_layers, validate)
 
-__all__ = ["Config", "MODELS", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
+__all__ = ["Config", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
            "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
            "passed_settings", "flat", "command", "PYTHON_DATA", "PYTHON_MODEL", "BP", "RESUME"]

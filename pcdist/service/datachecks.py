@@ -11,7 +11,7 @@ from .config import Config
 from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized
 from .loader import Streamed
 from .modelfile import Inputs
-from .models import IMAGE_MODELS, _check_mlp_ends, model_specs
+from .models import model_of, model_specs
 from .userlayers import UserLayers
 
 
@@ -50,7 +50,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
 def _dataset_args(c: Config) -> tuple:
     """``load_dataset``'s arguments for the configured data."""
     d = c.data
-    teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]  # data=synthetic's shape
+    teacher = model_of(c).teacher(c.model)  # data=synthetic's shape
     return (d.name, d.root, tuple(teacher), c.trainer.seed, d.val_fraction, d.synthetic_train, d.synthetic_val,
             d.path, d.num_classes, d.signal)
 
@@ -74,11 +74,11 @@ def check_model_on_data(c: Config, loaded: dict | None = None) -> None:
 
 
 def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None) -> bool:
-    """Whether the model reads flattened samples: the vector models (mlp, mupc), and the user's layers
-    when the first one starts with an nn.Linear."""
+    """Whether the model reads flattened samples: the vector models (mlp, mupc: ``Model.images`` false), and the
+    user's layers when the first one starts with an nn.Linear."""
     if user is not None:
         return user.flattens(sample_shape)
-    return c.model.name not in IMAGE_MODELS
+    return not model_of(c).images
 
 
 def num_train(ds: Dataset | StreamedData | Streamed) -> int:
@@ -103,23 +103,14 @@ def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
 
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
-    if c.model.name in ("cnn", "vgg") and _channels_last(c, ds.sample_shape):
+    model = model_of(c)
+    if model.refuse_channels_last and _channels_last(c, ds.sample_shape):
         raise DataError(_channels_last(c, ds.sample_shape))
-    if c.model.name in IMAGE_MODELS and len(ds.sample_shape) not in (2, 3):
+    if model.images and len(ds.sample_shape) not in (2, 3):
         one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
-    if c.model.name == "mlp" and c.pc.mode == "supervised":
-        _check_mlp_ends(c, ds, shape)
-    elif c.model.name == "mlp":  # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
-        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
-        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
-        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
-                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
-                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
-            if got != want:
-                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
-                                f"{list(c.model.dims)}")
+    model.check_data(c, ds, shape)
     if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
         for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
             if not torch.isfinite(x).all():

@@ -27,6 +27,7 @@ from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, loa
 from .data import Dataset, StreamedData, load_dataset, one_hot
 from .autostep import method_options, resolve_x_lr
 from .load import Run, RunError, load
+from .models import model_of
 
 __all__ = ["evaluate", "predict", "EVALUATORS", "evaluate_supervised", "read_inputs"]
 
@@ -62,7 +63,7 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
         if c.data.name == PYTHON_DATA:
             raise RunError("this run's data was passed to pcdist.train from Python; evaluate it from Python: "
                            "pcdist.evaluate(run_dir, data=...)")
-        teacher = c.model.dims if c.model.name == "mlp" else [64, c.model.width, 10]
+        teacher = model_of(c).teacher(c.model)
         d = c.data
         data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
                             d.synthetic_val, d.path, d.num_classes, d.signal)

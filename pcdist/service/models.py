@@ -1,5 +1,14 @@
-"""The model factory: the layer kinds of ``model.name`` on the data's shapes (``model_specs``), the network of a
-layer slice (``make_network``), and the run's model.json (``record_model``)."""
+"""The models that ``model.name`` picks, in a registry (mlp, mupc, cnn, vgg, deconv, and yours), and the model
+factory: the layer kinds of the configured model on the data's shapes (``model_specs``), the network of a layer
+slice (``make_network``), and the run's model.json (``record_model``).
+
+A ``Model`` is one small object per model: its layer kinds from the config and the shapes of the end nodes
+(``specs``), its number of PC layers (``num_layers``), whether it reads samples flattened or as images / signals
+channels-first (``images``), the pc.modes it trains in, its own config and data checks, and the teacher widths
+of data=synthetic. ``register_model(MyModel())`` adds one by its ``name``: ``model.name=my`` then takes it in
+``pcdist.train``, ``python train.py`` and ``python -m pcdist evaluate``. Nothing outside this module switches on
+a model's name.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +19,199 @@ import torch
 
 from ..engine.layers import mupc_specs
 from ..engine.models import cnn_specs, deconv_specs, vgg_specs
+from ..engine.modes import MODES
 from ..engine.network import PCNetwork, mlp_specs
 from ..errors import ConfigError
-from .config import Config, network_options
+from .config import PYTHON_MODEL, Config, ModelConfig, network_options
 from .data import DataError, Dataset
 from .modelfile import Inputs, write_model_file
 from .userlayers import UserLayers
 
-IMAGE_MODELS = ("cnn", "vgg", "deconv")
-"""Models whose data nodes stay images [C, H, W]; the others read samples flattened."""
+__all__ = ["Model", "MODELS", "register_model", "model_of", "modes_allowed", "end_shapes", "model_specs",
+           "make_network", "record_model"]
+
+
+class Model:
+    """A model that ``model.name`` picks (see the module docstring); subclasses set ``name`` and override
+    ``specs`` and ``num_layers`` (and the rest where the defaults, those of a vector model, do not fit)."""
+
+    name = "?"
+    images = False
+    """Its data nodes stay images [C, H, W] (or signals [C, L]) as loaded; False: it reads samples flattened."""
+    refuse_channels_last = False
+    """Refuse samples that look channels-last ([H, W, C], [L, C]) with the one line that says how to transpose them."""
+    modes: tuple[str, ...] = MODES
+    """The pc.modes it trains in."""
+    wrong_mode = ""
+    """Why it does not train in the other modes (the end of validate's one line)."""
+    layers_key = "model.dims"
+    """The config keys that set its number of layers (named when parallel.layer asks for more ranks)."""
+
+    def specs(self, c: Config, bottom: tuple[int, ...], top: tuple[int, ...], classes: int) -> list:
+        """The layer kinds, given the shapes of h_0 (``bottom``) and h_L (``top``) in pc.mode and the number of
+        classes of the data (a ValueError where the shapes leave a layer nothing to work on)."""
+        raise NotImplementedError
+
+    def num_layers(self, m: ModelConfig) -> int:
+        """Its number of PC layers (weight layers), the most ranks the layer axis can have."""
+        raise NotImplementedError
+
+    def check(self, m: ModelConfig) -> None:
+        """Refuse values of its own model.* keys that no other key's range already refuses (validate calls it)."""
+
+    def check_data(self, c: Config, ds, shape: str) -> None:
+        """Refuse data whose shape does not fit its config (``shape``: the sample's shape as `` (C x H x W)``)."""
+
+    def teacher(self, m: ModelConfig) -> list[int]:
+        """The widths of data=synthetic's teacher network (input, hidden, classes)."""
+        return [64, m.width, 10]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+MODELS: dict[str, Model] = {}
+"""The models ``model.name`` picks, by name, in the order ``validate`` lists them."""
+
+
+def register_model(model: Model, name: str | None = None) -> Model:
+    """Add ``model`` to the registry under ``name`` (default its own); returns it."""
+    if not isinstance(model, Model):
+        raise TypeError(f"register_model takes a pcdist Model (subclass pcdist.service.models.Model), got {model!r}")
+    MODELS[name or model.name] = model
+    return model
+
+
+class MLP(Model):
+    """Linear + activation layers of widths model.dims (model.init: their weight init)."""
+
+    name = "mlp"
+
+    def specs(self, c, bottom, top, classes):
+        m = c.model
+        return mlp_specs(m.dims, m.activation, m.init)
+
+    def num_layers(self, m):
+        return len(m.dims) - 1
+
+    def check_data(self, c, ds, shape):
+        if c.pc.mode == "supervised":
+            _check_mlp_ends(c, ds, shape)
+            return
+        # the data sit at h_L, a label (generative) or a latent (unsupervised) at h_0
+        bottom = ds.num_classes if c.pc.mode == "generative" else c.pc.latent_dim
+        said = f"{ds.num_classes} classes" if c.pc.mode == "generative" else f"pc.latent_dim={c.pc.latent_dim}"
+        for key, got, want, what in (("model.dims[0]", c.model.dims[0], bottom, f"h_0: {said}"),
+                                     ("model.dims[-1]", c.model.dims[-1], ds.num_features,
+                                      f"h_L: data {c.data.name}'s {ds.num_features} features{shape}")):
+            if got != want:
+                raise DataError(f"pc.mode={c.pc.mode} needs {key}={want} ({what}), but model.dims="
+                                f"{list(c.model.dims)}")
+
+    def teacher(self, m):
+        return m.dims
+
+
+class MuPC(Model):
+    """A μPC residual network of model.depth layers of width model.width."""
+
+    name, layers_key = "mupc", "model.depth"
+
+    def specs(self, c, bottom, top, classes):
+        m = c.model
+        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
+
+    def num_layers(self, m):
+        return m.depth
+
+
+class CNN(Model):
+    """Conv layers of model.channels (Conv2d on images, Conv1d on signals), then the dense model.head."""
+
+    name, images, refuse_channels_last, layers_key = "cnn", True, True, "model.channels and model.head"
+    modes, wrong_mode = ("supervised",), "cnn and vgg are conv encoders: data in, label out"
+
+    def specs(self, c, bottom, top, classes):
+        m = c.model
+        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation, m.stride,
+                         m.padding)
+
+    def num_layers(self, m):
+        return len(m.channels) + len(m.head) + 1
+
+    def check(self, m):
+        if len(m.pool) != len(m.channels):
+            raise ConfigError(f"config model.channels={m.channels} has {len(m.channels)} conv layers but model.pool="
+                              f"{m.pool} has {len(m.pool)} entries: one pooling (max, avg or none) per conv layer, "
+                              f"e.g. model.pool=[{','.join(['max'] * len(m.channels))}]")
+        for key, vals in (("model.stride", m.stride), ("model.padding", m.padding)):
+            if vals and len(vals) != len(m.channels):
+                raise ConfigError(f"config {key}={vals} has {len(vals)} entries but model.channels={m.channels} "
+                                  f"has {len(m.channels)} conv layers: one per conv layer (or [] for the default)")
+
+
+class VGG(Model):
+    """PCX's VGG-5 / VGG-7 (model.variant) for 3 x 32 x 32 images."""
+
+    name, images, refuse_channels_last, layers_key = "vgg", True, True, "model.variant"
+    modes, wrong_mode = ("supervised",), "cnn and vgg are conv encoders: data in, label out"
+
+    def specs(self, c, bottom, top, classes):
+        return vgg_specs(c.model.variant, bottom, classes, c.model.activation)
+
+    def num_layers(self, m):
+        return {"vgg5": 5, "vgg7": 7}[m.variant]
+
+
+class Deconv(Model):
+    """A conv decoder for images at h_L: a dense layer, then upsampling + conv layers of model.channels."""
+
+    name, images, layers_key = "deconv", True, "model.channels"
+    modes, wrong_mode = ("generative", "unsupervised"), "deconv is a decoder: use pc.mode=generative or unsupervised"
+
+    def specs(self, c, bottom, top, classes):
+        m = c.model
+        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
+
+    def num_layers(self, m):
+        return len(m.channels) + 2
+
+
+class Python(Model):
+    """The layers passed to ``pcdist.train(cfg, layers=...)`` (model.name=python, model.depth of them): not in
+    ``MODELS`` (no config picks it); the user's layers (pcdist/service/userlayers.py) say the rest."""
+
+    name, layers_key = PYTHON_MODEL, "model.variant"
+
+    def specs(self, c, bottom, top, classes):
+        m = c.model
+        return mlp_specs(m.dims, m.activation, m.init)
+
+    def num_layers(self, m):
+        return m.depth
+
+
+for _m in (MLP(), MuPC(), CNN(), VGG(), Deconv()):
+    register_model(_m)
+
+PYTHON = Python()
+
+
+def model_of(c: Config) -> Model:
+    """The configured model (model.name's)."""
+    return PYTHON if c.model.name == PYTHON_MODEL else MODELS[c.model.name]
+
+
+def modes_allowed(mode: str) -> str:
+    """The models that train in pc.mode ``mode``, as ``a, b or c``."""
+    names = [n for n, m in MODELS.items() if mode in m.modes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def end_shapes(c: Config, sample_shape: tuple[int, ...], classes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes of h_0 and h_L in pc.mode: (data, label) supervised, (label, data) generative,
     (latent, data) unsupervised; data flattened unless the model keeps images."""
-    data = tuple(sample_shape) if c.model.name in IMAGE_MODELS else (math.prod(sample_shape),)
+    data = tuple(sample_shape) if model_of(c).images else (math.prod(sample_shape),)
     bottom = {"supervised": data, "generative": (classes,), "unsupervised": (c.pc.latent_dim,)}[c.pc.mode]
     return bottom, (data if c.pc.mode != "supervised" else (classes,))
 
@@ -33,24 +220,10 @@ def model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
     """The layer kinds of the configured model. mupc, cnn, vgg and deconv take the shapes of their end nodes
     from the data (a sample's ``sample_shape``, the number of ``classes``) and pc.mode."""
     try:
-        return _model_specs(c, sample_shape, classes)
+        return model_of(c).specs(c, *end_shapes(c, sample_shape, classes), classes)
     except ValueError as e:  # a layer the data's shape leaves nothing to (a conv on too small a sample)
         raise ConfigError(f"model.name={c.model.name} on data {c.data.name}'s samples of shape {list(sample_shape)}: "
                           f"{e}") from e
-
-
-def _model_specs(c: Config, sample_shape: tuple[int, ...], classes: int) -> list:
-    m = c.model
-    bottom, top = end_shapes(c, sample_shape, classes)
-    if m.name == "mupc":
-        return mupc_specs(math.prod(bottom), m.width, m.depth, math.prod(top), m.activation)
-    if m.name == "cnn":
-        return cnn_specs(bottom, m.channels, m.kernel_size, m.pool, m.head, classes, m.activation, m.stride, m.padding)
-    if m.name == "vgg":
-        return vgg_specs(m.variant, bottom, classes, m.activation)
-    if m.name == "deconv":
-        return deconv_specs(math.prod(bottom), top, m.channels, m.kernel_size, m.activation)
-    return mlp_specs(m.dims, m.activation, m.init)
 
 
 def make_network(c: Config, specs: list, layers: tuple[int, int], dtype, device) -> PCNetwork:

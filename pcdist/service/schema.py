@@ -42,9 +42,6 @@ BP = "bp"
 """pc.algorithm of the backprop twin (pcdist/service/backprop.py)."""
 
 
-MODELS = ("mlp", "mupc", "cnn", "vgg", "deconv")
-
-
 @dataclass
 class ModelConfig:
     name: str = "mlp"
@@ -297,16 +294,9 @@ class Config:
 
 def num_layers(c: Config) -> int:
     """The model's number of PC layers (weight layers), the most ranks the layer axis can have."""
-    m = c.model
-    if m.name in ("mupc", PYTHON_MODEL):
-        return m.depth
-    if m.name == "cnn":
-        return len(m.channels) + len(m.head) + 1
-    if m.name == "vgg":
-        return {"vgg5": 5, "vgg7": 7}[m.variant]
-    if m.name == "deconv":
-        return len(m.channels) + 2
-    return len(m.dims) - 1
+    from .models import model_of  # the registry reads this module's Config: imported when called
+
+    return model_of(c).num_layers(c.model)
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -319,9 +309,13 @@ def _finite(x: Any) -> bool:
 
 
 def validate(c: Config) -> None:
-    """Raise ValueError naming the first key whose value is out of range."""
+    """Raise ValueError naming the first key whose value is out of range (the model's own keys: its
+    ``Model.check`` in pcdist/service/models.py)."""
+    from .models import MODELS, model_of, modes_allowed  # the registry reads this module's Config
+
     m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
     _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
+    model = model_of(c)
     _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
     _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
     _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
@@ -330,16 +324,10 @@ def validate(c: Config) -> None:
            "a list of at least one channel count >= 1")
     _check(m.kernel_size >= 1, "model.kernel_size", m.kernel_size, "an integer >= 1")
     _check(all(p in ("max", "avg", "none") for p in m.pool), "model.pool", m.pool, "a list of max, avg, none")
-    if m.name == "cnn" and len(m.pool) != len(m.channels):
-        raise ConfigError(f"config model.channels={m.channels} has {len(m.channels)} conv layers but model.pool="
-                          f"{m.pool} has {len(m.pool)} entries: one pooling (max, avg or none) per conv layer, e.g. "
-                          f"model.pool=[{','.join(['max'] * len(m.channels))}]")
     _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
     for key, vals, low in (("model.stride", m.stride, 1), ("model.padding", m.padding, 0)):
         _check(all(v >= low for v in vals), key, vals, f"a list of integers >= {low}, one per conv layer")
-        if m.name == "cnn" and vals and len(vals) != len(m.channels):
-            raise ConfigError(f"config {key}={vals} has {len(vals)} entries but model.channels={m.channels} has "
-                              f"{len(m.channels)} conv layers: one per conv layer (or [] for the default)")
+    model.check(m)
     _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
     _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
     _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
@@ -402,11 +390,8 @@ def validate(c: Config) -> None:
     _check(not pc.diagnostics or (pc.mode == "supervised" and pc.algorithm != BP), "pc.diagnostics",
            pc.diagnostics, f"false with pc.mode={pc.mode} pc.algorithm={pc.algorithm} (the diagnostics compare a "
            f"supervised PC run with backprop)")
-    _check(pc.mode == "supervised" or m.name not in ("cnn", "vgg"), "model.name", m.name,
-           f"mlp, mupc or deconv with pc.mode={pc.mode} (cnn and vgg are conv encoders: data in, label out)")
-    _check(pc.mode != "supervised" or m.name != "deconv", "model.name", m.name,
-           "mlp, mupc, cnn or vgg with pc.mode=supervised (deconv is a decoder: use pc.mode=generative or "
-           "unsupervised)")
+    _check(pc.mode in model.modes, "model.name", m.name,
+           f"{modes_allowed(pc.mode)} with pc.mode={pc.mode} ({model.wrong_mode})")
     _check(pc.mode != "unsupervised" or pc.prior_precision > 0 or o.weight_decay > 0, "pc.prior_precision",
            pc.prior_precision, "> 0 in unsupervised training without optim.weight_decay (nothing else fixes the scale "
            "of the latent: W grows while h_0 shrinks)")
@@ -422,10 +407,8 @@ def validate(c: Config) -> None:
     _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
     _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
     _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
-    sets_layers = {"mlp": "model.dims", "mupc": "model.depth", "cnn": "model.channels and model.head",
-                   "deconv": "model.channels"}.get(m.name, "model.variant")
     _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
-           f"at most the number of layers ({num_layers(c)}, from {sets_layers})")
+           f"at most the number of layers ({num_layers(c)}, from {model.layers_key})")
     _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
     _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
     _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")
