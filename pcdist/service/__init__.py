@@ -16,7 +16,10 @@
 * ``userlayers.py``  ``train(cfg, layers=...)``: the user's own modules through the service
 * ``backprop.py``    ``pc.algorithm=bp``: the backprop twin of a run
 * ``modelfile.py``   model.json: the layers and input preparation a run records
-* after training: ``load.py`` (``pcdist.load``), ``evaluate.py`` (evaluate, predict; each PC mode's
-  test in ``EVALUATORS``), ``export.py`` (torch.export), ``compare.py`` (runs and sweeps side by side),
+* ``validate.py``    validation during training (each mode's evaluator) and the pictures of the modes
+* ``evaluators.py``  each PC mode's test, one ``Evaluator`` per mode in ``EVALUATORS``: validation during
+  training and ``python -m pcdist evaluate`` both run it
+* after training: ``load.py`` (``pcdist.load``), ``evaluate.py`` (evaluate, predict; the run's mode's
+  evaluator in full), ``export.py`` (torch.export), ``compare.py`` (runs and sweeps side by side),
   ``commands.py`` (``python -m pcdist evaluate | predict | export | compare``)
 """

@@ -2,7 +2,8 @@
 ``python -m pcdist predict RUN_DIR inputs.npz --out predictions.npz``.
 
 Evaluation is chosen by the run's PC mode (``EVALUATORS``, keyed by ``pc.mode``; runs before
-modes existed are ``supervised``), each a function ``(run, cfg, x, labels) -> dict``. The
+modes existed are ``supervised``): its ``Evaluator`` (pcdist/service/evaluators.py), the test that
+validation runs during training, here in full (``held_out_test``). The
 supervised test is PC's (DESIGN.md section 1, step 4): one feed-forward pass, argmax of u_L;
 beside it the energy F of the label-clamped network after ``pc.T`` inference steps
 (overridable: ``pc.T=50``), per-class accuracy and the confusion matrix. The generative test is
@@ -19,13 +20,15 @@ import numpy as np
 import torch
 
 from ..engine.energies import energy_of
+from ..engine.trainer import PCTrainer
 from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, load_config
 from .data import Dataset, StreamedData, load_dataset
-from .evaluators import EVALUATORS, evaluate_supervised
-from .load import RunError, load
+from .autostep import method_options, resolve_x_lr
+from .evaluators import EVALUATORS
+from .load import Run, RunError, load
 from .models import model_of
 
-__all__ = ["evaluate", "predict", "EVALUATORS", "evaluate_supervised", "read_inputs"]
+__all__ = ["evaluate", "predict", "EVALUATORS", "held_out_test", "read_inputs"]
 
 
 def _with_overrides(c: Config, overrides) -> Config:
@@ -72,6 +75,21 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
     return data.x_val, data.y_val
 
 
+@torch.no_grad()
+def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> dict:
+    """The full test of PC mode ``mode`` (its ``Evaluator``, pcdist/service/evaluators.py: the one validation
+    runs during training, with the per-class accuracy and confusion matrix) on held-out inputs ``x`` (raw, as
+    loaded) and ``labels``, in chunks of 1024, in this process."""
+    test_of, net = EVALUATORS[mode], run.network
+    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),
+                        **method_options(c, resolve_x_lr(c, run.run_dir)))
+    test, xs, device = test_of(c, trainer, full=True), run.preprocess(x), next(net.parameters()).device
+    for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
+        test.add(xb.to(device), lb)
+    test.reduce(device)
+    return test.report()
+
+
 def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True, layers=None,
              trust_code: bool = False) -> dict:
     """Evaluate a run on its held-out split; writes ``eval.json`` and ``confusion.png`` into the run
@@ -85,7 +103,7 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
         raise RunError(f"pc.mode={mode}: no evaluation for this mode yet (known: {', '.join(EVALUATORS)})")
     x, labels = _val_split(c, data)
     result = {"run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step, "split": "val",
-              **EVALUATORS[mode](run, c, x, labels)}
+              **held_out_test(run, c, x, labels, mode)}
     if write:
         (run.run_dir / "eval.json").write_text(json.dumps(result, indent=1))
         if "confusion" in result:

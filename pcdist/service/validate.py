@@ -1,20 +1,12 @@
 """Validation during training in each PC mode, and the pictures of the generative and unsupervised modes.
 
-    supervised     val/accuracy               feed-forward from the data, argmax u_L
-                   val/energy                 the energy of the feed-forward init with h_L clamped to the
-                                              labels: every hidden error is zero there, so it is the output
-                                              energy of the prediction (se or ce loss), a mean per sample
-    generative     val/accuracy               classification by inference: h_L = data, h_0 free
-                                              (init: its prior's mean, 1/C), pc.eval_T steps, argmax h_0
-                   val/reconstruction_mse     the inferred h_0 fed forward against the data (per pixel)
-    unsupervised   val/reconstruction_mse     the inferred latent h_0 fed forward against the data
-
-Every rank takes part (inference and the feed-forward run layer-parallel); the sums are
-reduced onto the logging rank, which alone gets the metrics (None elsewhere). The pictures
-(generative: ``samples.png``, the mean image generated for each class, and MCPC samples
-where pc.value_noise > 0; unsupervised: ``reconstructions.png``, held-out images above their
-reconstructions)
-are drawn by the logging rank into the run directory.
+Each mode's metrics are its ``Evaluator``'s (pcdist/service/evaluators.py, the test ``python -m pcdist
+evaluate`` runs too): val/accuracy and val/energy (supervised), val/accuracy and val/reconstruction_mse
+(generative), val/reconstruction_mse (unsupervised). Every rank takes part (inference and the feed-forward run
+layer-parallel); the sums are reduced onto the logging rank, which alone gets the metrics (None elsewhere). The
+pictures (generative: ``samples.png``, the mean image generated for each class, and MCPC samples where
+pc.value_noise > 0; unsupervised: ``reconstructions.png``, held-out images above their reconstructions) are drawn
+by the logging rank into the run directory.
 """
 
 from __future__ import annotations
@@ -23,48 +15,21 @@ from pathlib import Path
 
 import torch
 
-from ..engine.energies import OutputEnergy
 from ..engine.modes import forward_mean
 from ..engine.trainer import PCTrainer
+from .evaluators import EVALUATORS
 
 __all__ = ["validate", "pictures", "draw_grid"]
 
 
 def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
-    """The mode's validation metrics over this rank's validation ``chunks`` ((data, labels) pairs), on the
-    logging rank."""
-    par, net, mode = trainer.parallel, trainer.net, c.pc.mode
-    correct = total = sq = elems = energy = 0.0
+    """The mode's validation metrics (its ``Evaluator``, pcdist/service/evaluators.py) over this rank's validation
+    ``chunks`` ((data, labels) pairs), on the logging rank (None elsewhere)."""
+    test = EVALUATORS[c.pc.mode](c, trainer)
     with torch.no_grad():
         for x, labels in chunks:
-            if mode == "supervised":
-                logits = par.predict(net, x)
-                if logits is not None:
-                    correct += int((logits.argmax(1).cpu() == labels).sum())
-                    total += len(labels)
-                    y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
-                    energy += float(OutputEnergy(c.model.energy).value(logits, y, y - logits))
-                continue
-            own = trainer.infer(None, x, c.pc.eval_T, gather=False, solver=c.pc.eval_solver, tol=c.pc.eval_tol)
-            if mode == "generative" and 0 in own:  # h_0 lives on the first layer slice
-                correct += int((own[0].argmax(1).cpu() == labels).sum())
-                total += len(labels)
-            recon = forward_mean(trainer, own.get(0, x))  # on the last layer slice, None elsewhere
-            if recon is not None:
-                sq += float((recon - x).square().sum())
-                elems += x.numel()
-    summed = par.sum_to_logging([correct, total, sq, elems, energy], device)  # NCCL reduces device tensors only
-    if summed is None:
-        return None
-    correct, total, sq, elems, energy = summed
-    out = {}
-    if mode != "unsupervised":
-        out["val/accuracy"] = correct / max(1.0, total)
-    if mode == "supervised":
-        out["val/energy"] = energy / max(1.0, total)
-    if mode != "supervised":
-        out["val/reconstruction_mse"] = sq / max(1.0, elems)
-    return out
+            test.add(x, labels)
+    return test.metrics() if test.reduce(device) else None
 
 
 def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_dir: Path) -> dict[str, Path]:

@@ -1,0 +1,33 @@
+"""One evaluator per PC mode (pcdist/service/evaluators.py): ``python -m pcdist evaluate`` runs the test that
+validation ran during training, so it reproduces the logged numbers (pc.eval_solver included)."""
+
+import pytest
+
+import pcdist
+from pcdist.service.evaluate import evaluate
+from pcdist.service.evaluators import EVALUATORS
+
+QUICK = {"trainer.max_steps": 6, "trainer.eval_every": 3, "trainer.log_every": 3, "trainer.ckpt_every": 3,
+         "trainer.progress": "off", "logger": "none"}
+
+
+def test_every_mode_has_one_evaluator():
+    assert list(EVALUATORS) == ["supervised", "generative", "unsupervised"]
+    assert all(e.mode == mode for mode, e in EVALUATORS.items())
+
+
+def test_evaluating_a_supervised_run_reproduces_its_logged_accuracy(tmp_path):
+    result = pcdist.train({**QUICK, "run_dir": str(tmp_path / "run")})
+    got = evaluate(tmp_path / "run", write=False)
+    assert got["mode"] == "supervised" and got["samples"] == sum(map(sum, got["confusion"]))
+    assert got["accuracy"] == result["val/accuracy"]
+    assert got["loss"] == pytest.approx(result["val/energy"], rel=1e-5)
+
+
+def test_evaluating_an_unsupervised_run_uses_its_eval_solver(tmp_path):
+    """The unsupervised test infers with pc.eval_solver, in training and in evaluate alike."""
+    over = {"experiment": "unsupervised_digits", "pc.eval_T": 20, "pc.T": 10, "pc.eval_solver": "adaptive",
+            "pc.x_momentum": 0.0}
+    result = pcdist.train({**QUICK, **over, "run_dir": str(tmp_path / "run")})
+    got = evaluate(tmp_path / "run", write=False)
+    assert got["reconstruction_mse"] == pytest.approx(result["val/reconstruction_mse"], rel=1e-6)
