@@ -19,9 +19,10 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
                ) -> tuple[Dataset | StreamedData, Inputs]:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
-    Conv models (cnn, vgg) take images as they are ([N, C, H, W]); the vector models (mlp, mupc)
-    take in-memory inputs flattened to [N, features] (a view), and streamed batches flattened as
-    they arrive (pcdist.loader). ``data.normalize`` standardises in-memory inputs per channel.
+    Image models (cnn, vgg, deconv: ``Model.images``, pcdist/service/models.py) take images as they are
+    ([N, C, H, W]); the vector models (mlp, mupc) take in-memory inputs flattened to [N, features] (a view),
+    and streamed batches flattened as they arrive (pcdist.loader). ``data.normalize`` standardises
+    in-memory inputs per channel.
     Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
     if data is None:
