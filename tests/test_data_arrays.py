@@ -1,6 +1,7 @@
 """Your own data: arrays on disk through train.py (data=arrays), and datasets passed to pcdist.train,
 streamed by real DataLoader worker processes in the same global batch order as in-memory data."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,39 @@ def test_digits_are_the_same_from_load_digits_and_load_dataset():
         assert torch.equal(getattr(a, k), getattr(b, k)), k
     assert a.flat().x_train.shape == (1437, 64) and torch.equal(a.flat().x_train, a.x_train.reshape(1437, 64))
     assert a.labels_train is a.y_train and a.labels_val is a.y_val
+
+
+def test_digits_and_their_split_equal_scikit_learns_without_importing_it():
+    """load_digits reads scikit-learn's file and splits it without importing sklearn (a second per process);
+    the images, labels and split equal sklearn's load_digits + train_test_split(stratify=...), and
+    stratified_split equals train_test_split on random label sets, fractions and seeds (ties included)."""
+    out = subprocess.run([sys.executable, "-c", "import sys; from pcdist.data import load_digits; load_digits(); "
+                          "print(sorted(m for m in sys.modules if m.startswith('sklearn')))"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    from pcdist.service.data import stratified_split
+
+    ref = sklearn_digits()
+    ours = load_digits(val_fraction=0.25, seed=3)
+    x_tr, x_va, y_tr, y_va = train_test_split(ref.data / 16.0, ref.target, test_size=0.25, random_state=3,
+                                              stratify=ref.target)
+    assert torch.equal(ours.x_train.flatten(1), torch.as_tensor(x_tr, dtype=torch.float32))
+    assert torch.equal(ours.x_val.flatten(1), torch.as_tensor(x_va, dtype=torch.float32))
+    assert torch.equal(ours.y_train, torch.as_tensor(y_tr)) and torch.equal(ours.y_val, torch.as_tensor(y_va))
+    rng, tried = np.random.RandomState(5), 0
+    while tried < 100:
+        n, k = rng.randint(20, 300), rng.randint(2, 9)
+        y = rng.randint(0, k, n)
+        fraction, seed = rng.uniform(0.05, 0.7), rng.randint(0, 1000)
+        if np.bincount(y).min() < 2 or min(math.ceil(fraction * n), n - math.ceil(fraction * n)) < k:
+            continue  # sklearn refuses these
+        tried += 1
+        train, val = train_test_split(np.arange(n), test_size=fraction, random_state=seed, stratify=y)
+        ours_train, ours_val = stratified_split(y, fraction, seed)
+        assert np.array_equal(train, ours_train) and np.array_equal(val, ours_val), (n, k, fraction, seed)
 
 
 def test_train_py_reports_a_missing_array_as_one_line(tmp_path):

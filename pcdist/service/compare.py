@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from .load import RunError
-from .metrics import _pyplot, _save, read_metrics
+from .metrics import _save, subplots, read_metrics
 from .config import flat
 
 __all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv", "write_json", "SEED", "METRICS"]
@@ -108,8 +108,7 @@ def _label(row: dict, differing: list[str]) -> str:
 
 
 def _plot(runs, histories, rows, differing, path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = subplots(figsize=(7.5, 4.5))
     for r, h, row in zip(runs, histories, rows):
         va = [(m["step"], m["val/accuracy"]) for m in h if "val/accuracy" in m]
         if va:

@@ -138,16 +138,63 @@ def one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype = torch.float32
 def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1], with a
     fixed stratified split: images [N, 1, 8, 8] as every reader keeps them (``load_dataset("digits")``
-    is the same); ``.flat()`` gives [N, 64]."""
-    from sklearn.datasets import load_digits as _load
-    from sklearn.model_selection import train_test_split
+    is the same); ``.flat()`` gives [N, 64]. The file is read and split without importing scikit-learn
+    (its import costs each process more than a second); the split is sklearn's ``train_test_split(...,
+    stratify=labels, random_state=seed)``, index for index (tests/test_data_arrays.py)."""
+    table = _digits_table()
+    pixels, labels = table[:, :-1], table[:, -1].astype(int)
+    train, val = stratified_split(labels, val_fraction, seed)
+    images = lambda a: torch.as_tensor(a / 16.0, dtype=torch.float32).view(-1, 1, 8, 8)  # noqa: E731
+    return Dataset(images(pixels[train]), torch.as_tensor(labels[train]), images(pixels[val]),
+                   torch.as_tensor(labels[val]), num_classes=10)
 
-    d = _load()
-    x_tr, x_va, y_tr, y_va = train_test_split(
-        d.data / 16.0, d.target, test_size=val_fraction, random_state=seed, stratify=d.target
-    )
-    images = lambda a: torch.as_tensor(a, dtype=torch.float32).view(-1, 1, 8, 8)  # noqa: E731
-    return Dataset(images(x_tr), torch.as_tensor(y_tr), images(x_va), torch.as_tensor(y_va), num_classes=10)
+
+def _digits_table() -> np.ndarray:
+    """[1797, 65] rows of 64 pixels (0..16) and the label, from scikit-learn's installed digits.csv.gz."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the digits data set comes with scikit-learn: pip install scikit-learn")
+    path = Path(next(iter(spec.submodule_search_locations)), "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        return np.loadtxt(f, delimiter=",")
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) indices: scikit-learn's StratifiedShuffleSplit (one split, ``test_size=val_fraction``,
+    ``random_state=seed``) step for step, so every class keeps its share and the numbers equal sklearn's."""
+    n = len(labels)
+    n_val = math.ceil(val_fraction * n)
+    counts = np.unique(labels, return_inverse=True, return_counts=True)
+    inverse, counts = counts[1], counts[2]
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)
+    n_train_of = _approximate_mode(counts, n - n_val, rng)
+    n_val_of = _approximate_mode(counts - n_train_of, n_val, rng)
+    train, val = [], []
+    for members, k_train, k_val in zip(by_class, n_train_of, n_val_of):
+        members = members.take(rng.permutation(len(members)), mode="clip")
+        train.extend(members[:k_train])
+        val.extend(members[k_train:k_train + k_val])
+    return rng.permutation(train), rng.permutation(val)
+
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """Per-class shares of ``draws`` (sklearn.utils.extmath._approximate_mode): the floors of the exact
+    shares, then one more to the largest remainders, ties broken by ``rng``."""
+    exact = counts / counts.sum() * draws
+    floored = np.floor(exact)
+    need = int(draws - floored.sum())
+    remainder = exact - floored
+    for value in np.sort(np.unique(remainder))[::-1]:
+        if need <= 0:
+            break
+        (tied,) = np.where(remainder == value)
+        add = min(len(tied), need)
+        floored[rng.choice(tied, size=add, replace=False)] += 1
+        need -= add
+    return floored.astype(int)
 
 
 def synthetic(dims: list[int], n_train: int, n_val: int, seed: int) -> Dataset:

@@ -111,9 +111,8 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
     """diagnostics_energy.png (energy per layer over the inference steps: the first and the last diagnosed
     batch) and diagnostics_cosine.png (cos of PC's update and backprop's gradient per layer, and the norm
     ratio, over training); returns {name: path}."""
-    from .metrics import _pyplot, _save
+    from .metrics import _save, subplots
 
-    plt = _pyplot()
     import matplotlib as mpl
 
     if not records:
@@ -122,7 +121,7 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
     colour = (lambda l: f"C{l % 10}") if L <= 10 else (lambda l: mpl.colormaps["viridis"](l / max(1, L - 1)))
     out = {}
     shown = [records[0], records[-1]] if len(records) > 1 else [records[0]]
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 4.0), squeeze=False)
+    fig, axes = subplots(1, len(shown), figsize=(5.2 * len(shown), 4.0), squeeze=False)
     for ax, r in zip(axes[0], shown):
         trace = r["energy_trace"]
         for l in range(L):
@@ -140,7 +139,7 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
     fig.tight_layout()
     out["diagnostics_energy"] = run_dir / "diagnostics_energy.png"
     _save(fig, out["diagnostics_energy"])
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.4, 4.0))
+    fig, (ax, ax2) = subplots(1, 2, figsize=(10.4, 4.0))
     steps = [r["step"] for r in records]
     for l in range(L):
         ax.plot(steps, [r["cosine"][l] for r in records], "o-", ms=3, color=colour(l),

@@ -114,12 +114,11 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
 
 def plot_confusion(confusion: list[list[int]], path: Path, title: str) -> Path:
     """The confusion matrix (rows: true class, columns: predicted), counts in the cells."""
-    from .metrics import _pyplot, _save
+    from .metrics import _save, subplots
 
-    plt = _pyplot()
     m = np.asarray(confusion)
     C = len(m)
-    fig, ax = plt.subplots(figsize=(1.5 + 0.45 * C, 1.2 + 0.45 * C) if C <= 20 else (10, 9))
+    fig, ax = subplots(figsize=(1.5 + 0.45 * C, 1.2 + 0.45 * C) if C <= 20 else (10, 9))
     im = ax.imshow(m, cmap="Blues")
     if C <= 20:
         for i in range(C):

@@ -68,11 +68,10 @@ def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_di
 
 def draw_grid(rows, labels, title: str, path: Path) -> Path:
     """Rows of images [n, C, H, W] (values clipped to [0, 1]) as one picture, a label per row."""
-    from .metrics import _pyplot, _save
+    from .metrics import _save, subplots
 
-    plt = _pyplot()
     n = max(len(r) for r in rows)
-    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.4, 0.95 * len(rows) + 0.5), squeeze=False)
+    fig, axes = subplots(len(rows), n, figsize=(0.9 * n + 1.4, 0.95 * len(rows) + 0.5), squeeze=False)
     for i, (r, label) in enumerate(zip(rows, labels)):
         for j in range(n):
             ax = axes[i][j]
