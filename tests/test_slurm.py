@@ -36,7 +36,7 @@ SCRIPT = ROOT / "launch" / "slurm.sbatch"
 STEPS = 300
 # ckpt_every beyond the run: the only checkpoints are the pre-emption's and the last.
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", "trainer.eval_every=150", "trainer.ckpt_every=1000",
-       "logger=none", "trainer.progress=off", "parallel.timeout_s=120"]
+       "logger=none", "trainer.progress=off", "parallel.timeout_s=120", "pc.T=5"]  # T=5: a quarter of a step's cost
 TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
 NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError")
 
@@ -321,7 +321,8 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
     """MAX_RESTARTS=1: a SIGKILLed worker makes torchrun restart the node's group, which resumes from the
     newest checkpoint; a second crash, with no restart left, fails the job (non-zero exit, not requeued:
     a crash is not a pre-emption), promptly, without hanging."""
-    job = Job(cluster, tmp_path, TWO_CPUS, [*RUN[:3], "trainer.ckpt_every=50", *RUN[4:]], MAX_RESTARTS="1")
+    # T=20: the slower steps leave the second kill time to land before the run's end on a busy machine.
+    job = Job(cluster, tmp_path, TWO_CPUS, [*RUN[:3], "trainer.ckpt_every=50", *RUN[4:], "pc.T=20"], MAX_RESTARTS="1")
     job.wait(lambda f: (job.run_dir / "checkpoints" / "step-00000050" / "manifest.json").is_file()
              or f["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"), "the first checkpoint", 300)
     crashed = workers(job.id)
