@@ -29,7 +29,7 @@ from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
 from .exchange import LayerExchange, first_line
 from ..engine.layers import LayerKind
-from .partition import layer_costs, partition_layers
+from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
 __all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
@@ -52,11 +52,8 @@ class ParallelDims:
                 f"mesh parallel.data={self.data} x parallel.layer={self.layer} = {self.data * self.layer} ranks, "
                 f"but the world size is {world_size}; choose factors whose product is {world_size}"
             )
-        if num_layers is not None and self.layer > num_layers:
-            raise ConfigError(
-                f"parallel.layer={self.layer} ranks but the model has only {num_layers} layers; "
-                f"use parallel.layer <= {num_layers}"
-            )
+        if num_layers is not None:
+            check_layer_ranks(self.layer, num_layers)
 
 
 def backend_for(device: torch.device) -> str:

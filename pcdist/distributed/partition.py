@@ -5,9 +5,18 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..engine.layers import LayerKind
+from ..errors import ConfigError
 
-__all__ = ["layer_flops", "layer_costs", "partition_layers"]
+__all__ = ["check_layer_ranks", "layer_flops", "layer_costs", "partition_layers"]
 
+
+def check_layer_ranks(ranks: int, layers: int) -> None:
+    """Every layer rank needs a layer: the one check (and message) of parallel.layer against the model."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"parallel.layer must be an integer >= 1, got {ranks!r}")
+    if ranks > layers:
+        raise ConfigError(f"parallel.layer={ranks} ranks but the model has only {layers} layers; "
+                          f"use parallel.layer <= {layers}")
 
 def layer_flops(spec: LayerKind, index: int = 2) -> int:
     """FLOPs per sample of one inference step of global layer ``index`` (each kind's own count:
@@ -27,10 +36,7 @@ def partition_layers(costs: Sequence[int], P: int) -> list[tuple[int, int]]:
     back-to-front greedy fill that leaves at least one layer for every rank in front.
     """
     L = len(costs)
-    if P < 1:
-        raise ValueError(f"parallel.layer must be >= 1, got {P}")
-    if P > L:
-        raise ValueError(f"parallel.layer={P} ranks but the model has only {L} layers; use parallel.layer <= {L}")
+    check_layer_ranks(P, L)
     costs = [int(c) for c in costs]
 
     def parts_needed(cap: int) -> int:
