@@ -36,7 +36,7 @@ SCRIPT = ROOT / "launch" / "slurm.sbatch"
 STEPS = 300
 # ckpt_every beyond the run: the only checkpoints are the pre-emption's and the last.
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", "trainer.eval_every=150", "trainer.ckpt_every=1000",
-       "logger=none", "trainer.progress=off", "parallel.timeout_s=120", "pc.T=5"]  # T=5: a quarter of a step's cost
+       "logger=none", "trainer.progress=off", "parallel.timeout_s=120", "pc.T=5"]  # T=5: half a step's cost
 TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
 NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError")
 

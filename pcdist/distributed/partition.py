@@ -12,11 +12,12 @@ __all__ = ["check_layer_ranks", "layer_flops", "layer_costs", "partition_layers"
 
 def check_layer_ranks(ranks: int, layers: int) -> None:
     """Every layer rank needs a layer: the one check (and message) of parallel.layer against the model."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ConfigError(f"parallel.layer must be an integer >= 1, got {ranks!r}")
+    if ranks < 1:  # the type of a configured value is ParallelDims.validate's check
+        raise ConfigError(f"parallel.layer must be >= 1, got {ranks}")
     if ranks > layers:
         raise ConfigError(f"parallel.layer={ranks} ranks but the model has only {layers} layers; "
                           f"use parallel.layer <= {layers}")
+
 
 def layer_flops(spec: LayerKind, index: int = 2) -> int:
     """FLOPs per sample of one inference step of global layer ``index`` (each kind's own count:

@@ -166,8 +166,7 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     ``random_state=seed``) step for step, so every class keeps its share and the numbers equal sklearn's."""
     n = len(labels)
     n_val = math.ceil(val_fraction * n)
-    counts = np.unique(labels, return_inverse=True, return_counts=True)
-    inverse, counts = counts[1], counts[2]
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
     by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
     rng = np.random.RandomState(seed)
     n_train_of = _approximate_mode(counts, n - n_val, rng)
