@@ -65,7 +65,8 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
 
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     """NPROC=2 CPU processes with no parallel settings: the layer axis takes both (parallel.layer = 2 / 1),
-    said in one line; with no terminal, progress is a line per logged step; train.log has every line the
+    said in one line; with no terminal, progress is a line for the first step (at once, with its time) and one
+    per logged step; train.log has every line the
     console shows (the mesh, the new run, the value step pc.x_lr=auto chose, the progress, the end),
     time-stamped."""
     run_dir = tmp_path / "run"
@@ -77,14 +78,15 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     assert mesh == ["mesh: 2 ranks = parallel.data 1 x parallel.layer 2 (parallel.layer = 2 processes / "
                     "parallel.data), 3 layers split into 2 slices; 1 torch thread per rank (OMP_NUM_THREADS)"]
     progress = [l for l in out.stdout.splitlines() if l.startswith("step ") and "/22" in l]
-    assert [l.split()[1] for l in progress] == ["11/22", "22/22"]
-    assert "accuracy" not in progress[0] and "accuracy" in progress[1], "accuracy where it was evaluated"
+    assert [l.split()[1] for l in progress] == ["1/22", "11/22", "22/22"]
+    assert re.fullmatch(r"step 1/22  first step \d+\.\d\d s \(with warm-up\)", progress[0]), progress[0]
+    assert "accuracy" not in progress[1] and "accuracy" in progress[2], "accuracy where it was evaluated"
     logged = [l.split("  ", 1)[1] for l in (run_dir / "train.log").read_text().splitlines()]
     assert logged == out.stdout.splitlines(), "train.log holds what the console shows: mesh, new run, progress, end"
     assert logged[:2] == mesh + [f"new run in {run_dir} (config: configs/attempt-1.yaml)"]
     assert logged[2].startswith("pc.x_lr=auto: "), "the value step chosen from the first batches (both ranks agree)"
-    assert logged[3:5] == progress
-    assert logged[5].startswith("step 22: val/accuracy ") and logged[5].endswith(f"; run directory: {run_dir}")
+    assert logged[3:6] == progress
+    assert logged[6].startswith("step 22: val/accuracy ") and logged[6].endswith(f"; run directory: {run_dir}")
     assert yaml_layer(run_dir) == 2
 
 

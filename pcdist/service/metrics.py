@@ -43,10 +43,14 @@ def check_logger(logger_cfg) -> None:
 
 
 def progress_line(step: int, max_steps: int, energy: float | None = None, accuracy: float | None = None,
-                  samples_per_s: float | None = None, reconstruction: float | None = None) -> str:
+                  samples_per_s: float | None = None, reconstruction: float | None = None,
+                  first_step_s: float | None = None) -> str:
     """``step 110/660  energy 0.1234  accuracy 0.9412  1532 samples/s`` (fields that are known; the
-    generative and unsupervised modes add ``reconstruction_mse``)."""
+    generative and unsupervised modes add ``reconstruction_mse``); the first step of an attempt, when it is
+    not a logged one: ``step 1/660  first step 0.84 s (with warm-up)``."""
     parts = [f"step {step}/{max_steps}"]
+    if first_step_s is not None:
+        parts.append(f"first step {first_step_s:.2f} s (with warm-up)")
     if energy is not None:
         parts.append(f"energy {energy:.4g}")
     if accuracy is not None:
@@ -65,7 +69,8 @@ class NullLogger:
         pass
 
     def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
-                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
+                 samples_per_s: float | None = None, reconstruction: float | None = None,
+                 first_step_s: float | None = None) -> None:
         pass
 
     def log_trace(self, trace: list[list[float]]) -> None:
@@ -129,10 +134,12 @@ class RunLogger(NullLogger):
             self._wandb.log(metrics, step=step)
 
     def progress(self, step: int, energy: float | None = None, accuracy: float | None = None,
-                 samples_per_s: float | None = None, reconstruction: float | None = None) -> None:
-        """One line for a logged or evaluated step (accuracy only where evaluated); the bar shows
-        the latest accuracy throughout."""
-        line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s, reconstruction)
+                 samples_per_s: float | None = None, reconstruction: float | None = None,
+                 first_step_s: float | None = None) -> None:
+        """One line for a logged or evaluated step (accuracy only where evaluated), and for the first step of
+        an attempt (so that a slow run shows at once that it trains); the bar shows the latest accuracy
+        throughout."""
+        line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s, reconstruction, first_step_s)
         self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
         if self._lines:
             print(line, flush=True)

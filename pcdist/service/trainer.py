@@ -101,6 +101,7 @@ class ServiceTrainer:
         self.dropped = 0  # metrics.jsonl rows of the steps trained again, dropped (never a step twice)
         self.result: dict = {"step": self.step}
         self._started = False
+        self._first = self.step + 1  # this attempt's first step says so at once (``train_step``)
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
@@ -258,6 +259,7 @@ class ServiceTrainer:
         t_cfg = self.config.trainer
         step = self.step
         done = step + 1
+        t0 = time.perf_counter()
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == self.end or stop
         log = done % t_cfg.log_every == 0 or ckpt
@@ -270,6 +272,8 @@ class ServiceTrainer:
             acc = None if val is None else val.get("val/accuracy")
             self.logger.progress(done, metrics and metrics["train/energy"], acc,
                                  metrics and metrics["perf/samples_per_s"], val and val.get("val/reconstruction_mse"))
+        elif done == self._first:  # not a logged step: a line all the same, so that a slow run shows it trains
+            self.logger.progress(done, first_step_s=time.perf_counter() - t0)
         path = self._checkpoint(done) if ckpt else None
         self.step = self.result["step"] = done
         if stop:
