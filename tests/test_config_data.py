@@ -37,8 +37,10 @@ def test_every_preset_composes_and_trains(preset, tmp_path):
     if preset is not None:
         over.append(f"experiment={preset}")
     cfg = composed(*over)
-    if cfg.data.name in ("mnist", "fashion_mnist"):
-        over.append(f"data.root={make_mnist(tmp_path / 'data', n_train=cfg.trainer.batch_size + 8)}")
+    if cfg.data.name in ("mnist", "fashion_mnist"):  # a batch and a half of 28 x 28 images, a small batch
+        over += [f"data.root={make_mnist(tmp_path / 'data', n_train=24)}", "trainer.batch_size=16"]
+    if cfg.pc.eval_T is not None and cfg.pc.eval_T > 10:  # the test-time inference runs, in fewer steps
+        over.append("pc.eval_T=10")
     if cfg.data.name == "synthetic":
         over += ["data.synthetic_train=256", "data.synthetic_val=64", "trainer.batch_size=32"]
     if cfg.data.name in ("cifar10", "cifar100"):  # tiny files, a small batch: VGG on CPU costs seconds per image
