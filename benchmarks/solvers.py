@@ -162,7 +162,7 @@ def accuracy_part(nets: list[str], Ts: list[int], methods: list[str], tiny: bool
     out = {k: dict(v) for k, v in done.items()}
     for net in nets:
         cells = out.setdefault(net, {})
-        for T in Ts + ([5] if net.startswith("digits") and 5 not in Ts else []):
+        for T in Ts + ([5] if net.startswith("digits") and 5 not in Ts and not tiny else []):
             for m in methods:
                 key = f"{m}@{T}"
                 if key in cells:

@@ -1,5 +1,7 @@
 """The public API: construction, round trips, structure of the fused groups, errors."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -121,14 +123,36 @@ def test_bad_networks_name_the_problem(build, message):
         (dict(T=2.5), "T \\(inference steps\\) must be an integer >= 1"),
         (dict(x_lr=0.0), "x_lr .* must be a finite number > 0"),
         (dict(x_lr=float("nan")), "x_lr .* must be a finite number > 0"),
-        (dict(x_momentum=1.0), "x_momentum must be in \\[0, 1\\)"),
-        (dict(algorithm="bp"), "unknown algorithm 'bp'"),
+        (dict(x_momentum=1.0), "x_momentum must be a number in \\[0, 1\\), got 1.0"),
+        (dict(algorithm="bp"), "algorithm must be one of pc, ipc, got 'bp'"),
+        (dict(init="zeros"), "init \\(the value-node init\\) must be one of ff, deeppcr, newton, newton_cr, backward"),
+        (dict(value_noise=-1.0), "value noise \\(the temperature tau\\) must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_bad_trainer_arguments_name_the_problem(kwargs, message):
     net = pcdist.PCNetwork.from_dims([5, 8, 3])
     with pytest.raises(ValueError, match=message):
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("name, bad, good", [("T", 0, 3), ("x_lr", 0.0, 0.1), ("x_lr", float("inf"), 0.1),
+                                             ("x_momentum", 1.0, 0.5), ("init", "zero", "ff"),
+                                             ("value_noise", -0.1, 0.1)])
+def test_the_api_and_the_config_refuse_the_same_values_by_one_rule(name, bad, good):
+    """One rule per engine setting (pcdist/engine/arguments.py): PCTrainer's argument and the service's pc.<name>
+    refuse and accept the same values, each message saying what the rule allows. (pc.algorithm takes bp beside the
+    engine's pc and ipc: the service's backprop twin.)"""
+    from pcdist.engine.arguments import RULES
+    from pcdist.service.config import make_config
+
+    allowed = RULES[name].allowed
+    net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    with pytest.raises(ValueError, match=re.escape(f"must be {allowed}, got {bad!r}")):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), **{name: bad})
+    with pytest.raises(pcdist.ConfigError, match=re.escape(f"config pc.{name}={bad!r} is invalid: allowed {allowed}")):
+        make_config({"pc": {name: bad}})
+    pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), **{name: good})
+    assert getattr(make_config({"pc": {name: good}}).pc, name) == good
 
 
 def test_bad_batches_name_the_expected_shape():

@@ -41,13 +41,12 @@ from torch import Tensor
 
 from .energies import OutputEnergy
 from .layers import Binding, BoundGroup
+from .arguments import INITS, check
 from .network import PCNetwork
 from .nodes import ValueNodes
 from .values import ValueOptimizer, ValueRule
 
 __all__ = ["Stage", "INITS", "check_init", "energy_dtype"]
-
-INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
 
 
 class Stage:
@@ -228,12 +227,8 @@ class Stage:
 
 
 def check_init(init: str) -> str:
-    """``init``, or a ValueError listing the value-node inits."""
-    if init not in INITS:
-        raise ValueError(f"unknown value-node init {init!r}; allowed: 'ff' (feed-forward), 'deeppcr', 'newton' "
-                         "(the linearised equilibrium, low-rank), 'newton_cr' (the same by cyclic reduction), "
-                         "'backward' (one backward chain, scaled)")
-    return init
+    """``init``, or a ValueError listing the value-node inits (arguments.py's rule)."""
+    return check("init", init)
 
 
 def energy_dtype(dtype: torch.dtype) -> torch.dtype:

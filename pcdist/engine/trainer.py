@@ -18,19 +18,18 @@ import time
 import torch
 from torch import Tensor
 
+from .arguments import ALGORITHMS, check
 from .capture import Runner, compile_mode
 from .exchange import Local
 from .inference import check_solver, relax, relax_adaptive, set_precision
 from .network import PCNetwork
 from .precision import MixedPrecision
 from .schedules import PrecisionSchedule, warmup_cosine
-from .stage import Stage, check_init
+from .stage import Stage
 from .update import WeightUpdate
 from .values import ValueNoise, ValueRule, stage_noise, value_rule
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
-
-ALGORITHMS = ("pc", "ipc")
 
 
 class PCTrainer:
@@ -188,8 +187,8 @@ class PCTrainer:
         the logging rank (the whole batch of every data rank), None elsewhere; ``gather=False`` returns this
         rank's own nodes instead, as {node index: [B_local, ...]}.
         """
-        T, solver = self.T if T is None else _check_T(T), check_solver(solver or self.solver, adaptive=True)
-        _check_noise(noise)
+        T, solver = self.T if T is None else check("T", T), check_solver(solver or self.solver, adaptive=True)
+        check("value_noise", noise)
         _check_method(self.rule, solver, noise, self.init, self.parallel)
         st, par = self._begin(x, y, batch_size), self.parallel
         draw = self._noise(st, noise, global_batch, -1 - self._inferred)
@@ -266,15 +265,10 @@ def _check_slice(net: PCNetwork, parallel):
 
 
 def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:
-    _check_T(T)
-    if not (isinstance(x_lr, (int, float)) and math.isfinite(x_lr) and x_lr > 0):
-        raise ValueError(f"x_lr (value-node learning rate) must be a finite number > 0, got {x_lr!r}")
-    if not (isinstance(x_momentum, (int, float)) and 0.0 <= x_momentum < 1.0):
-        raise ValueError(f"x_momentum must be in [0, 1), got {x_momentum!r}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'pc', 'ipc'")
-    check_init(init)
-    _check_noise(value_noise)
+    """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules)."""
+    for name, value in (("T", T), ("x_lr", x_lr), ("x_momentum", x_momentum), ("algorithm", algorithm),
+                        ("init", init), ("value_noise", value_noise)):
+        check(name, value)
 
 
 def _check_method(rule: ValueRule, solver: str, noise: float, init: str, parallel) -> tuple[ValueRule, str]:
@@ -290,17 +284,6 @@ def _check_method(rule: ValueRule, solver: str, noise: float, init: str, paralle
         raise ValueError(f"init={init!r} solves for the equilibrium over the whole network: it runs on one layer "
                          "slice (parallel.layer=1; a data axis is fine)")
     return rule, solver
-
-
-def _check_T(T) -> int:
-    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
-        raise ValueError(f"T (inference steps) must be an integer >= 1, got {T!r}")
-    return T
-
-
-def _check_noise(tau) -> None:
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
-        raise ValueError(f"value noise (the temperature tau) must be a finite number >= 0, got {tau!r}")
 
 
 def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: int | None = None) -> int:

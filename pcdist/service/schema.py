@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 
 from ..engine.activations import ACTIVATIONS
+from ..engine.arguments import ALGORITHMS, RULES
 from ..errors import ConfigError
 from ..engine.energies import ENERGIES
 from ..engine.layers.dense import INITS as DENSE_INITS
@@ -24,9 +25,7 @@ from ..engine.modes import MODES
 from ..engine.schedules import PRECISION_SCHEDULES
 from ..engine.capture import COMPILE
 from ..engine.precision import PRECISIONS
-from ..engine.trainer import ALGORITHMS
 from ..engine.inference import SOLVERS
-from ..engine.stage import INITS
 from ..engine.values import VALUE_OPTIMIZERS
 
 
@@ -346,9 +345,9 @@ def validate(c: Config) -> None:
     _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
     _check(not d.signal or d.name == "arrays", "data.signal", d.signal,
            f"false with data={d.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
-    _check(pc.T >= 1, "pc.T", pc.T, "an integer >= 1")
-    _check(pc.x_lr == "auto" or _finite(pc.x_lr) and pc.x_lr > 0, "pc.x_lr", pc.x_lr, "a finite number > 0 or auto")
-    _check(_finite(pc.x_momentum) and 0 <= pc.x_momentum < 1, "pc.x_momentum", pc.x_momentum, "a number in [0, 1)")
+    for name in ("T", "x_momentum", "init", "value_noise"):  # the engine's rules (engine/arguments.py)
+        _check(RULES[name].ok(getattr(pc, name)), f"pc.{name}", getattr(pc, name), RULES[name].allowed)
+    _check(pc.x_lr == "auto" or RULES["x_lr"].ok(pc.x_lr), "pc.x_lr", pc.x_lr, f"{RULES['x_lr'].allowed} or auto")
     _check(pc.value_optimizer in VALUE_OPTIMIZERS, "pc.value_optimizer", pc.value_optimizer,
            ", ".join(VALUE_OPTIMIZERS))
     _check(pc.value_optimizer != "nesterov" or pc.x_momentum > 0, "pc.x_momentum", pc.x_momentum,
@@ -364,7 +363,6 @@ def validate(c: Config) -> None:
            "null, " + ", ".join((*SOLVERS, "adaptive")))
     _check(_finite(pc.eval_tol) and pc.eval_tol > 0, "pc.eval_tol", pc.eval_tol, "a finite number > 0")
     _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
-    _check(pc.init in INITS, "pc.init", pc.init, "ff (feed-forward), deeppcr, newton, newton_cr, backward")
     _check(pc.init in ("ff", "deeppcr") or pc.mode == "supervised", "pc.init", pc.init,
            f"ff or deeppcr with pc.mode={pc.mode} (the inits near equilibrium need both ends clamped)")
     _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
@@ -384,7 +382,6 @@ def validate(c: Config) -> None:
     _check(_finite(pc.precision_decay) and 0 <= pc.precision_decay <= 1, "pc.precision_decay", pc.precision_decay,
            "a number in [0, 1]")
     _check(pc.eval_T is None or pc.eval_T >= 1, "pc.eval_T", pc.eval_T, "null or an integer >= 1")
-    _check(_finite(pc.value_noise) and pc.value_noise >= 0, "pc.value_noise", pc.value_noise, "a finite number >= 0")
     _check(pc.diagnostics_every is None or pc.diagnostics_every >= 1, "pc.diagnostics_every", pc.diagnostics_every,
            "null (trainer.eval_every) or an integer >= 1")
     _check(not pc.diagnostics or (pc.mode == "supervised" and pc.algorithm != BP), "pc.diagnostics",

@@ -1,0 +1,52 @@
+"""The engine's settings and what each allows, written once: ``PCTrainer(T=0)`` and the service's ``pc.T=0``
+are refused by the same rule, each in its caller's words (``T (inference steps) must be an integer >= 1, got 0``;
+``config pc.T=0 is invalid: allowed an integer >= 1``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check"]
+
+ALGORITHMS = ("pc", "ipc")
+INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
+"""The value-node inits: ``ff`` (feed-forward), ``deeppcr`` (the same chain by parallel cyclic reduction),
+``newton`` (the linearised equilibrium, low-rank), ``newton_cr`` (the same by cyclic reduction), ``backward``
+(one backward chain, scaled)."""
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class Rule(NamedTuple):
+    """A setting's test (``ok``), the words for what it allows and what the setting is (for the API's message)."""
+
+    ok: Callable[[Any], bool]
+    allowed: str
+    what: str
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value``, or a ValueError naming the setting (``what``, else ``name``), what it allows and the value."""
+        if not self.ok(value):
+            raise ValueError(f"{self.what or name} must be {self.allowed}, got {value!r}")
+        return value
+
+
+RULES = {
+    "T": Rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1",
+              "T (inference steps)"),
+    "x_lr": Rule(lambda v: _number(v) and v > 0, "a finite number > 0", "x_lr (value-node learning rate)"),
+    "x_momentum": Rule(lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)", "x_momentum"),
+    "algorithm": Rule(lambda v: v in ALGORITHMS, "one of " + ", ".join(ALGORITHMS), "algorithm"),
+    "init": Rule(lambda v: v in INITS, "one of " + ", ".join(INITS), "init (the value-node init)"),
+    "value_noise": Rule(lambda v: _number(v) and v >= 0, "a finite number >= 0",
+                        "value noise (the temperature tau)"),
+}
+"""Each engine setting's rule, by its ``PCTrainer`` argument name (the service's key is ``pc.<name>``)."""
+
+
+def check(name: str, value: Any) -> Any:
+    """``value`` if ``RULES[name]`` allows it, else a ValueError in the API's words."""
+    return RULES[name].check(name, value)
