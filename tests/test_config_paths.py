@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import pcdist
-from pcdist.service.config import Config, load_config, make_config
+from pcdist.service.config import GROUPS, Config, choice_keys, compose, flat, groups, load_config, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,3 +51,22 @@ def test_python_dicts_are_checked_like_the_command_line():
         make_config({"trainer": {"foo": 1}})
     with pytest.raises(pcdist.ConfigError, match="config pc.T=0 is invalid"):
         make_config({"pc": {"T": 0}})
+
+
+SECTION_CHOICES = [f"{group}={option}" for group, options in groups().items() if group in GROUPS and
+                   group != "experiment" for option in options]
+
+
+@pytest.mark.parametrize("choice", SECTION_CHOICES)
+def test_the_keys_a_group_choice_sets_are_those_its_composition_changes(choice):
+    """What a resume applies of ``model=cnn`` or ``logger=none`` (passed_settings): choice_keys reads a file that
+    holds its section only from the schema, without composing; the keys equal those that composing conf/ with
+    and without the choice finds (the choice's section, and any key elsewhere it changes)."""
+    from omegaconf import OmegaConf
+
+    default = flat(OmegaConf.to_container(compose([]), resolve=True))
+    chosen = flat(OmegaConf.to_container(compose([choice]), resolve=True))
+    group = choice.split("=")[0]
+    composed = {k for k, v in chosen.items() if k.split(".")[0] == group or default.get(k, v) != v or k not in default}
+    assert set(choice_keys(choice)) == composed
+    assert len(choice_keys(choice)) == len(composed), "each key once"

@@ -15,6 +15,8 @@ network takes from pc.*.
 from __future__ import annotations
 
 import difflib
+import functools
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -30,7 +32,7 @@ from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATAS
 __all__ = ["Config", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
            "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
-           "passed_settings", "flat", "command", "PYTHON_DATA", "PYTHON_MODEL", "BP", "RESUME"]
+           "passed_settings", "choice_keys", "flat", "command", "PYTHON_DATA", "PYTHON_MODEL", "BP", "RESUME"]
 
 
 def _conf_dir() -> Path:
@@ -165,20 +167,37 @@ def passed_settings(cfg: Any) -> dict[str, str] | None:
             elif key.split(".")[0].split("/")[0] != "hydra":
                 known = [k for k in config_keys() if key == k or key.startswith(k + ".")]  # model.dims.0: model.dims
                 keys[known[0] if known else key] = o.input_line
-    if choices:
-        default = flat(OmegaConf.to_container(compose([]), resolve=True))
-        for choice in choices:
-            group = choice.split("=", 1)[0]
-            chosen = flat(OmegaConf.to_container(compose([choice]), resolve=True))
-            for k, v in chosen.items():
-                if k.split(".")[0] == group or default.get(k, v) != v or k not in default:
-                    keys.setdefault(k, choice)
+    for choice in choices:
+        for k in choice_keys(choice):
+            keys.setdefault(k, choice)
 
     def position(text: str) -> int:  # where the override stands in the user's cfg (a dict: its top-level key)
         return next((i for i, o in enumerate(order)
                      if text == o or text.startswith(f"{o}.") or text.startswith(f"{o}=")), len(order))
 
     return dict(sorted(keys.items(), key=lambda kv: position(kv[1])))
+
+
+@functools.lru_cache(maxsize=None)
+def choice_keys(choice: str) -> tuple[str, ...]:
+    """The keys a group choice (``model=cnn``) sets: every key of its group's section, and any other its file
+    changes from the defaults. A file that holds its section only (no ``@package`` line, no defaults list:
+    ``logger=none``, ``optim=sgd``) sets that section's keys alone, read from the schema; any other is composed
+    with and without the choice. Cached: the same choice always sets the same keys."""
+    group, option = choice.split("=", 1)
+    path = CONF_DIR / group / f"{option}.yaml"
+    text = path.read_text() if path.is_file() else "@package"
+    if group != "experiment" and "@package" not in text and not re.search(r"^defaults\s*:", text, re.M):
+        return tuple(k for k in config_keys() if k.split(".")[0] == group)
+    default = _defaults()
+    chosen = flat(OmegaConf.to_container(compose([choice]), resolve=True))
+    return tuple(k for k, v in chosen.items() if k.split(".")[0] == group or default.get(k, v) != v or k not in default)
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict:
+    """conf/'s defaults, flat (``choice_keys`` compares a composed choice with them)."""
+    return flat(OmegaConf.to_container(compose([]), resolve=True))
 
 
 def load_config(cfg: Any) -> Config:
