@@ -223,7 +223,7 @@ def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path):
 
 # -- bad input: one line naming the problem -----------------------------------------------------------
 
-def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
+def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path, capsys, monkeypatch):
     run_dir, _ = digits_run
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -245,10 +245,15 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
                                                                                    "this run takes [N, 1, 8, 8]",
         ("evaluate", mixed): "was written by a different model",
     }
-    for args, says in cases.items():
-        out = cli(*args, check=False)
-        assert out.returncode == 2, (args, out.stdout, out.stderr)
-        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+    from pcdist.service.commands import main as command  # what `python -m pcdist <command>` runs (its exit status)
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the commands take the current folder off sys.path
+    capsys.readouterr()
+    for args, says in cases.items():  # in this process: test_errors_point_to_the_help_... runs the command line
+        status = command(list(map(str, args)))
+        out = capsys.readouterr()
+        assert status == 2, (args, out.out, out.err)
+        assert out.err.startswith("error: ") and out.err.count("\n") == 1 and says in out.err, out.err
 
 
 def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
