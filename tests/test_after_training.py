@@ -1,10 +1,13 @@
 """After training (issue 23): load a run back, evaluate, predict, export; the user's own modules through
 the service; to_layers / to_sequential give back the user's structure; the backprop twin.
 
-Every test runs the real parts: real torchrun for the layer-parallel run, real subprocesses for the
-command line, a subprocess that cannot import pcdist for the exported program.
+Every test runs the real parts: real torchrun for the layer-parallel run, the commands' own main (in a real
+subprocess where the exit status, the current folder or the command's name matter), a subprocess that cannot
+import pcdist for the exported program.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -30,8 +33,23 @@ SHORT = {"trainer": {"max_steps": 40, "eval_every": 20, "log_every": 10, "ckpt_e
 
 
 def cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "pcdist", *map(str, args)], cwd=cwd or ROOT, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """``python -m pcdist <args>``: a process of its own where ``cwd`` is given (what the current folder holds
+    matters: a stranger's run folder, --trust-code), else the command's own main in this process (the files
+    written and the lines printed are the command's; test_errors_point_to_the_help_... checks the exit status
+    and the one line of a process)."""
+    if cwd is not None:
+        out = subprocess.run([sys.executable, "-m", "pcdist", *map(str, args)], cwd=cwd, capture_output=True,
+                             text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    else:
+        from pcdist.service.commands import main as command
+
+        stdout, stderr, path = io.StringIO(), io.StringIO(), list(sys.path)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                status = command(list(map(str, args)))
+        finally:
+            sys.path[:] = path  # the commands take the current folder off sys.path
+        out = subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
     if check:
         assert out.returncode == 0, f"{args}: {out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
@@ -223,7 +241,7 @@ def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path):
 
 # -- bad input: one line naming the problem -----------------------------------------------------------
 
-def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path, capsys, monkeypatch):
+def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
     run_dir, _ = digits_run
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -245,22 +263,17 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path, capsys, 
                                                                                    "this run takes [N, 1, 8, 8]",
         ("evaluate", mixed): "was written by a different model",
     }
-    from pcdist.service.commands import main as command  # what `python -m pcdist <command>` runs (its exit status)
-
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the commands take the current folder off sys.path
-    capsys.readouterr()
-    for args, says in cases.items():  # in this process: test_errors_point_to_the_help_... runs the command line
-        status = command(list(map(str, args)))
-        out = capsys.readouterr()
-        assert status == 2, (args, out.out, out.err)
-        assert out.err.startswith("error: ") and out.err.count("\n") == 1 and says in out.err, out.err
+    for args, says in cases.items():
+        out = cli(*args, check=False)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
 
 
 def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
     """A mistyped key after `evaluate` gets the did-you-mean the training command gives, and every such line
     points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py)."""
     run_dir, _ = digits_run
-    out = cli("evaluate", run_dir, "pc.TT=40", check=False)
+    out = cli("evaluate", run_dir, "pc.TT=40", cwd=tmp_path, check=False)
     assert out.returncode == 2 and out.stderr == ("error: unknown config key pc.TT in override 'pc.TT=40'; did you "
                                                   "mean pc.T? (python -m pcdist --help lists every key)\n")
     for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
