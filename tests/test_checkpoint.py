@@ -80,7 +80,7 @@ def test_resume_after_a_damaged_checkpoint_says_so_and_redoes_the_lost_steps(tmp
     it skipped and why (no Python warning), trains steps 5-8 again to the same weights, and metrics.jsonl holds each
     step once, the redone rows equal to the first run's."""
     run_dir = tmp_path / "run"
-    assert train_py(tmp_path, f"hydra.run.dir={run_dir}").returncode == 0
+    pcdist.train([*CLI, f"run_dir={run_dir}"])  # the first run: as train.py makes it (the command line as a list)
     good = torch.load(next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
     first = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
     layer_file = next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt"))
@@ -105,7 +105,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_untouched(tmp_path):
     """With its only checkpoint truncated, a rerun neither restarts the run from step 0 in the same folder nor
     changes anything: one line naming the checkpoint and why, exit status 2; pcdist.train refuses alike."""
     run_dir = tmp_path / "run"
-    assert train_py(tmp_path, f"hydra.run.dir={run_dir}", "trainer.ckpt_every=8").returncode == 0
+    pcdist.train([*CLI, "trainer.ckpt_every=8", f"run_dir={run_dir}"])  # as train.py makes it
     layer_file = next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt"))
     truncate(layer_file)
     before = snapshot(run_dir)

@@ -230,11 +230,9 @@ def test_a_stopped_run_resumed_with_only_its_directory_continues_with_its_own_se
 @pytest.fixture(scope="module")
 def mupc_run(tmp_path_factory) -> Path:
     """A small μPC run made from a preset (experiment=mupc_digits) and stopped at step 2 of 4."""
-    run_dir = tmp_path_factory.mktemp("mupc") / "run"
-    out = train_py(run_dir.parent, "experiment=mupc_digits", "model.depth=4", "trainer.max_steps=4",
-                   "trainer.stop_at=2", "trainer.ckpt_every=2", "logger=none", "trainer.progress=off",
-                   f"hydra.run.dir={run_dir}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path_factory.mktemp("mupc") / "run"  # made as train.py makes it (the command line as a list)
+    pcdist.train(["experiment=mupc_digits", "model.depth=4", "trainer.max_steps=4", "trainer.stop_at=2",
+                  "trainer.ckpt_every=2", "logger=none", "trainer.progress=off", f"run_dir={run_dir}"])
     return run_dir
 
 
@@ -264,8 +262,7 @@ def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc
                                                  r"with: experiment=mupc_digits model.depth=4 "):
         pcdist.train(pcdist.compose([f"run_dir={run_dir}", "logger=none"]))  # a whole config, without the preset
     assert snapshot(run_dir) == before
-    finished = train_py(tmp_path, f"hydra.run.dir={run_dir}", "trainer.stop_at=4")
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert pcdist.train([f"run_dir={run_dir}", "trainer.stop_at=4"])["step"] == 4  # trained to its end
     after = snapshot(run_dir)
     assert train_py(tmp_path, f"hydra.run.dir={run_dir}").stdout == (
         f"{run_dir} is already finished: its newest checkpoint is step 4 and trainer.max_steps=4; nothing to train "
