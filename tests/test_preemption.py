@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import pcdist
 from pcdist.service.checkpoint import latest_checkpoint
 from pcdist.service.metrics import read_metrics
 from test_elastic import children
@@ -40,7 +41,7 @@ def finish(proc, timeout=120):
     return out
 
 
-def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path):
+def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), *LONG, f"hydra.run.dir={run_dir}"]
     proc = start(cmd, run_dir)
@@ -50,10 +51,9 @@ def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path):
     step = int((run_dir / "PREEMPTED").read_text())
     assert 0 < step < 4000 and f"pre-empted: stopped by a signal after step {step}" in out
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step:08d}"
-    rerun = subprocess.run([*cmd[:2], *LONG, f"trainer.stop_at={step + 5}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in rerun.stdout
+    capsys.readouterr()
+    pcdist.train([*LONG, f"trainer.stop_at={step + 5}", f"run_dir={run_dir}"])  # the rerun, as train.py runs it
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in capsys.readouterr().out
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step + 5:08d}"
 
 
@@ -85,7 +85,7 @@ def interrupted_step(out: str, run_dir) -> int:
     return step
 
 
-def test_ctrl_c_checkpoints_says_how_to_resume_and_no_step_repeats(tmp_path):
+def test_ctrl_c_checkpoints_says_how_to_resume_and_no_step_repeats(tmp_path, capsys):
     """Ctrl-C is handled like SIGTERM: the step finishes, a checkpoint of it is written, one line says how to
     resume, no traceback. Exit status 130 and no PREEMPTED (the user stopped it: no launcher requeues it). The
     rerun resumes from that step, and metrics.jsonl never holds a step twice."""
@@ -99,10 +99,9 @@ def test_ctrl_c_checkpoints_says_how_to_resume_and_no_step_repeats(tmp_path):
     step = interrupted_step(out, run_dir)
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step:08d}"
     assert not (run_dir / "PREEMPTED").exists()
-    rerun = subprocess.run([*cmd[:2], *LONG, f"trainer.stop_at={step + 30}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in rerun.stdout
+    capsys.readouterr()
+    pcdist.train([*LONG, f"trainer.stop_at={step + 30}", f"run_dir={run_dir}"])  # the rerun, as train.py runs it
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in capsys.readouterr().out
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
     assert steps == sorted(set(steps)) and steps[-1] == step + 30, steps
 
