@@ -213,6 +213,27 @@ def _run_command(cmd: str, cwd: Path, env: dict) -> tuple[bool, str]:
     return stopped or proc.returncode == 0, "".join(lines)
 
 
+STEP_ENERGY = re.compile(r"^\d+ (\S+)$", re.M)
+
+
+def _layer_parallel_script(outputs: list[tuple[str, str]]) -> None:
+    """README's my_train.py, as two layer slices (torchrun, 2 gloo ranks) and as a plain process: exactly one rank
+    prints, every 20 steps, training lowers the energy, and the plain process prints the same energies (up to
+    float32 round-off: the layers are stacked into differently sized groups on one rank and two)."""
+    def energies(command: str) -> list[float]:
+        (out,) = [out for cmd, out in outputs if cmd.startswith(command)]
+        return [float(e) for e in STEP_ENERGY.findall(out)]
+
+    mesh, one = energies("torchrun --standalone --nproc_per_node=2 my_train.py"), energies("python my_train.py")
+    assert len(mesh) == 5, f"exactly one rank (the logging rank) prints, every 20 steps: {mesh}"
+    assert mesh[-1] < 0.5 * mesh[0], f"training must lower the energy: {mesh}"
+    assert one == pytest.approx(mesh, rel=1e-2), "one process: the same energies, as the README says"
+
+
+PAGE_CHECKS = {"README.md": [_layer_parallel_script]}
+"""What a page's commands must print beyond their exit status, checked on their output."""
+
+
 def _pages():
     from doc_blocks import pages
 
@@ -225,7 +246,7 @@ def test_every_command_of_the_docs_runs_in_a_fresh_clone(page, fresh_clone):
     README's install block leaves (`make install`, then `source .venv/bin/activate`): each ends with status 0,
     or trains (shows a progress line) until stopped. The commands that need what no test machine has are named
     in NOT_RUN_HERE with the reason. A python block that names its file (`# my_train.py`) is saved under that
-    name first, as the page asks the reader to."""
+    name first, as the page asks the reader to. PAGE_CHECKS checks what some commands print."""
     from doc_blocks import blocks, commands
 
     clone, env = fresh_clone
@@ -233,7 +254,7 @@ def test_every_command_of_the_docs_runs_in_a_fresh_clone(page, fresh_clone):
         name = re.match(r"# (\w+\.py) ", code)
         if name:
             (clone / name.group(1)).write_text(code)
-    failed = []
+    failed, outputs = [], []
     for _, code in blocks("bash", ROOT / page):
         if "make install" in code:
             continue  # the install block: run by the fixture
@@ -241,6 +262,9 @@ def test_every_command_of_the_docs_runs_in_a_fresh_clone(page, fresh_clone):
             if any(part in cmd for part in NOT_RUN_HERE):
                 continue
             ok, out = _run_command(cmd, clone, env)
+            outputs.append((cmd, out))
             if not ok:
                 failed.append(f"$ {cmd}\n{out[-2500:]}")
     assert not failed, "\n\n".join(failed)
+    for check in PAGE_CHECKS.get(str(page), []):
+        check(outputs)
