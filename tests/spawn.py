@@ -1,7 +1,7 @@
 """Run a function on N real torch.distributed processes (gloo on CPU), with a deadline.
 
 Each worker gets the caller's environment as it is at the call, torchrun's variables (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port) and one intra-op thread. A
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port) and one intra-op thread. A
 worker's exception comes back to the test as WorkerError with its traceback; a run past the
 deadline is killed and reported, never left hanging.
 
@@ -45,7 +45,7 @@ def _context():
 def _entry(rank, world, port, env, fn, args, errq):
     os.environ.clear()  # the caller's environment now, not the forkserver's from when it started
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 

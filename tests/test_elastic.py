@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from test_service import ROOT, layer_state, torchrun
+from spawn import run
+from test_service import ROOT, _train_worker, layer_state, torchrun
 
 COMMON = ["parallel.layer=2", "parallel.timeout_s=60", "trainer.max_steps=400", "trainer.ckpt_every=50",
           "trainer.eval_every=200", "trainer.log_every=50", "trainer.dtype=float64", "logger=none",
@@ -90,15 +91,16 @@ def test_a_group_created_outside_pcdist_is_warned_about_under_restarts(tmp_path)
     assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == 1
 
 
-def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_path):
+def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_path, monkeypatch):
     """A run on 2 layer ranks continued by a torchrun of 1 process, as the surviving agent of a lost node does
     (fewer ranks, the same run directory): every attempt says its mesh, on the console and in train.log, so a
     run that went on with a different mesh never does so silently."""
     run_dir = tmp_path / "run"
     quick = ["trainer.max_steps=40", "trainer.ckpt_every=20", "trainer.eval_every=40", "trainer.log_every=20",
-             "logger=none", "trainer.progress=off", f"hydra.run.dir={run_dir}"]
-    torchrun(2, *quick, "trainer.stop_at=20")
-    out = torchrun(1, *quick)
+             "logger=none", "trainer.progress=off"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it for several processes
+    run(_train_worker, 2, [*quick, "trainer.stop_at=20", f"run_dir={run_dir}"])  # 2 real gloo ranks (tests/spawn.py)
+    out = torchrun(1, *quick, f"hydra.run.dir={run_dir}")
     one = ("mesh: 1 rank = parallel.data 1 x parallel.layer 1 (parallel.layer = 1 processes / parallel.data), 3 layers "
            "split into 1 slices; 1 torch thread per rank (OMP_NUM_THREADS)")
     assert one in out.stdout.splitlines(), out.stdout[-3000:]
