@@ -26,9 +26,12 @@ def children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The weights of the uninterrupted run."""
+    """The weights of the uninterrupted run (2 real gloo ranks, tests/spawn.py: how it is launched changes nothing
+    in its numbers)."""
     run_dir = tmp_path_factory.mktemp("straight")
-    torchrun(2, *COMMON, f"hydra.run.dir={run_dir}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it for several processes
+        run(_train_worker, 2, [*COMMON, f"run_dir={run_dir}"], timeout=300)
     return layer_state(run_dir / "checkpoints/step-00000400")
 
 
