@@ -352,6 +352,22 @@ def test_an_npy_folder_is_memory_mapped_and_streamed_like_memory(in_memory, npy_
     assert_same_weights(in_memory[0], tmp_path)
 
 
+def test_a_streamed_run_leaves_no_worker_process_behind(npy_folder, tmp_path):
+    """The DataLoader workers (training's, and validation's, kept between evaluations) stop when pcdist.train
+    returns, and when a bad sample stops it: none outlives the run (left to the garbage collector, they lived on
+    and stalled a later collection by seconds per worker)."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    pcdist.train(small_cfg(tmp_path / "a", data={"name": "arrays", "path": str(npy_folder)}))
+    assert set(multiprocessing.active_children()) <= before
+    x, labels = torch.rand(64, 64), torch.arange(64) % 10
+    data = StreamedData(Samples(x, labels, nan_at=40), Samples(x[:16], labels[:16]), 10)
+    with pytest.raises(DataError, match="sample 40 holds NaN"):
+        pcdist.train(small_cfg(tmp_path / "b", trainer={"batch_size": 16}), data=data)
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
     """A NaN met by a worker process is reported as one line naming the sample, not a worker traceback."""
     x, labels = torch.rand(64, 64), torch.arange(64) % 10

@@ -36,10 +36,13 @@ def step_batches(c: Config, ds, par: Parallel, start: int, end: int, device, dty
         steps = (shard(c, ds, par, batch_indices(len(ds.x_train), B, step, seed), device, dtype)
                  for step in range(start, end))
     rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
-    for step, (x, y) in enumerate(steps, start):
-        if c.data.augment and par.is_first:
-            x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
-        yield x, y
+    try:
+        for step, (x, y) in enumerate(steps, start):
+            if c.data.augment and par.is_first:
+                x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
+            yield x, y
+    finally:
+        steps.close()  # closed early: a streamed loader stops its workers now
 
 
 def shard(c: Config, ds, par: Parallel, idx: torch.Tensor, device, dtype):

@@ -82,6 +82,12 @@ def _one_line(e: DataError) -> DataError:
     return DataError(last.split("DataError: ", 1)[-1])
 
 
+def _shut_down(it) -> None:
+    """Stop a DataLoader iterator's worker processes at once (torch's own shutdown, which its finalizer calls)."""
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
 class Streamed:
     """This rank's reader of StreamedData: the batches of steps start..end-1 and the validation chunks,
     as (x on the device, one-hot y) and (x, labels); x flat [b, features], as vector models take it,
@@ -139,15 +145,18 @@ class Streamed:
         sampler = GlobalBatchSampler(self.batch_of, start, end, self.par.data_size, self.par.data_rank)
         loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler, **self.options)
         it = iter(loader)
-        while True:
-            try:
-                x, labels = next(it)
-            except StopIteration:
-                return
-            except DataError as e:
-                raise _one_line(e) from None
-            x, labels = self._on_device(x, labels, len(labels))
-            yield x, self._y(labels, len(labels))
+        try:
+            while True:
+                try:
+                    x, labels = next(it)
+                except StopIteration:
+                    return
+                except DataError as e:
+                    raise _one_line(e) from None
+                x, labels = self._on_device(x, labels, len(labels))
+                yield x, self._y(labels, len(labels))
+        finally:  # stopped early (a pre-emption, a bad sample, the caller closed us): the workers stop now
+            _shut_down(it)
 
     def batch(self, step: int) -> tuple[Tensor, Tensor]:
         """The (x, y) of one step, read here without workers."""
@@ -155,6 +164,13 @@ class Streamed:
         x, labels = self.train_set.__getitems__(idx)
         x, labels = self._on_device(x, labels, len(idx))
         return x, self._y(labels, len(idx))
+
+    def close(self) -> None:
+        """Stop the validation loader's worker processes (kept between evaluations) now: left to the garbage
+        collector, they would outlive the run, and collecting them later stalls for seconds per worker."""
+        if self._val_loader is not None:
+            _shut_down(self._val_loader._iterator)
+        self._val_loader = None
 
     def val_chunks(self) -> Iterator[tuple[Tensor, Tensor]]:
         """This data rank's share of the validation set as (x on the device, labels on the CPU) chunks."""

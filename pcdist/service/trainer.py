@@ -245,10 +245,13 @@ class ServiceTrainer:
         self._vote = StopVote(self.parallel.logging_rank is not None, self.device)
         self._diagnostics = Diagnostics(c, self.run_dir, self.logger) if c.pc.diagnostics else None  # diagnostics.py
         batches = step_batches(c, self.data, self.parallel, self.step, last, self.device, self.dtype)
-        while self.step < last:
-            stop = self._vote(got["signal"])
-            x, y = next(batches)
-            self.train_step(x, y, stop)
+        try:
+            while self.step < last:
+                stop = self._vote(got["signal"])
+                x, y = next(batches)
+                self.train_step(x, y, stop)
+        finally:
+            batches.close()  # a stop before the end: the data's worker processes stop now
         self._vote.finish()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, stop: int = 0) -> None:
@@ -345,9 +348,13 @@ class ServiceTrainer:
                                writer=self.parallel.data_rank == 0, leader=self.is_rank0)
 
     def close(self) -> None:
-        """Close the logger (wandb, the progress line, metrics.jsonl)."""
-        if self.logger is not None:
-            self.logger.close()
+        """Close the logger (wandb, the progress line, metrics.jsonl) and stop the data's worker processes."""
+        try:
+            if self.logger is not None:
+                self.logger.close()
+        finally:
+            if isinstance(self.data, Streamed):
+                self.data.close()
 
 
 def _end_line(c: Config, result: dict) -> str:
