@@ -1,6 +1,6 @@
 """ConfigError: a configuration value that cannot work, named by its key.
 
-Raised before any process group or work exists (``pcdist.config``, ``ParallelDims``,
+Raised before any process group or work exists (``pcdist.service.config``, ``ParallelDims``,
 ``pcdist.train``); ``train.py`` prints it as one line and exits with status 2. It is a
 ValueError, so code that catches ValueError keeps working.
 """

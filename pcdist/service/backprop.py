@@ -3,7 +3,7 @@
 ``BackpropTrainer`` has PCTrainer's interface (``step``, ``trace``, ``skipped_updates``), so the
 service's loop, checkpoints, evaluation and metrics are the ones a PC run uses. Its loss is the
 network's output energy at the feed-forward prediction, which is PC's batch objective F at the
-feed-forward init (every hidden error is 0 there; DESIGN.md section 1c), so ``train/energy``
+feed-forward init (every hidden error is 0 there: each h_l equals its prediction u_l), so ``train/energy``
 means the same thing in both runs:
 
     F = mean over the batch of E_out(u_L(x), y)      (se: 0.5 ||y - u||^2; ce: -sum y log_softmax(u))

@@ -5,7 +5,7 @@
     pcdist-train --help                                           # every config group and key, documented
 
 A thin Hydra wrapper over ``pcdist.train``: the configs are the shipped ``conf/``
-(``pcdist.config.CONF_DIR``), so an installed wheel runs without a checkout. Around it:
+(``pcdist.service.config.CONF_DIR``), so an installed wheel runs without a checkout. Around it:
 the command line checked before Hydra sees it, ``--help`` from the config's own
 documentation, ``--check``, and user errors as one line.
 

@@ -17,7 +17,7 @@
 
 In memory, a ``Dataset`` holds inputs [N, *sample_shape] (flat features [N, F], signals [N, C, L]
 or images [N, C, H, W], kept shaped) and integer labels [N]. ``StreamedData`` wraps map-style torch
-Datasets (items ``(x, label)``) that need not fit in memory; pcdist.loader reads them.
+Datasets (items ``(x, label)``) that need not fit in memory; pcdist.service.loader reads them.
 
 A missing or malformed file raises DataError naming the path and the expected format.
 """

@@ -21,7 +21,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
 
     Image models (cnn, vgg, deconv: ``Model.images``, pcdist/service/models.py) take images as they are
     ([N, C, H, W]); the vector models (mlp, mupc) take in-memory inputs flattened to [N, features] (a view),
-    and streamed batches flattened as they arrive (pcdist.loader). ``data.normalize`` standardises
+    and streamed batches flattened as they arrive (pcdist.service.loader). ``data.normalize`` standardises
     in-memory inputs per channel.
     Returns the data and how its inputs were prepared (saved in the run's model.json).
     """
@@ -112,7 +112,7 @@ def _check_data(c: Config, ds) -> None:
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     model.check_data(c, ds, shape)
-    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.loader)
+    if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.service.loader)
         for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
             if not torch.isfinite(x).all():
                 raise DataError(f"data {c.data.name} {name} inputs contain NaN or Inf")

@@ -4,7 +4,8 @@
 Evaluation is chosen by the run's PC mode (``EVALUATORS``, keyed by ``pc.mode``; runs before
 modes existed are ``supervised``): its ``Evaluator`` (pcdist/service/evaluators.py), the test that
 validation runs during training, here in full (``held_out_test``). The
-supervised test is PC's (DESIGN.md section 1, step 4): one feed-forward pass, argmax of u_L;
+supervised test is PC's at test time (with h_L free, inference leaves the feed-forward values where they are:
+every error is 0): one feed-forward pass, argmax of u_L;
 beside it the energy F of the label-clamped network after ``pc.T`` inference steps
 (overridable: ``pc.T=50``), per-class accuracy and the confusion matrix. The generative test is
 classification by inference and the unsupervised one reconstruction (docs/modes.md; their

@@ -101,7 +101,8 @@ class Evaluator:
 
 
 class Supervised(Evaluator):
-    """The supervised test (PC's, DESIGN.md section 1, step 4): one feed-forward pass, argmax of u_L."""
+    """The supervised test (PC's at test time: with h_L free the feed-forward values are already at equilibrium,
+    every error 0): one feed-forward pass, argmax of u_L."""
 
     mode = "supervised"
 
