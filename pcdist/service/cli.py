@@ -206,6 +206,19 @@ def _remove_new_dirs() -> None:
             break
 
 
+def _remove_new_dirs_on_sigterm() -> None:
+    """Until training installs its own handler (preemption.py), a SIGTERM (torchrun stopping this rank because
+    another one failed, a scancel) first removes the directories this launch created while they are still empty,
+    then ends the process by the signal as before: a launch stopped before training leaves nothing either."""
+    def handler(signum, frame):
+        _remove_new_dirs()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main() -> None:
     """Check the command line, then parse it as Hydra overrides and train."""
     try:
@@ -229,15 +242,19 @@ def _main() -> None:
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
     sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
+    ours = False  # the run directory is this launch's own name (every torchrun rank gets the same one)
     if not named and not any(a.startswith(("--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
                              for a in sys.argv[1:]):
         try:  # the new run directory, named before Hydra resolves it (cached: Hydra gets the same)
-            named = [launch_run_dir("runs")]  # as conf/config.yaml asks (the cache is keyed by the argument)
+            named, ours = [launch_run_dir("runs")], True  # as conf/config.yaml asks (cached by the argument)
         except ConfigError as e:
             fail(str(e))
     if named:  # Hydra creates them before the run starts
         path = Path(named[-1]).absolute()
         _new_dirs[:] = [p for p in [path, *path.parents] if not p.exists()]
+        if ours and path not in _new_dirs:  # another rank of this launch made it first: it is this launch's still
+            _new_dirs.insert(0, path)
+        _remove_new_dirs_on_sigterm()
     try:
         hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind
