@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check"]
+__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check", "finite"]
 
 ALGORITHMS = ("pc", "ipc")
 INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
@@ -16,7 +16,8 @@ INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
 (one backward chain, scaled)."""
 
 
-def _number(x: Any) -> bool:
+def finite(x: Any) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -37,11 +38,11 @@ class Rule(NamedTuple):
 RULES = {
     "T": Rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1",
               "T (inference steps)"),
-    "x_lr": Rule(lambda v: _number(v) and v > 0, "a finite number > 0", "x_lr (value-node learning rate)"),
-    "x_momentum": Rule(lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)", "x_momentum"),
+    "x_lr": Rule(lambda v: finite(v) and v > 0, "a finite number > 0", "x_lr (value-node learning rate)"),
+    "x_momentum": Rule(lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)", "x_momentum"),
     "algorithm": Rule(lambda v: v in ALGORITHMS, "one of " + ", ".join(ALGORITHMS), "algorithm"),
     "init": Rule(lambda v: v in INITS, "one of " + ", ".join(INITS), "init (the value-node init)"),
-    "value_noise": Rule(lambda v: _number(v) and v >= 0, "a finite number >= 0",
+    "value_noise": Rule(lambda v: finite(v) and v >= 0, "a finite number >= 0",
                         "value noise (the temperature tau)"),
 }
 """Each engine setting's rule, by its ``PCTrainer`` argument name (the service's key is ``pc.<name>``)."""

@@ -46,7 +46,7 @@ from .network import PCNetwork
 from .nodes import ValueNodes
 from .values import ValueOptimizer, ValueRule
 
-__all__ = ["Stage", "INITS", "check_init", "energy_dtype"]
+__all__ = ["Stage", "INITS", "energy_dtype"]
 
 
 class Stage:
@@ -63,7 +63,7 @@ class Stage:
     def __init__(self, net: PCNetwork, batch_size: int, x_momentum: float | ValueRule = 0.0, init: str = "ff",
                  static_weights: bool = False, free_bottom: bool = False, free_top: bool = False,
                  dynamic_precision: bool = False, dtype: torch.dtype | None = None):
-        check_init(init)
+        check("init", init)
         self.net, self.B, self.init = net, batch_size, init
         self.free_bottom, self.free_top = free_bottom, free_top
         p = next(net.parameters())
@@ -224,11 +224,6 @@ class Stage:
         """Batch-mean energy of each owned group's layers, from the last ``errors``: the global layers
         ``energy_index`` .. stop - 1, where index 0 is the prior of a free h_0."""
         return torch.cat([gr.energies().to(self.energy_log.dtype) for gr in self.groups]) / self.B
-
-
-def check_init(init: str) -> str:
-    """``init``, or a ValueError listing the value-node inits (arguments.py's rule)."""
-    return check("init", init)
 
 
 def energy_dtype(dtype: torch.dtype) -> torch.dtype:

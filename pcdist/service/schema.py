@@ -6,7 +6,6 @@ line's help are in config.py."""
 
 from __future__ import annotations
 
-import math
 import ast
 import dataclasses
 import inspect
@@ -16,7 +15,7 @@ from typing import Any, Optional
 
 
 from ..engine.activations import ACTIVATIONS
-from ..engine.arguments import ALGORITHMS, RULES
+from ..engine.arguments import ALGORITHMS, RULES, finite as _finite
 from ..errors import ConfigError
 from ..engine.energies import ENERGIES
 from ..engine.layers.dense import INITS as DENSE_INITS
@@ -301,10 +300,6 @@ def num_layers(c: Config) -> int:
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"config {key}={value!r} is invalid: allowed {allowed}")
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def validate(c: Config) -> None:
