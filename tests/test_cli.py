@@ -173,8 +173,8 @@ def test_the_service_makes_waiting_openmp_threads_sleep_unless_told_otherwise(en
              "-m pcdist": "import runpy, sys; sys.argv = ['pcdist', '--help']; "
                           "runpy.run_module('pcdist', run_name='__main__')",
              "import pcdist": "import pcdist"}[entry]
-    code = (f"import os\ntry:\n    {start}\nexcept SystemExit:\n    pass\n"
-            "print('policy', os.environ.get('OMP_WAIT_POLICY'))")
+    code = ("import atexit, os\natexit.register(lambda: print('policy', os.environ.get('OMP_WAIT_POLICY')))\n"
+            f"{start}")  # the commands end the process; its atexit functions run
     for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         env.update({"OMP_WAIT_POLICY": given} if given else {})
@@ -194,3 +194,26 @@ def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):
         assert torch.get_num_threads() == want
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("status, code, stderr", [(3, 3, ""), ("a message", 1, "a message\n")])
+def test_the_program_ends_as_pythons_exit_does_without_the_teardown(tmp_path, status, code, stderr):
+    """end_process (how train.py and every command end) keeps what Python's own exit does: it waits for a
+    thread that is not a daemon, runs the atexit functions, flushes a file left open and stdout, and
+    exits with sys.exit's status (None: 0; a message: on stderr, 1)."""
+    script = f"""
+import atexit, threading, time
+from pathlib import Path
+from pcdist.service.cli import end_process
+d = Path({str(tmp_path)!r})
+left_open = open(d / "open.txt", "w")
+left_open.write("written, never closed")
+threading.Thread(target=lambda: (time.sleep(0.5), (d / "thread.txt").write_text("joined"))).start()
+atexit.register(lambda: (d / "atexit.txt").write_text("ran"))
+print("to stdout", end="")
+end_process({status!r})
+"""
+    r = run([sys.executable, "-c", script])
+    assert (r.returncode, r.stdout, r.stderr) == (code, "to stdout", stderr)
+    assert [(tmp_path / f).read_text() for f in ("open.txt", "thread.txt", "atexit.txt")] == [
+        "written, never closed", "joined", "ran"]

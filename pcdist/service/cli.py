@@ -22,12 +22,17 @@ for a launch that then fails before training are removed: a failed launch leaves
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
+import io
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
@@ -220,12 +225,53 @@ def _remove_new_dirs_on_sigterm() -> None:
 
 
 def main() -> None:
-    """Check the command line, then parse it as Hydra overrides and train."""
+    """The program: check the command line, then parse it as Hydra overrides and train; then end the process."""
     try:
         _main()
+        status = 0
     except BrokenPipeError:  # `python -m pcdist --help | head`: the reader has gone, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        status = 1
+    except SystemExit as e:
+        status = e.code
+    end_process(status)
+
+
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def end_process(status: int | str | None) -> NoReturn:
+    """End the process as Python's own exit does, less the teardown of the interpreter.
+
+    Python's exit waits for the threads that are not daemons, runs the ``atexit`` functions (wandb
+    finishing its run, logging flushing its files, multiprocessing reaping DataLoader workers) and
+    flushes stdout and stderr; then it tears every module down, which with torch loaded costs about
+    0.8 CPU-s per process (a 1-step run: 4.4 -> 3.6 CPU-s), paid by every rank of every launch and
+    every command. This does the first three, flushes the files still open (what the teardown would
+    have done for them), and ends the process with ``status`` as ``sys.exit`` would (None: 0; a
+    message: printed to stderr, 1). An uncaught exception does not come here: Python reports it."""
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for f in gc.get_objects():  # open files: the teardown would have flushed them when it freed them
+        if type(f) in _BUFFERED:
+            try:
+                if not f.closed:
+                    f.flush()
+            except (OSError, ValueError):  # a pipe whose reader has gone, a file closed meanwhile
+                pass
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _main() -> None:
