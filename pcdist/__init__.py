@@ -17,28 +17,38 @@ if "torch" not in _sys.modules:  # OpenMP reads its wait policy once, when torch
     # spinning threads made CPU runs 6-13x slower (docs/service.md, "Threads on CPU"). ACTIVE: spin (dedicated cores).
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .distributed.parallel import Parallel, ParallelDims, init_distributed
-from .engine import deeppcr, layers
-from .engine.diagnostics import diagnose
-from .engine.activations import ACTIVATIONS, Activation, get_activation
-from .engine.energies import ENERGIES
-from .engine.fuse import FusedModules, fuse
-from .engine.layers import (AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear,
-                            mupc_layers, mupc_specs)
-from .engine.layers.prior import Prior
-from .engine.schedules import top_down
-from .engine.network import PCNetwork, mlp_specs
-from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
-from .engine.values import ValueRule
-from .errors import ConfigError
-from .service import data
-from .service.config import compose
-from .service.backprop import BackpropTrainer
-from .service.compare import compare
-from .service.evaluate import evaluate, predict
-from .service.export import export
-from .service.load import Run, RunError, load
-from .service.run import Preempted, Result, train
+import gc as _gc
+
+# Importing torch and pcdist makes ~300k objects (modules, functions, classes: no garbage), and the garbage
+# collector would pass over them again and again as they are made: off while they import, then as it was.
+_collecting = _gc.isenabled()
+_gc.disable()
+try:
+    from .distributed.parallel import Parallel, ParallelDims, init_distributed
+    from .engine import deeppcr, layers
+    from .engine.diagnostics import diagnose
+    from .engine.activations import ACTIVATIONS, Activation, get_activation
+    from .engine.energies import ENERGIES
+    from .engine.fuse import FusedModules, fuse
+    from .engine.layers import (AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear,
+                                mupc_layers, mupc_specs)
+    from .engine.layers.prior import Prior
+    from .engine.schedules import top_down
+    from .engine.network import PCNetwork, mlp_specs
+    from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
+    from .engine.values import ValueRule
+    from .errors import ConfigError
+    from .service import data
+    from .service.config import compose
+    from .service.backprop import BackpropTrainer
+    from .service.compare import compare
+    from .service.evaluate import evaluate, predict
+    from .service.export import export
+    from .service.load import Run, RunError, load
+    from .service.run import Preempted, Result, train
+finally:
+    if _collecting:
+        _gc.enable()
 
 # pcdist.layers, pcdist.data and pcdist.deeppcr stay importable by their short names.
 for _name, _module in (("layers", layers), ("data", data), ("deeppcr", deeppcr)):

@@ -217,3 +217,24 @@ end_process({status!r})
     assert (r.returncode, r.stdout, r.stderr) == (code, "to stdout", stderr)
     assert [(tmp_path / f).read_text() for f in ("open.txt", "thread.txt", "atexit.txt")] == [
         "written, never closed", "joined", "ran"]
+
+
+def test_the_collector_is_left_as_it_was_and_a_crash_reports_no_leaks():
+    """pcdist's import turns the garbage collector off while it imports, then on again; the training path
+    freezes what the imports made (cli._settle_imports), and an exception that ends the process by Python's own
+    exit unfreezes it first: the traceback, and no leak report of triton's objects (nanobind lists the objects
+    a teardown left unfreed)."""
+    script = """
+import gc
+assert gc.isenabled()
+from pcdist.service import cli
+assert gc.isenabled(), "import pcdist left the collector off"
+def crash():
+    cli._settle_imports()
+    raise RuntimeError("a bug")
+cli._main = crash
+cli.main()
+"""
+    r = run([sys.executable, "-c", script])
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: a bug"), r.stderr[-3000:]
+    assert "leaked" not in r.stderr, r.stderr[-3000:]

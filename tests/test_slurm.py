@@ -38,7 +38,7 @@ STEPS = 300
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", "trainer.eval_every=150", "trainer.ckpt_every=1000",
        "logger=none", "trainer.progress=off", "parallel.timeout_s=120", "pc.T=5"]  # T=5: half a step's cost
 TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
-NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError")
+NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError", "nanobind")
 
 
 def required() -> bool:
