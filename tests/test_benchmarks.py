@@ -5,23 +5,45 @@ What is checked is that the reported ratios are the ones defined in each script'
 docstring, recomputed from the raw samples the script saved.
 """
 
+import contextlib
+import io
 import json
+import os
+import runpy
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    """``python benchmarks/<script> <args>`` from the checkout, run as that command runs it (as ``__main__``,
+    its folder first on the path) but in this process: a process of its own would add 3 CPU-s of imports to
+    each. What a script changes of the process (torch's threads and random state, the environment, the path)
+    is put back. Returns what it printed."""
+    path = ROOT / "benchmarks" / script
+    saved = torch.get_num_threads(), torch.get_rng_state(), dict(os.environ), sys.argv[:], sys.path[:], os.getcwd()
+    printed = io.StringIO()
+    sys.argv, sys.path[:0] = [str(path), *args], [str(path.parent)]
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"{script} exited with {e.code}:\n{printed.getvalue()[-3000:]}"
+    finally:
+        threads, rng, env, sys.argv, sys.path[:], cwd = saved
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+    return printed.getvalue()
 
 
 @pytest.mark.parametrize("activation,stem", [("tanh", "fusion"), ("gelu", "fusion_gelu")])
