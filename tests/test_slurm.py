@@ -196,12 +196,31 @@ def assert_resumed(job: Job, step: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory) -> Path:
-    """An uninterrupted two-process run: what every interrupted run must end as."""
-    job = Job(cluster, tmp_path_factory.mktemp("reference"), TWO_CPUS, RUN)
-    fields = job.wait_finished()
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", job.log
-    return job.run_dir
+def pair(cluster, tmp_path_factory) -> tuple[Job, Job, int]:
+    """Two two-process jobs at once on the node, and something else already listening on the port the
+    second job's id points to: (the first, the second, that port)."""
+    folder = tmp_path_factory.mktemp("pair")
+    first = Job(cluster, folder / "first", TWO_CPUS, RUN)
+    second = Job(cluster, folder / "second", ["--hold", *TWO_CPUS], RUN)
+    taken = 15000 + int(second.id) % 15000
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", taken))
+        squatter.listen()
+        cluster.run("scontrol", "release", second.id)
+        for job in (first, second):
+            job.wait_finished()
+    return first, second, taken
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> Path:
+    """An uninterrupted two-process run: what every interrupted run must end as. The first job of the pair
+    (test_two_jobs_on_one_node_never_meet checks that it trained alone, on two ranks)."""
+    first = pair[0]
+    fields = first.fields()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", first.log
+    assert "mesh: 2 ranks" in first.log, first.log
+    return first.run_dir
 
 
 def test_the_script_as_shipped_trains_on_a_cpu_only_cluster(cluster, tmp_path):
@@ -360,28 +379,23 @@ def test_a_mistake_is_one_line_and_the_job_fails_before_any_worker_starts(cluste
     assert not (job.run_dir / "metrics.jsonl").exists()
 
 
-def test_two_jobs_on_one_node_never_meet(cluster, reference, tmp_path):
+def test_two_jobs_on_one_node_never_meet(pair, reference):
     """Two two-process jobs at once on the node, and something else already listening on the port the
     second job's id points to: each job rendezvous on its own port and trains its own two ranks, so both
-    end exactly as the uninterrupted run (a job that met the other would have trained 4 ranks, or hung)."""
-    first = Job(cluster, tmp_path / "first", TWO_CPUS, RUN)
-    second = Job(cluster, tmp_path / "second", ["--hold", *TWO_CPUS], RUN)
-    taken = 15000 + int(second.id) % 15000
-    with socket.socket() as squatter:
-        squatter.bind(("0.0.0.0", taken))
-        squatter.listen()
-        cluster.run("scontrol", "release", second.id)
-        for job in (first, second):
-            fields = job.wait_finished()
-            assert fields["JobState"] == "COMPLETED", job.log
+    end exactly as an uninterrupted run (a job that met the other would have trained 4 ranks, or hung).
+    The first of them is the reference the pre-emption tests end as: the second must equal it."""
+    first, second, taken = pair
+    for job in (first, second):
+        assert job.fields()["JobState"] == "COMPLETED", job.log
     ports = [int(re.search(r"rendezvous \S+:(\d+);", job.log).group(1)) for job in (first, second)]
     assert ports[1] != taken and ports[0] != ports[1], ports
-    a, b = (cluster.job(job.id) for job in (first, second))
+    a, b = first.fields(), second.fields()
     assert b["StartTime"] < a["EndTime"], f"the jobs did not overlap: {a['StartTime']}-{a['EndTime']}, " \
                                           f"{b['StartTime']}-{b['EndTime']}"
     for job in (first, second):
         assert "mesh: 2 ranks" in job.log
-        assert_same_run(job.run_dir, reference)
+        job.assert_clean_log()
+    assert_same_run(second.run_dir, reference)
 
 
 def test_usr1_preemption_under_proctrack_linuxproc(cluster, reference, tmp_path):
