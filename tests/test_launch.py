@@ -147,8 +147,8 @@ PROGRESS = re.compile(r"^step \d+/\d+ ", re.M)
 @pytest.fixture(scope="module")
 def fresh_clone(tmp_path_factory):
     """The repository's files (tracked, and new ones git does not ignore) in a new folder, with a fresh .venv as
-    `make install` leaves it (a venv holding pcdist editable from the copy and the commands of its dependencies;
-    torch and the other dependencies are this environment's, read through a .pth file: no download), stamped as
+    `make install` leaves it (a venv holding pcdist editable from the copy, byte-compiled, and the commands of its
+    dependencies; torch and the other dependencies are this environment's, read through a .pth file), stamped as
     installed so that the README's own `make install` finds it done. Returns (folder, the environment after the
     README's install block)."""
     import importlib.metadata
@@ -173,6 +173,7 @@ def fresh_clone(tmp_path_factory):
         script.write_text(f"#!{clone / '.venv/bin/python'}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
                           f"sys.exit({attr}())\n")
         script.chmod(0o755)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(clone / "pcdist")], check=True, timeout=300)
     (clone / ".venv/.installed").touch()
     # A shell as a reader's: no virtual environment active, no python with torch on the PATH.
     env = {k: v for k, v in os.environ.items()
