@@ -199,15 +199,16 @@ def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):
 @pytest.mark.parametrize("status, code, stderr", [(3, 3, ""), ("a message", 1, "a message\n")])
 def test_the_program_ends_as_pythons_exit_does_without_the_teardown(tmp_path, status, code, stderr):
     """end_process (how train.py and every command end) keeps what Python's own exit does: it waits for a
-    thread that is not a daemon, runs the atexit functions, flushes a file left open and stdout, and
-    exits with sys.exit's status (None: 0; a message: on stderr, 1)."""
+    thread that is not a daemon, runs the atexit functions, flushes a file left open (frozen too) and stdout,
+    and exits with sys.exit's status (None: 0; a message: on stderr, 1)."""
     script = f"""
-import atexit, threading, time
+import atexit, gc, threading, time
 from pathlib import Path
 from pcdist.service.cli import end_process
 d = Path({str(tmp_path)!r})
 left_open = open(d / "open.txt", "w")
 left_open.write("written, never closed")
+gc.freeze()  # as the training path's _settle_imports does: a frozen file is flushed too
 threading.Thread(target=lambda: (time.sleep(0.5), (d / "thread.txt").write_text("joined"))).start()
 atexit.register(lambda: (d / "atexit.txt").write_text("ran"))
 print("to stdout", end="")

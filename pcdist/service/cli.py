@@ -240,9 +240,6 @@ def main() -> None:
     end_process(status)
 
 
-_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-
-
 def _settle_imports() -> None:
     """Before training: import torch._dynamo (torch.optim's first optimizer would: 1.3 CPU-s) with the garbage
     collector off, then freeze every object the imports made, so that the collections during training never
@@ -258,6 +255,9 @@ def _settle_imports() -> None:
         gc.freeze()
         if collecting:
             gc.enable()
+
+
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 
 def end_process(status: int | str | None) -> NoReturn:
@@ -279,6 +279,7 @@ def end_process(status: int | str | None) -> NoReturn:
         if t is not threading.main_thread() and not t.daemon:
             t.join()
     atexit._run_exitfuncs()
+    gc.unfreeze()  # frozen objects are not listed by get_objects
     for f in gc.get_objects():  # open files: the teardown would have flushed them when it freed them
         if type(f) in _BUFFERED:
             try:
