@@ -173,6 +173,7 @@ def _train(cfg) -> float | None:
     run_dir = None
     try:
         c = load_config(cfg)
+        _settle_imports()  # the config is valid: this process trains (or checks its run directory)
         c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
@@ -241,12 +242,13 @@ def main() -> None:
 
 
 def _settle_imports() -> None:
-    """Before training: import torch._dynamo (torch.optim's first optimizer would: 1.3 CPU-s) with the garbage
-    collector off, then freeze every object the imports made, so that the collections during training never
-    pass over them again: 0.7 CPU-s of every rank of every launch (a 1-step run: 4.1 -> 3.4 CPU-s). The
-    process then ends by end_process, whose skipped teardown is what makes freezing safe: a teardown would
-    leave the frozen objects unfreed (and nanobind, in triton, would list them as leaks); main unfreezes
-    them where an exception ends the process by Python's own exit."""
+    """Once the config is valid (a launch refused before then does not pay for it): import torch._dynamo (which
+    torch.optim's first optimizer would import: 1.3 CPU-s) with the garbage collector off, then freeze every
+    object the imports made, so that the collections during training never pass over them again: 0.4-0.7
+    CPU-s of every rank of every launch (a 1-step run: 4.1 -> 3.7 CPU-s). The process then ends by
+    end_process, whose skipped teardown is what makes freezing safe: a teardown would leave the frozen
+    objects unfreed (and nanobind, in triton, would list them as leaks); main unfreezes them where an
+    exception ends the process by Python's own exit."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -305,7 +307,6 @@ def _main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
         sys.exit(command(sys.argv[1:]))
     before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
-    _settle_imports()
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
     sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
