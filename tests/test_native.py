@@ -4,6 +4,7 @@ training with it against training without it."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -259,14 +260,26 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_unusable_cache_folder_builds_in_the_temp_folder(tmp_path):
+def test_unusable_cache_folder_builds_in_the_temp_folder_once_for_processes_started_together(tmp_path):
     """A cache folder that cannot be created or written (a read-only home in a container;
-    here a path under a plain file, which even root cannot create) must not cost the fast path."""
+    here a path under a plain file, which even root cannot create) must not cost the fast path:
+    the kernel is built in the temp folder. Two processes that need it at once (the ranks of a first
+    launch) compile it once: the compiler (a wrapper that logs each call) runs once per flag set tried, and both
+    load that build."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     (tmp_path / "tmp").mkdir()
+    calls = tmp_path / "cc-calls"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {shutil.which(os.environ.get("CC") or "cc")} "$@"\n')
+    cc.chmod(0o755)
     code = "from pcdist.engine import native; lib = native.library(); assert lib is not None; print(lib._name)"
-    env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().startswith(str(tmp_path / "tmp")), proc.stdout
+    env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp"), "CC": str(cc)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    loaded = {out.strip() for out, _ in outs}
+    assert len(loaded) == 1 and loaded.pop().startswith(str(tmp_path / "tmp")), outs
+    tried = [re.sub(r" -o \S+", "", line) for line in calls.read_text().splitlines()]  # one per flag set it tried
+    assert tried and len(tried) == len(set(tried)), f"each build compiled once, not once per process: {tried}"

@@ -9,13 +9,15 @@ It is compiled on first use with the system C compiler (``$CC``, else ``cc``) in
 a cache folder (``$PCDIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcdist`` or
 ``~/.cache/pcdist``; the temp folder if that cannot be written), keyed by the source,
 the flags and this CPU's feature flags, so a shared home folder on a mixed cluster never
-loads a binary built for another CPU. Without a compiler, or with ``PCDIST_NATIVE=0``, the engine keeps the torch
+loads a binary built for another CPU; processes that need it at once (the ranks of a first launch) compile it
+once, the others waiting for that build. Without a compiler, or with ``PCDIST_NATIVE=0``, the engine keeps the torch
 ops (a warning says why), and GPUs always use them. Both give the same numbers to
 round-off (tests/test_native.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -78,22 +80,52 @@ def _build(cc: str) -> Path:
             if out.exists():
                 return out
             out.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: ranks compiling at once never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        libs = [f for f in flags if f.startswith("-l")]
-        cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-shared", "-fPIC", str(_SOURCE), "-o", tmp, *libs]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            os.unlink(tmp)
-            raise RuntimeError(f"the C compiler did not finish within 300 s: {' '.join(cmd)}") from None
-        if proc.returncode == 0:
-            os.replace(tmp, out)
+        with _only_one_builds(out):
+            if out.exists():  # another process built it while this one waited
+                return out
+            error = _compile(cc, flags, out)
+        if error is None:
             return out
-        os.unlink(tmp)
-        errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-800:]}")
+        errors.append(error)
     raise RuntimeError("could not compile pcdist/engine/_native.c:\n" + "\n".join(errors))
+
+
+@contextlib.contextmanager
+def _only_one_builds(out: Path):
+    """Held while ``out`` is built: the ranks of a first launch on a machine (or a node of a cluster sharing a home
+    folder) start at once, and one of them compiles (~17 CPU-s) while the others wait and load its build, instead
+    of each compiling the same file. A lock file beside it (flock: released if its holder dies); where flock does
+    not exist, every process builds, as each renames its own complete build into place."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(out.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile to ``out`` with ``flags``: None, or the compiler's command and output."""
+    # Build beside the target and rename: a process never loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    libs = [f for f in flags if f.startswith("-l")]
+    cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-shared", "-fPIC", str(_SOURCE), "-o", tmp, *libs]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        os.unlink(tmp)
+        raise RuntimeError(f"the C compiler did not finish within 300 s: {' '.join(cmd)}") from None
+    if proc.returncode == 0:
+        os.replace(tmp, out)
+        return None
+    os.unlink(tmp)
+    return f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-800:]}"
 
 
 def library() -> ctypes.CDLL | None:
