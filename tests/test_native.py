@@ -4,6 +4,7 @@ training with it against training without it."""
 from __future__ import annotations
 
 import os
+import pty
 import re
 import shutil
 import subprocess
@@ -265,7 +266,8 @@ def test_unusable_cache_folder_builds_in_the_temp_folder_once_for_processes_star
     here a path under a plain file, which even root cannot create) must not cost the fast path:
     the kernel is built in the temp folder. Two processes that need it at once (the ranks of a first
     launch) compile it once: the compiler (a wrapper that logs each call) runs once per flag set tried, and both
-    load that build."""
+    load that build. On a terminal the wait is said in a line (compiling, or waiting for the other process);
+    in a log, nothing."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     (tmp_path / "tmp").mkdir()
@@ -275,11 +277,28 @@ def test_unusable_cache_folder_builds_in_the_temp_folder_once_for_processes_star
     cc.chmod(0o755)
     code = "from pcdist.engine import native; lib = native.library(); assert lib is not None; print(lib._name)"
     env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp"), "CC": str(cc)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    terminal, its_end = pty.openpty()  # the first process's stderr is a terminal, the second's a pipe (a log)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+             for err in (its_end, subprocess.PIPE)]
+    os.close(its_end)
     outs = [p.communicate(timeout=300) for p in procs]
+    shown = b""
+    while True:  # what the terminal showed, until the process closed it
+        try:
+            chunk = os.read(terminal, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(terminal)
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     loaded = {out.strip() for out, _ in outs}
     assert len(loaded) == 1 and loaded.pop().startswith(str(tmp_path / "tmp")), outs
+    said = shown.decode().strip()  # the compiler's wait, said on the terminal: compiling it, or waiting for the other
+    assert said == f"pcdist: compiling the fused CPU kernel for this CPU, once (about 20 s; kept in " \
+                   f"{tmp_path / 'tmp' / f'pcdist-{os.getuid()}'})" or \
+        said == "pcdist: waiting for another process to compile the fused CPU kernel (once for this CPU)", said
+    assert outs[1][1] == "", "nothing in a log"
     tried = [re.sub(r" -o \S+", "", line) for line in calls.read_text().splitlines()]  # one per flag set it tried
     assert tried and len(tried) == len(set(tried)), f"each build compiled once, not once per process: {tried}"

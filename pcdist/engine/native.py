@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -83,6 +84,8 @@ def _build(cc: str) -> Path:
         with _only_one_builds(out):
             if out.exists():  # another process built it while this one waited
                 return out
+            if not errors:
+                _tell(f"compiling the fused CPU kernel for this CPU, once (about 20 s; kept in {out.parent})")
             error = _compile(cc, flags, out)
         if error is None:
             return out
@@ -102,11 +105,21 @@ def _only_one_builds(out: Path):
         yield
         return
     with open(out.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _tell("waiting for another process to compile the fused CPU kernel (once for this CPU)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _tell(what: str) -> None:
+    """A line on a terminal (a first run waits for the compiler, and should say why); nothing in a log."""
+    if sys.stderr.isatty():
+        print(f"pcdist: {what}", file=sys.stderr, flush=True)
 
 
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
