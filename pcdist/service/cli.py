@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import io
 import os
@@ -241,6 +242,7 @@ def main() -> None:
     end_process(status)
 
 
+@functools.cache  # once per process: a sweep's later jobs would freeze the garbage its earlier jobs left
 def _settle_imports() -> None:
     """Once the config is valid (a launch refused before then does not pay for it): import torch._dynamo (which
     torch.optim's first optimizer would import: 1.3 CPU-s) with the garbage collector off, then freeze every
