@@ -24,6 +24,9 @@ import gc as _gc
 _collecting = _gc.isenabled()
 _gc.disable()
 try:
+    from .engine.startup import defer_dynamo
+
+    defer_dynamo()  # torch.optim imports torch._dynamo (1.3 CPU-s) only once something compiles
     from .distributed.parallel import Parallel, ParallelDims, init_distributed
     from .engine import deeppcr, layers
     from .engine.diagnostics import diagnose

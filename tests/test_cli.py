@@ -208,7 +208,7 @@ from pcdist.service.cli import end_process
 d = Path({str(tmp_path)!r})
 left_open = open(d / "open.txt", "w")
 left_open.write("written, never closed")
-gc.freeze()  # as the training path's _settle_imports does: a frozen file is flushed too
+gc.freeze()  # as a program may: a frozen file is flushed too
 threading.Thread(target=lambda: (time.sleep(0.5), (d / "thread.txt").write_text("joined"))).start()
 atexit.register(lambda: (d / "atexit.txt").write_text("ran"))
 print("to stdout", end="")
@@ -221,17 +221,15 @@ end_process({status!r})
 
 
 def test_the_collector_is_left_as_it_was_and_a_crash_reports_no_leaks():
-    """pcdist's import turns the garbage collector off while it imports, then on again; the training path
-    freezes what the imports made (cli._settle_imports), and an exception that ends the process by Python's own
-    exit unfreezes it first: the traceback, and no leak report of triton's objects (nanobind lists the objects
-    a teardown left unfreed)."""
+    """pcdist's import turns the garbage collector off while it imports, then on again; an exception ends the
+    process by Python's own exit: the traceback, and no leak report of triton's objects (nanobind lists the
+    objects a teardown left unfreed)."""
     script = """
 import gc
 assert gc.isenabled()
 from pcdist.service import cli
 assert gc.isenabled(), "import pcdist left the collector off"
 def crash():
-    cli._settle_imports()
     raise RuntimeError("a bug")
 cli._main = crash
 cli.main()

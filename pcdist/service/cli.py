@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import gc
 import io
 import os
@@ -174,7 +173,6 @@ def _train(cfg) -> float | None:
     run_dir = None
     try:
         c = load_config(cfg)
-        _settle_imports()  # the config is valid: this process trains (or checks its run directory)
         c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
@@ -236,29 +234,7 @@ def main() -> None:
         status = 1
     except SystemExit as e:
         status = e.code
-    except BaseException:  # a traceback, then Python's own exit (its teardown frees what _settle_imports froze)
-        gc.unfreeze()
-        raise
     end_process(status)
-
-
-@functools.cache  # once per process: a sweep's later jobs would freeze the garbage its earlier jobs left
-def _settle_imports() -> None:
-    """Once the config is valid (a launch refused before then does not pay for it): import torch._dynamo (which
-    torch.optim's first optimizer would import: 1.3 CPU-s) with the garbage collector off, then freeze every
-    object the imports made, so that the collections during training never pass over them again: 0.4-0.7
-    CPU-s of every rank of every launch (a 1-step run: 4.1 -> 3.7 CPU-s). The process then ends by
-    end_process, whose skipped teardown is what makes freezing safe: a teardown would leave the frozen
-    objects unfreed (and nanobind, in triton, would list them as leaks); main unfreezes them where an
-    exception ends the process by Python's own exit."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        import torch._dynamo  # noqa: F401
-    finally:
-        gc.freeze()
-        if collecting:
-            gc.enable()
 
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
