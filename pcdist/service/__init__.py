@@ -1,6 +1,6 @@
 """The training service: a config in, a trained, logged, checkpointed run out.
 
-* ``schema.py``      the structured config: a dataclass per group, a docstring per key, ``validate``
+* ``schema.py``      the structured config: a dataclass per group, a docstring and a range check per key, ``validate``
 * ``config.py``      the config composed (conf/ through Hydra, ``compose``, ``make_config``), the overrides
 * ``cli.py``         the command line (``train.py``, ``pcdist-train``, ``python -m pcdist``)
 * ``run.py``         ``train(cfg)``: one run on 1 to N ranks: checks, device, process group, then

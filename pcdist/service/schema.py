@@ -1,6 +1,7 @@
 """The schema of a run's config: one dataclass per group (``ModelConfig`` ... ``LoggerConfig``, ``Config``),
-a docstring under every key (``config_keys`` reads them for ``--help``), and ``validate``, which checks every
-value's range (the message names the key and what is allowed). The defaults mirror ``conf/``'s (a test keeps
+a docstring under every key (``config_keys`` reads them for ``--help``), a ``check`` under each group's keys
+that refuses their values out of range (the message names the key and what is allowed), and ``validate``,
+which runs them and checks what spans groups. The defaults mirror ``conf/``'s (a test keeps
 them equal), so ``Config()`` is the default run too. Composing it with Hydra, the overrides and the command
 line's help are in config.py."""
 
@@ -83,6 +84,26 @@ class ModelConfig:
     kernels at stride 1)."""
 
 
+    def check(self) -> None:
+        """Refuse a value out of its key's range (the chosen model's own checks: its ``Model.check``)."""
+        _check(len(self.dims) >= 2 and all(x >= 1 for x in self.dims), "model.dims", self.dims,
+               "a list of at least two widths >= 1")
+        _check(self.width >= 1, "model.width", self.width, "an integer >= 1")
+        _check(self.depth >= 2, "model.depth", self.depth, "an integer >= 2 (input and output layers)")
+        _check(self.init in DENSE_INITS, "model.init", self.init, ", ".join(DENSE_INITS))
+        _check(len(self.channels) >= 1 and all(x >= 1 for x in self.channels), "model.channels", self.channels,
+               "a list of at least one channel count >= 1")
+        _check(self.kernel_size >= 1, "model.kernel_size", self.kernel_size, "an integer >= 1")
+        _check(all(p in ("max", "avg", "none") for p in self.pool), "model.pool", self.pool,
+               "a list of max, avg, none")
+        _check(all(x >= 1 for x in self.head), "model.head", self.head, "a list of widths >= 1")
+        for key, vals, low in (("model.stride", self.stride, 1), ("model.padding", self.padding, 0)):
+            _check(all(v >= low for v in vals), key, vals, f"a list of integers >= {low}, one per conv layer")
+        _check(self.variant in ("vgg5", "vgg7"), "model.variant", self.variant, "vgg5, vgg7")
+        _check(self.activation in ACTIVATIONS, "model.activation", self.activation, ", ".join(ACTIVATIONS))
+        _check(self.energy in ENERGIES, "model.energy", self.energy, ", ".join(ENERGIES))
+
+
 @dataclass
 class DataConfig:
     name: str = "digits"
@@ -116,6 +137,27 @@ class DataConfig:
     augment: bool = False
     """Images: random crops after 4 pixels of zero padding and random horizontal flips of every training
     batch (PCX's CIFAR augmentation), drawn from (trainer.seed, step)."""
+
+
+    def check(self) -> None:
+        """Refuse a value out of its key's range, or a key the chosen data set does not read."""
+        _check(self.name in DATASETS or self.name == PYTHON_DATA, "data.name", self.name, ", ".join(DATASETS))
+        if self.path is not None and self.name != "arrays":
+            raise ConfigError(f"config data.path={self.path} is read by data=arrays only, but the data is {self.name}: "
+                              f"add data=arrays (or leave out data.path)")
+        if self.root is not None and self.name not in ROOT_DATASETS:
+            raise ConfigError(f"config data.root={self.root} is read by data={', '.join(ROOT_DATASETS)} only, but the "
+                              f"data is {self.name}: choose one of them (or leave out data.root; your own arrays: "
+                              f"data=arrays data.path=...)")
+        _check(self.num_classes is None or self.num_classes >= 1, "data.num_classes", self.num_classes,
+               "null or an integer >= 1")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
+        _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "an integer >= 1")
+        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a fraction in (0, 1)")
+        _check(self.synthetic_train >= 1 and self.synthetic_val >= 1, "data.synthetic_train", self.synthetic_train,
+               "sizes >= 1")
+        _check(not self.signal or self.name == "arrays", "data.signal", self.signal,
+               f"false with data={self.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
 
 
 @dataclass
@@ -182,6 +224,54 @@ class PCConfig:
     """Steps between diagnostics (>= 1; null: trainer.eval_every); the first is taken before the first update."""
 
 
+    def check(self) -> None:
+        """Refuse a value out of its key's range, or pc.* values that do not go together."""
+        for name in ("T", "x_momentum", "init", "value_noise"):  # the engine's rules (engine/arguments.py)
+            _check(RULES[name].ok(getattr(self, name)), f"pc.{name}", getattr(self, name), RULES[name].allowed)
+        _check(self.x_lr == "auto" or RULES["x_lr"].ok(self.x_lr), "pc.x_lr", self.x_lr,
+               f"{RULES['x_lr'].allowed} or auto")
+        _check(self.value_optimizer in VALUE_OPTIMIZERS, "pc.value_optimizer", self.value_optimizer,
+               ", ".join(VALUE_OPTIMIZERS))
+        _check(self.value_optimizer != "nesterov" or self.x_momentum > 0, "pc.x_momentum", self.x_momentum,
+               "a number in (0, 1) with pc.value_optimizer=nesterov")
+        _check(not self.value_optimizer.startswith("adam") or self.x_momentum == 0, "pc.x_momentum", self.x_momentum,
+               f"0 with pc.value_optimizer={self.value_optimizer} (Adam keeps its own averages)")
+        _check(self.solver in SOLVERS, "pc.solver", self.solver,
+               ", ".join(SOLVERS) + " (adaptive: pc.eval_solver only)")
+        _check(self.solver == "euler" or self.value_optimizer == "sgd" and self.x_momentum == 0, "pc.solver",
+               self.solver, f"euler with pc.value_optimizer={self.value_optimizer} pc.x_momentum={self.x_momentum} "
+               "(heun and rk4 integrate the plain gradient flow)")
+        _check(self.solver == "euler" or not self.value_noise, "pc.solver", self.solver,
+               "euler with pc.value_noise > 0")
+        _check(self.eval_solver is None or self.eval_solver in (*SOLVERS, "adaptive"), "pc.eval_solver",
+               self.eval_solver, "null, " + ", ".join((*SOLVERS, "adaptive")))
+        _check(_finite(self.eval_tol) and self.eval_tol > 0, "pc.eval_tol", self.eval_tol, "a finite number > 0")
+        _check(self.algorithm in (*ALGORITHMS, BP), "pc.algorithm", self.algorithm, ", ".join((*ALGORITHMS, BP)))
+        _check(self.init in ("ff", "deeppcr") or self.mode == "supervised", "pc.init", self.init,
+               f"ff or deeppcr with pc.mode={self.mode} (the inits near equilibrium need both ends clamped)")
+        _check(self.mode in MODES, "pc.mode", self.mode, ", ".join(MODES))
+        _check(self.mode == "supervised" or self.algorithm != BP, "pc.algorithm", self.algorithm,
+               f"pc or ipc with pc.mode={self.mode} (the backprop twin trains the supervised feed-forward map)")
+        _check(self.latent_dim >= 1, "pc.latent_dim", self.latent_dim, "an integer >= 1")
+        _check(_finite(self.prior_precision) and self.prior_precision >= 0, "pc.prior_precision", self.prior_precision,
+               "a finite number >= 0")
+        _check(self.prior_mean in PRIOR_MEANS + ("auto",), "pc.prior_mean", self.prior_mean,
+               ", ".join(PRIOR_MEANS + ("auto",)))
+        _check(self.precision is None or _finite(self.precision) and self.precision >= 0
+               or isinstance(self.precision, list) and all(_finite(v) and v >= 0 for v in self.precision),
+               "pc.precision", self.precision, "null, a number >= 0 or a list of numbers >= 0 (one per layer)")
+        _check(self.precision_schedule in PRECISION_SCHEDULES, "pc.precision_schedule", self.precision_schedule,
+               ", ".join(PRECISION_SCHEDULES))
+        _check(_finite(self.precision_decay) and 0 <= self.precision_decay <= 1, "pc.precision_decay",
+               self.precision_decay, "a number in [0, 1]")
+        _check(self.eval_T is None or self.eval_T >= 1, "pc.eval_T", self.eval_T, "null or an integer >= 1")
+        _check(self.diagnostics_every is None or self.diagnostics_every >= 1, "pc.diagnostics_every",
+               self.diagnostics_every, "null (trainer.eval_every) or an integer >= 1")
+        _check(not self.diagnostics or (self.mode == "supervised" and self.algorithm != BP), "pc.diagnostics",
+               self.diagnostics, f"false with pc.mode={self.mode} pc.algorithm={self.algorithm} (the diagnostics "
+               f"compare a supervised PC run with backprop)")
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"
@@ -202,6 +292,21 @@ class OptimConfig:
     """cosine: final LR as a fraction of lr, in [0, 1]."""
 
 
+    def check(self) -> None:
+        """Refuse a value out of its key's range."""
+        _check(self.name in ("adamw", "sgd"), "optim.name", self.name, "adamw, sgd")
+        _check(_finite(self.lr) and self.lr > 0, "optim.lr", self.lr, "a finite number > 0")
+        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay,
+               "a number >= 0")
+        _check(_finite(self.momentum) and 0 <= self.momentum < 1, "optim.momentum", self.momentum, "a number in [0, 1)")
+        _check(len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas), "optim.betas", self.betas,
+               "two numbers in [0, 1)")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(self.schedule in ("cosine", "constant"), "optim.schedule", self.schedule, "cosine, constant")
+        _check(_finite(self.final_lr_ratio) and 0 <= self.final_lr_ratio <= 1, "optim.final_lr_ratio",
+               self.final_lr_ratio, "[0, 1]")
+
+
 @dataclass
 class ParallelConfig:
     layer: Optional[int] = None
@@ -214,6 +319,16 @@ class ParallelConfig:
     """Micro-batches of the pipelined feed-forward init (>= 1)."""
     timeout_s: float = 300.0
     """Seconds before a silent peer turns into an error (> 0)."""
+
+
+    def check(self) -> None:
+        """Refuse a value out of its key's range (parallel.layer against the model's layers: ``validate``)."""
+        _check(self.layer is None or self.layer >= 1, "parallel.layer", self.layer, "null or an integer >= 1")
+        _check(self.data >= 1, "parallel.data", self.data, "an integer >= 1")
+        _check(self.backend in ("auto", "nccl", "gloo"), "parallel.backend", self.backend, "auto, nccl, gloo")
+        _check(self.micro_batches >= 1, "parallel.micro_batches", self.micro_batches, "an integer >= 1")
+        _check(_finite(self.timeout_s) and self.timeout_s > 0, "parallel.timeout_s", self.timeout_s,
+               "a number of seconds > 0")
 
 
 @dataclass
@@ -259,6 +374,25 @@ class TrainerConfig:
     off (train.log only)."""
 
 
+    def check(self) -> None:
+        """Refuse a value out of its key's range (trainer.batch_size against parallel.data: ``validate``)."""
+        for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "an integer >= 1")
+        _check(self.epochs is None or self.epochs >= 1, "trainer.epochs", self.epochs, "null or an integer >= 1")
+        _check(self.stop_at is None or self.stop_at >= 1, "trainer.stop_at", self.stop_at, "null or an integer >= 1")
+        _check(self.on_divergence in ("stop", "skip"), "trainer.on_divergence", self.on_divergence, "stop, skip")
+        _check(_finite(self.max_energy) and self.max_energy > 0, "trainer.max_energy", self.max_energy,
+               "a finite number > 0")
+        _check(self.device in ("auto", "cpu", "cuda"), "trainer.device", self.device, "auto, cpu, cuda")
+        _check(self.dtype in ("float32", "float64"), "trainer.dtype", self.dtype, "float32, float64")
+        _check(self.precision in PRECISIONS, "trainer.precision", self.precision, ", ".join(PRECISIONS))
+        _check(self.precision != "bf16" or self.dtype == "float32", "trainer.dtype", self.dtype,
+               "float32 under trainer.precision=bf16 (its float32 master weights)")
+        _check(self.compile in COMPILE, "trainer.compile", self.compile, ", ".join(COMPILE))
+        _check(self.threads >= 0, "trainer.threads", self.threads, "an integer >= 0 (0: automatic)")
+        _check(self.progress in ("auto", "on", "off"), "trainer.progress", self.progress, "auto, on, off")
+
+
 @dataclass
 class LoggerConfig:
     name: str = "wandb"
@@ -271,6 +405,12 @@ class LoggerConfig:
     """wandb entity (team or user); None: your default."""
     run_name: Optional[str] = None
     """wandb run name; None: wandb picks one."""
+
+
+    def check(self) -> None:
+        """Refuse a value out of its key's range."""
+        _check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none")
+        _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
 
 
 @dataclass
@@ -303,85 +443,19 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def validate(c: Config) -> None:
-    """Raise ValueError naming the first key whose value is out of range (the model's own keys: its
-    ``Model.check`` in pcdist/service/models.py)."""
+    """Raise ConfigError naming the first key whose value is out of range: each group's own keys (its dataclass's
+    ``check``; the model's: its ``Model.check`` in pcdist/service/models.py), then what spans groups."""
     from .models import MODELS, model_of, modes_allowed  # the registry reads this module's Config
 
-    m, d, pc, o, p, t, lg = c.model, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger
+    m, pc, o, p, t = c.model, c.pc, c.optim, c.parallel, c.trainer
     _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
     model = model_of(c)
-    _check(len(m.dims) >= 2 and all(x >= 1 for x in m.dims), "model.dims", m.dims, "a list of at least two widths >= 1")
-    _check(m.width >= 1, "model.width", m.width, "an integer >= 1")
-    _check(m.depth >= 2, "model.depth", m.depth, "an integer >= 2 (input and output layers)")
-    _check(m.init in DENSE_INITS, "model.init", m.init, ", ".join(DENSE_INITS))
-    _check(len(m.channels) >= 1 and all(x >= 1 for x in m.channels), "model.channels", m.channels,
-           "a list of at least one channel count >= 1")
-    _check(m.kernel_size >= 1, "model.kernel_size", m.kernel_size, "an integer >= 1")
-    _check(all(p in ("max", "avg", "none") for p in m.pool), "model.pool", m.pool, "a list of max, avg, none")
-    _check(all(x >= 1 for x in m.head), "model.head", m.head, "a list of widths >= 1")
-    for key, vals, low in (("model.stride", m.stride, 1), ("model.padding", m.padding, 0)):
-        _check(all(v >= low for v in vals), key, vals, f"a list of integers >= {low}, one per conv layer")
+    for group in (m, c.data, pc, o, p, t, c.logger):
+        group.check()
     model.check(m)
-    _check(m.variant in ("vgg5", "vgg7"), "model.variant", m.variant, "vgg5, vgg7")
-    _check(m.activation in ACTIVATIONS, "model.activation", m.activation, ", ".join(ACTIVATIONS))
-    _check(m.energy in ENERGIES, "model.energy", m.energy, ", ".join(ENERGIES))
-    _check(d.name in DATASETS or d.name == PYTHON_DATA, "data.name", d.name, ", ".join(DATASETS))
-    if d.path is not None and d.name != "arrays":
-        raise ConfigError(f"config data.path={d.path} is read by data=arrays only, but the data is {d.name}: add "
-                          f"data=arrays (or leave out data.path)")
-    if d.root is not None and d.name not in ROOT_DATASETS:
-        raise ConfigError(f"config data.root={d.root} is read by data={', '.join(ROOT_DATASETS)} only, but the data "
-                          f"is {d.name}: choose one of them (or leave out data.root; your own arrays: data=arrays "
-                          f"data.path=...)")
-    _check(d.num_classes is None or d.num_classes >= 1, "data.num_classes", d.num_classes, "null or an integer >= 1")
-    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
-    _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "an integer >= 1")
-    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a fraction in (0, 1)")
-    _check(d.synthetic_train >= 1 and d.synthetic_val >= 1, "data.synthetic_train", d.synthetic_train, "sizes >= 1")
-    _check(not d.signal or d.name == "arrays", "data.signal", d.signal,
-           f"false with data={d.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
-    for name in ("T", "x_momentum", "init", "value_noise"):  # the engine's rules (engine/arguments.py)
-        _check(RULES[name].ok(getattr(pc, name)), f"pc.{name}", getattr(pc, name), RULES[name].allowed)
-    _check(pc.x_lr == "auto" or RULES["x_lr"].ok(pc.x_lr), "pc.x_lr", pc.x_lr, f"{RULES['x_lr'].allowed} or auto")
-    _check(pc.value_optimizer in VALUE_OPTIMIZERS, "pc.value_optimizer", pc.value_optimizer,
-           ", ".join(VALUE_OPTIMIZERS))
-    _check(pc.value_optimizer != "nesterov" or pc.x_momentum > 0, "pc.x_momentum", pc.x_momentum,
-           "a number in (0, 1) with pc.value_optimizer=nesterov")
-    _check(not pc.value_optimizer.startswith("adam") or pc.x_momentum == 0, "pc.x_momentum", pc.x_momentum,
-           f"0 with pc.value_optimizer={pc.value_optimizer} (Adam keeps its own averages)")
-    _check(pc.solver in SOLVERS, "pc.solver", pc.solver, ", ".join(SOLVERS) + " (adaptive: pc.eval_solver only)")
-    _check(pc.solver == "euler" or pc.value_optimizer == "sgd" and pc.x_momentum == 0, "pc.solver", pc.solver,
-           f"euler with pc.value_optimizer={pc.value_optimizer} pc.x_momentum={pc.x_momentum} (heun and rk4 "
-           "integrate the plain gradient flow)")
-    _check(pc.solver == "euler" or not pc.value_noise, "pc.solver", pc.solver, "euler with pc.value_noise > 0")
-    _check(pc.eval_solver is None or pc.eval_solver in (*SOLVERS, "adaptive"), "pc.eval_solver", pc.eval_solver,
-           "null, " + ", ".join((*SOLVERS, "adaptive")))
-    _check(_finite(pc.eval_tol) and pc.eval_tol > 0, "pc.eval_tol", pc.eval_tol, "a finite number > 0")
-    _check(pc.algorithm in (*ALGORITHMS, BP), "pc.algorithm", pc.algorithm, ", ".join((*ALGORITHMS, BP)))
-    _check(pc.init in ("ff", "deeppcr") or pc.mode == "supervised", "pc.init", pc.init,
-           f"ff or deeppcr with pc.mode={pc.mode} (the inits near equilibrium need both ends clamped)")
-    _check(pc.mode in MODES, "pc.mode", pc.mode, ", ".join(MODES))
-    _check(pc.mode == "supervised" or pc.algorithm != BP, "pc.algorithm", pc.algorithm,
-           f"pc or ipc with pc.mode={pc.mode} (the backprop twin trains the supervised feed-forward map)")
-    _check(pc.latent_dim >= 1, "pc.latent_dim", pc.latent_dim, "an integer >= 1")
-    _check(_finite(pc.prior_precision) and pc.prior_precision >= 0, "pc.prior_precision", pc.prior_precision,
-           "a finite number >= 0")
-    _check(pc.prior_mean in PRIOR_MEANS + ("auto",), "pc.prior_mean", pc.prior_mean, ", ".join(PRIOR_MEANS + ("auto",)))
-    _check(pc.precision is None or _finite(pc.precision) and pc.precision >= 0
-           or isinstance(pc.precision, list) and all(_finite(v) and v >= 0 for v in pc.precision),
-           "pc.precision", pc.precision, "null, a number >= 0 or a list of numbers >= 0 (one per layer)")
+    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
     _check(not isinstance(pc.precision, list) or len(pc.precision) == num_layers(c), "pc.precision", pc.precision,
            f"a number or one number per layer ({num_layers(c)})")
-    _check(pc.precision_schedule in PRECISION_SCHEDULES, "pc.precision_schedule", pc.precision_schedule,
-           ", ".join(PRECISION_SCHEDULES))
-    _check(_finite(pc.precision_decay) and 0 <= pc.precision_decay <= 1, "pc.precision_decay", pc.precision_decay,
-           "a number in [0, 1]")
-    _check(pc.eval_T is None or pc.eval_T >= 1, "pc.eval_T", pc.eval_T, "null or an integer >= 1")
-    _check(pc.diagnostics_every is None or pc.diagnostics_every >= 1, "pc.diagnostics_every", pc.diagnostics_every,
-           "null (trainer.eval_every) or an integer >= 1")
-    _check(not pc.diagnostics or (pc.mode == "supervised" and pc.algorithm != BP), "pc.diagnostics",
-           pc.diagnostics, f"false with pc.mode={pc.mode} pc.algorithm={pc.algorithm} (the diagnostics compare a "
-           f"supervised PC run with backprop)")
     _check(pc.mode in model.modes, "model.name", m.name,
            f"{modes_allowed(pc.mode)} with pc.mode={pc.mode} ({model.wrong_mode})")
     _check(pc.mode != "unsupervised" or pc.prior_precision > 0 or o.weight_decay > 0, "pc.prior_precision",
@@ -389,40 +463,9 @@ def validate(c: Config) -> None:
            "of the latent: W grows while h_0 shrinks)")
     _check(pc.mode == "supervised" or m.energy != "ce", "model.energy", m.energy,
            f"se, bce or zero with pc.mode={pc.mode}: data sit at h_L (ce is for labels there)")
-    _check(o.name in ("adamw", "sgd"), "optim.name", o.name, "adamw, sgd")
-    _check(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a finite number > 0")
-    _check(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
-    _check(_finite(o.momentum) and 0 <= o.momentum < 1, "optim.momentum", o.momentum, "a number in [0, 1)")
-    _check(len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
-           "two numbers in [0, 1)")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
-    _check(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule, "cosine, constant")
-    _check(_finite(o.final_lr_ratio) and 0 <= o.final_lr_ratio <= 1, "optim.final_lr_ratio", o.final_lr_ratio, "[0, 1]")
-    _check(p.layer is None or p.layer >= 1, "parallel.layer", p.layer, "null or an integer >= 1")
     _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
            f"at most the number of layers ({num_layers(c)}, from {model.layers_key})")
-    _check(p.data >= 1, "parallel.data", p.data, "an integer >= 1")
-    _check(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", p.backend, "auto, nccl, gloo")
-    _check(p.micro_batches >= 1, "parallel.micro_batches", p.micro_batches, "an integer >= 1")
-    _check(_finite(p.timeout_s) and p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "a number of seconds > 0")
-    for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
-        _check(getattr(t, key) >= 1, f"trainer.{key}", getattr(t, key), "an integer >= 1")
-    _check(t.epochs is None or t.epochs >= 1, "trainer.epochs", t.epochs, "null or an integer >= 1")
-    _check(t.stop_at is None or t.stop_at >= 1, "trainer.stop_at", t.stop_at, "null or an integer >= 1")
-    _check(t.on_divergence in ("stop", "skip"), "trainer.on_divergence", t.on_divergence, "stop, skip")
-    _check(_finite(t.max_energy) and t.max_energy > 0, "trainer.max_energy", t.max_energy, "a finite number > 0")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
-    _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "auto, cpu, cuda")
-    _check(t.dtype in ("float32", "float64"), "trainer.dtype", t.dtype, "float32, float64")
-    _check(t.precision in PRECISIONS, "trainer.precision", t.precision, ", ".join(PRECISIONS))
-    _check(t.precision != "bf16" or t.dtype == "float32", "trainer.dtype", t.dtype,
-           "float32 under trainer.precision=bf16 (its float32 master weights)")
-    _check(t.compile in COMPILE, "trainer.compile", t.compile, ", ".join(COMPILE))
-    _check(t.threads >= 0, "trainer.threads", t.threads, "an integer >= 0 (0: automatic)")
-    _check(t.progress in ("auto", "on", "off"), "trainer.progress", t.progress, "auto, on, off")
-    _check(lg.name in ("wandb", "none"), "logger.name", lg.name, "wandb, none")
-    _check(lg.mode in ("offline", "online", "disabled"), "logger.mode", lg.mode, "offline, online, disabled")
-    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
 
 
 def config_keys() -> dict[str, str]:
