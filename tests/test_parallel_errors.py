@@ -43,27 +43,30 @@ def small_trainer(mesh: ParallelDims, timeout_s: float):
     return tr, torch.randn(4, 6), torch.eye(4)
 
 
-def die_or_hang(rank, world, mode, timeout_s):
+def die_or_hang(rank, world, mode, timeout_s, gave_up):
     tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
     tr.step(x, y)
     if rank == 1:
         if mode == "exit":
             os._exit(0)  # dies silently mid-run: no error of its own
-        time.sleep(3 * timeout_s)  # hangs
+        deadline = time.monotonic() + 3 * timeout_s
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:  # hangs, until rank 0 has given up
+            time.sleep(0.05)
         os._exit(0)
     t0 = time.monotonic()
     try:
         tr.step(x, y)
     finally:
         print(f"rank 0 gave up after {time.monotonic() - t0:.1f}s", flush=True)
+        open(gave_up, "w").close()
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])
-def test_dead_or_hung_peer_raises_naming_the_peer(mode):
+def test_dead_or_hung_peer_raises_naming_the_peer(mode, tmp_path):
     """The surviving rank raises an error that names rank 1, within the configured timeout."""
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 0: .* with rank 1 failed or timed out after 4s"):
-        run(die_or_hang, 2, mode, 4.0, timeout=60)
+        run(die_or_hang, 2, mode, 4.0, str(tmp_path / "gave-up"), timeout=60)
     assert time.monotonic() - t0 < 45
 
 
