@@ -275,8 +275,9 @@ def test_unusable_cache_folder_builds_in_the_temp_folder_once_for_processes_star
     cc = tmp_path / "cc"
     # The wrapper compiles at -O0 (2 s, not 17): this test is about where and how often the kernel is built, and
     # every other test of the kernel runs the -O3 build of the cache folder.
-    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nfor a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; '
-                  f'done\nexec {shutil.which(os.environ.get("CC") or "cc")} "$@"\n')
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                  f'for a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
+                  f'exec {shutil.which(os.environ.get("CC") or "cc")} "$@"\n')
     cc.chmod(0o755)
     code = "from pcdist.engine import native; lib = native.library(); assert lib is not None; print(lib._name)"
     env = {**os.environ, "PCDIST_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp"), "CC": str(cc)}
