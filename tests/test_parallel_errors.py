@@ -124,11 +124,13 @@ def test_a_lost_peer_leaves_each_survivor_one_line_not_a_traceback(tmp_path):
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--monitor-interval=0.5", f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), "parallel.layer=2",
-           "parallel.timeout_s=20",
+           "parallel.timeout_s=8",  # where the survivor waits on the dead peer's key, it waits this long
            "trainer.max_steps=100000", "trainer.ckpt_every=20", "logger=none", "trainer.progress=off",
            f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # Rank 0 hosts the rendezvous store, not the agent: with the agent stopped, a store write of the survivor's (its
+    # progress, each step) would otherwise wait out parallel.timeout_s before the survivor could say its line.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
         while not (run_dir / "checkpoints" / "step-00000020").is_dir():
