@@ -291,8 +291,18 @@ def test_the_time_limit_warning_preempts_and_requeues(cluster, tmp_path):
     """--time=1 (a minute): the script's --signal=USR1@120 is due at once; SLURM sends it within its
     periodic check, the run checkpoints and the job is requeued. (Its next attempt gets the same warning:
     the test cancels it.)"""
-    # One process: it trains flat out until SLURM's periodic check sends the warning (up to half a minute).
+    # One process: it trains flat out until SLURM's periodic check sends the warning (up to half a minute), niced
+    # (every thread) so that it does not slow the tests beside it: what it waits for is SLURM's clock.
     job = Job(cluster, tmp_path, ["--time=1"], ["trainer.max_steps=100000", *RUN[1:]])
+    job.wait_training()
+    pids = workers(job.id)
+    assert pids, job.log
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+            except OSError:  # ended meanwhile
+                pass
     job.wait(lambda f: "requeued job" in job.log or f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
              "a requeue", 300)
     cluster.run("scancel", job.id)
