@@ -352,8 +352,7 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
     newest checkpoint; a second crash, with no restart left, fails the job (non-zero exit, not requeued:
     a crash is not a pre-emption), promptly, without hanging."""
     # T=20: the slower steps leave the second kill time to land before the run's end on a busy machine.
-    # parallel.timeout_s=15: gloo sees a SIGKILLed peer at once in an exchange in flight, but one posted after the
-    # loss waits out the timeout (or torchrun's SIGKILL, 30 s after its SIGTERM), and the restart waits with it.
+    # parallel.timeout_s=15: how long a neighbour of a killed rank may wait before the restart (docs/service.md).
     overrides = [o for o in RUN if not o.startswith(("trainer.ckpt_every", "parallel.timeout_s", "pc.T"))]
     job = Job(cluster, tmp_path, TWO_CPUS, [*overrides, "trainer.ckpt_every=50", "parallel.timeout_s=15", "pc.T=20"],
               MAX_RESTARTS="1")
