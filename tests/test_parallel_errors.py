@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.distributed.parallel import Parallel, ParallelDims, init_distributed
+from pcdist.distributed.parallel import Parallel, ParallelDims, PeerError, init_distributed
 from spawn import WorkerError, run
 
 
@@ -68,6 +68,28 @@ def test_dead_or_hung_peer_raises_naming_the_peer(mode, tmp_path):
     with pytest.raises(WorkerError, match=r"rank 0: .* with rank 1 failed or timed out after 4s"):
         run(die_or_hang, 2, mode, 4.0, str(tmp_path / "gave-up"), timeout=60)
     assert time.monotonic() - t0 < 45
+
+
+def step_on_after_a_loss(rank, world, timeout_s):
+    tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
+    tr.step(x, y)
+    if rank == 1:
+        os._exit(0)
+    said = []
+    for _ in range(2):
+        try:
+            tr.step(x, y)
+        except PeerError as e:
+            said.append(str(e))
+    raise RuntimeError(" | ".join(said))
+
+
+def test_a_step_after_the_loss_is_refused_naming_the_peer_too():
+    """Once gloo has seen a peer's connection close it refuses to post anything to it (a RuntimeError from
+    batch_isend_irecv, before any wait); that too is the one PeerError naming the peer, not the backend's
+    traceback (seen in the lost-peer launch below when the loss came between two exchanges)."""
+    with pytest.raises(WorkerError, match=r"rank 0: [^|]*with rank 1 failed[^|]* \| rank 0: [^|]*with rank 1 failed"):
+        run(step_on_after_a_loss, 2, 4.0, timeout=60)
 
 
 def die_in_data_parallel(rank, world, dead, timeout_s):

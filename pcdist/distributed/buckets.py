@@ -11,6 +11,7 @@ group's bucket carries the local batch size in one extra slot.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,9 @@ __all__ = ["GradBuckets"]
 class GradBuckets:
     """The gradient buckets of one Stage's groups and their all-reduces in flight."""
 
-    def __init__(self, group):
+    def __init__(self, group, guard: Callable[[], ContextManager]):
         self.group = group
+        self.guard = guard  # turns a failed post (a backend may refuse a peer it has seen die) into a PeerError
         self._buckets: list[Tensor] = []
         self._key = None
         self._reducing: list = []
@@ -38,7 +40,11 @@ class GradBuckets:
             st.weight_grads([st.groups[i]], scale=-1.0)
             if i == len(buckets) - 1:
                 buckets[i][-1] = st.B
-            on_host(lambda b=buckets[i]: self._reducing.append(dist.all_reduce(b, group=self.group, async_op=True)))
+            on_host(lambda b=buckets[i]: self._post(b))
+
+    def _post(self, bucket: Tensor) -> None:
+        with self.guard():
+            self._reducing.append(dist.all_reduce(bucket, group=self.group, async_op=True))
 
     def _buckets_for(self, st) -> list[Tensor]:
         """One flat buffer per group (plus the batch-count slot in the last), rebuilt when a

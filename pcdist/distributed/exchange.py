@@ -100,7 +100,12 @@ class LayerExchange(Local):
                 peers.append((frm, f"{what} receive"))
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as e:  # gloo refuses to post to a peer whose connection it already saw close
+            ranks = " and ".join(f"rank {r}" for r in dict.fromkeys(r for r, _ in peers))
+            raise PeerError(f"rank {dist.get_rank()}: posting the {what} with {ranks} failed (is {ranks} alive?): "
+                            f"{first_line(e)}") from e
         return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
 
     def _wait(self, reqs) -> None:

@@ -160,7 +160,9 @@ class Parallel(LayerExchange):
         self.layer_rank, self.layer_size = layer_rank, layer_size
         self.data_rank = data_rank
         self.logging_rank = logging_rank  # global rank that gathers stats; None: no gathering needed
-        self._grads = GradBuckets(data_group) if data_group is not None else None  # data axis only
+        self._grads = None  # data axis only
+        if data_group is not None:
+            self._grads = GradBuckets(data_group, lambda: collective("the data-axis gradient all-reduce", data_group))
         self.steps_begun = 0  # recorded in the store for error messages (``collective``)
 
     @classmethod

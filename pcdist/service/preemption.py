@@ -81,7 +81,8 @@ class StopVote:
             self._posted = (None, signum)
             return stop
         t = torch.tensor([float(signum)])
-        self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
+        with collective("the stop-signal all-reduce"):
+            self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t)
         return stop
 
     def finish(self) -> int:
