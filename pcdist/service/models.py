@@ -22,13 +22,13 @@ from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.modes import MODES
 from ..engine.network import PCNetwork, mlp_specs
 from ..errors import ConfigError
-from .config import PYTHON_MODEL, Config, ModelConfig, network_options
+from .config import GROUPS, PYTHON_MODEL, Config, ModelConfig, network_options
 from .data import DataError, Dataset
 from .modelfile import Inputs, write_model_file
 from .userlayers import UserLayers
 
-__all__ = ["Model", "MODELS", "register_model", "model_of", "modes_allowed", "end_shapes", "model_specs",
-           "make_network", "record_model"]
+__all__ = ["Model", "MODELS", "register_model", "model_of", "check_model_keys", "modes_allowed", "end_shapes",
+           "model_specs", "make_network", "record_model"]
 
 
 class Model:
@@ -46,6 +46,10 @@ class Model:
     """Why it does not train in the other modes (the end of validate's one line)."""
     layers_key = "model.dims"
     """The config keys that set its number of layers (named when parallel.layer asks for more ranks)."""
+    keys: tuple[str, ...] | None = None
+    """The model.* keys it reads (its layers and its ``teacher``) besides model.name and model.energy (every
+    model's): a key the user sets that it does not read is refused (``check_model_keys``) rather than ignored.
+    None: not declared, none refused."""
 
     def specs(self, c: Config, bottom: tuple[int, ...], top: tuple[int, ...], classes: int) -> list:
         """The layer kinds, given the shapes of h_0 (``bottom``) and h_L (``top``) in pc.mode and the number of
@@ -85,7 +89,7 @@ def register_model(model: Model, name: str | None = None) -> Model:
 class MLP(Model):
     """Linear + activation layers of widths model.dims (model.init: their weight init)."""
 
-    name = "mlp"
+    name, keys = "mlp", ("dims", "activation", "init")
 
     def specs(self, c, bottom, top, classes):
         m = c.model
@@ -115,7 +119,7 @@ class MLP(Model):
 class MuPC(Model):
     """A μPC residual network of model.depth layers of width model.width."""
 
-    name, layers_key = "mupc", "model.depth"
+    name, layers_key, keys = "mupc", "model.depth", ("width", "depth", "activation")
 
     def specs(self, c, bottom, top, classes):
         m = c.model
@@ -130,6 +134,7 @@ class CNN(Model):
 
     name, images, refuse_channels_last, layers_key = "cnn", True, True, "model.channels and model.head"
     modes, wrong_mode = ("supervised",), "cnn and vgg are conv encoders: data in, label out"
+    keys = ("channels", "kernel_size", "pool", "head", "stride", "padding", "activation")
 
     def specs(self, c, bottom, top, classes):
         m = c.model
@@ -155,6 +160,7 @@ class VGG(Model):
 
     name, images, refuse_channels_last, layers_key = "vgg", True, True, "model.variant"
     modes, wrong_mode = ("supervised",), "cnn and vgg are conv encoders: data in, label out"
+    keys = ("variant", "activation")
 
     def specs(self, c, bottom, top, classes):
         return vgg_specs(c.model.variant, bottom, classes, c.model.activation)
@@ -168,6 +174,7 @@ class Deconv(Model):
 
     name, images, layers_key = "deconv", True, "model.channels"
     modes, wrong_mode = ("generative", "unsupervised"), "deconv is a decoder: use pc.mode=generative or unsupervised"
+    keys = ("channels", "kernel_size", "activation")
 
     def specs(self, c, bottom, top, classes):
         m = c.model
@@ -181,7 +188,7 @@ class Python(Model):
     """The layers passed to ``pcdist.train(cfg, layers=...)`` (model.name=python, model.depth of them): not in
     ``MODELS`` (no config picks it); the user's layers (pcdist/service/userlayers.py) say the rest."""
 
-    name, layers_key = PYTHON_MODEL, "model.variant"
+    name, layers_key, keys = PYTHON_MODEL, "model.variant", ()
 
     def specs(self, c, bottom, top, classes):
         m = c.model
@@ -200,6 +207,25 @@ PYTHON = Python()
 def model_of(c: Config) -> Model:
     """The configured model (model.name's)."""
     return PYTHON if c.model.name == PYTHON_MODEL else MODELS[c.model.name]
+
+
+def check_model_keys(c: Config, passed: dict[str, str] | None) -> None:
+    """Refuse a model.* key the user sets (``passed``: on the command line or in pcdist.train's cfg; a preset or
+    group choice is not checked) that the configured model does not read, which would be ignored silently."""
+    model = model_of(c)
+    if model.keys is None:
+        return
+    reads = {"name", "energy", *model.keys}
+    for key, override in (passed or {}).items():
+        group, _, field = key.partition(".")
+        if group != "model" or field in reads or override.split("=", 1)[0] in GROUPS:
+            continue
+        who = "the layers passed to pcdist.train(cfg, layers=...)" if model is PYTHON else f"model.name={model.name}"
+        readers = [n for n, m in MODELS.items() if field in (m.keys or ())]
+        fix = f"drop it or pick model={readers[0]}" if readers and model is not PYTHON else "drop it"
+        raise ConfigError(f"{override}: {who} does not read model.{field} ({' and '.join(readers) or 'no model'} "
+                          f"{'do' if len(readers) > 1 else 'does'}), so it would change nothing; {fix} ({who} reads "
+                          f"{', '.join(f'model.{k}' for k in ('energy', *model.keys))})")
 
 
 def modes_allowed(mode: str) -> str:

@@ -22,6 +22,7 @@ from .checks import check, check_length, choose_mesh
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, passed_settings
 from .data import Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
+from .models import check_model_keys
 from .preemption import Preempted
 from .rundir import find_resume, next_run_dir
 from .trainer import Result, ServiceTrainer
@@ -70,6 +71,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
     check_length(c, passed)
+    check_model_keys(c, passed)
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
