@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def run(cfg: dict, precision: str, seed: int, root: Path, tiny: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--networks", nargs="+", choices=list(NETWORKS), default=list(NETWORKS))
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
     ap.add_argument("--tiny", action="store_true", help="12 steps each: a smoke test, not a measurement")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -59,11 +60,21 @@ def main() -> None:
                 print(f"{name} seed {seed}: " + "  ".join(f"{p} {acc[p]:.4f}" for p in precisions)
                       + "  " + "  ".join(f"{p} - fp32 {acc[p] - acc['fp32']:+.4f}" for p in precisions[1:]),
                       flush=True)
+    summary = []
+    for name in args.networks:
+        for p in precisions[1:]:
+            d = [100 * r[f"{p}-fp32"] for r in rows if r["network"] == name]
+            mean = statistics.fmean(d)
+            se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+            summary.append({"network": name, "precision": p, "seeds": len(d), "mean_points": mean, "se_points": se,
+                            "min_points": min(d), "max_points": max(d)})
+            print(f"{name}: {p} - fp32 over {len(d)} seeds: {mean:+.2f} points (standard error {se:.2f}; "
+                  f"{min(d):+.2f} to {max(d):+.2f})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "precision_tiny" if args.tiny else "precision"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    (args.out / f"{stem}.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows},
-                                                      indent=2))
+    result = {"device": device, "torch": torch.__version__, "rows": rows, "summary": summary}
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / (stem + '.json')}")
 
 
