@@ -1,6 +1,6 @@
 """The checks of tests/test_chain.py, run in a process of their own: on a CPU under Triton's interpreter
 (started with TRITON_INTERPRET=1: the interpreter must be on before triton is first imported), or compiled on
-a CUDA device (started without it). ``python tests/chain_checks.py kernels|trainer``; exits 1 with the
+a CUDA device (started without it). ``python tests/chain_checks.py kernels|errors|trainer``; exits 1 with the
 failures on stderr, 77 where this Triton's interpreter cannot run a loop at all (a Triton / numpy mismatch)."""
 
 import os
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import pcdist  # noqa: E402
-from pcdist.engine import chain  # noqa: E402
+from pcdist.engine import chain, errorpass  # noqa: E402
 from pcdist.engine.activations import ACTIVATIONS, Activation  # noqa: E402
 
 DEV = "cpu" if INTERPRETED else "cuda"
@@ -64,12 +64,46 @@ def kernels(act, dtype):
         torch.testing.assert_close(got.float(), want, **tol)
 
 
+def errors(act, prec: bool):
+    """The dense error pass (pcdist/engine/errorpass.py) against torch ops, in every mode: fresh (u = f(a + b)
+    from a = h w) or from the stored u (and the pre-activation where f' needs it), with and without d, the value
+    step on the first K' layers only (the rest keep e), with and without the layers' precisions."""
+    g = torch.Generator().manual_seed(3)
+    K, B, O = 3, 5, 37  # 555 elements: a masked block
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV)
+
+    a, h, bias = rand(K, B, O), rand(K, B, O), 0.1 * rand(K, O)
+    pi = 0.5 + rand(K).abs() if prec else None
+    x = a + bias.unsqueeze(1)
+    u = act(x)
+    e = (1.0 if pi is None else pi.view(-1, 1, 1)) * (h - u)
+    d = act.grad(e, x, u, out=torch.empty_like(x))
+    for fresh in (True, False):
+        for lr, stepped in ((None, None), (0.3, K), (0.3, 2)):
+            au = a.clone() if fresh else (x if act.needs_input else u).clone()
+            bufs = dict(h=h.clone(), e=torch.full_like(a, 7.0), d=torch.full_like(a, 7.0))
+            kernel = errorpass.Kernel(act, au, bufs["h"], bufs["e"], bufs["d"], bias, u=u.clone(), prec=pi)
+            kernel.run(fresh, True, lr, stepped)
+            n = 0 if lr is None else stepped  # layers that took the value step (their e is not stored)
+            torch.testing.assert_close(bufs["d"], d, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bufs["h"][:n], h[:n] - 0.3 * e[:n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bufs["h"][n:], h[n:])
+            torch.testing.assert_close(bufs["e"][n:], e[n:], atol=1e-5, rtol=1e-5)
+            assert (bufs["e"][:n] == 7.0).all(), "e is not stored where the value step was taken"
+    d_kept = torch.full_like(a, 7.0)
+    errorpass.Kernel(act, a.clone(), h.clone(), torch.empty_like(a), d_kept, bias, prec=pi).run(True, False)
+    assert (d_kept == 7.0).all(), "d is not written without with_d"
+
+
 def trainer(model):
     """The hidden group's init runs through the kernel (checked against torch on first use); three training
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
     the gradients, so round-off stays round-off; AdamW's sign-like step would amplify it where v is tiny)."""
     def trained(fused: bool):
         os.environ["PCDIST_TRITON"] = "1" if fused else "0"
+        os.environ["PCDIST_NATIVE"] = "0"  # the CPU's own error kernel off: the Triton one, or torch ops
         if model == "mlp":
             net = pcdist.PCNetwork.from_dims([12, 16, 16, 16, 4], "tanh", seed=0, device=DEV)
         else:
@@ -83,6 +117,8 @@ def trainer(model):
     e_f, w_f, hidden = trained(True)
     e_t, w_t, _ = trained(False)
     assert hidden and all(gr.fused_chain == "yes" for gr in hidden), [gr.fused_chain for gr in hidden]
+    if model == "mlp":  # its hidden dense groups take their error pass from the Triton kernel too
+        assert all(isinstance(gr.kernel, errorpass.Kernel) for gr in hidden), [gr.kernel for gr in hidden]
     assert e_f == pytest.approx(e_t, rel=1e-5), (e_f, e_t)
     for a, b in zip(w_f, w_t):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -119,6 +155,7 @@ def main(what: str) -> int:
     # bfloat16 too (and every group's kernel is checked against torch on first use, chain.checked).
     dtypes = [torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
     cases = {"kernels": [(kernels, (act, dt)) for act in ACTS for dt in dtypes],
+             "errors": [(errors, (act, p)) for act in ACTS for p in (False, True)],
              "trainer": [(trainer, (m,)) for m in ("mlp", "mupc")]}[what]
     for fn, args in cases:
         try:

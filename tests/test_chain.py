@@ -1,4 +1,5 @@
-"""The fused feed-forward chain (pcdist/engine/chain.py) computes what the torch chain computes.
+"""The fused feed-forward chain (pcdist/engine/chain.py) computes what the torch chain computes, and the fused
+dense error pass (pcdist/engine/errorpass.py) what the torch ops compute.
 
 On a GPU a group of K equal square layers runs its feed-forward init as one Triton kernel instead of
 ~2K small ones. The kernels run here on a CPU under Triton's interpreter, in a process started with
@@ -7,8 +8,9 @@ is not installed, and the interpreter's checks skip where that Triton's interpre
 write exactly what the torch chain writes (the pre-activations a gelu-like f needs, u, phi(h) and the
 input copies of μPC layers, the value nodes) for every activation and for a row range (the pipelined
 init's micro-batches), in float32 (the interpreter's bfloat16 loads are wrong; on a GPU every group's
-kernel, bfloat16 included, is checked against torch on first use); a trainer that uses them must train
-as one that does not; and a kernel that disagrees with torch is not used.
+kernel, bfloat16 included, is checked against torch on first use); the error pass must write e, d and the
+value step of the torch ops in each of its modes, for every activation, with and without precisions; a trainer
+that uses them must train as one that does not; and a kernel that disagrees with torch is not used.
 """
 
 import os
@@ -21,7 +23,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from pcdist.engine import chain  # noqa: E402
+from pcdist.engine import chain, errorpass  # noqa: E402
 
 CHECKS = Path(__file__).with_name("chain_checks.py")
 
@@ -36,15 +38,16 @@ def run_checks(what: str, interpret: bool) -> None:
     assert " checks passed" in out.stdout
 
 
-@pytest.mark.parametrize("what", ["kernels", "trainer"])
+@pytest.mark.parametrize("what", ["kernels", "errors", "trainer"])
 def test_the_kernels_under_the_interpreter(what):
-    """kernels: every activation in float32, dense and μPC, a row range; trainer: an MLP and a μPC
-    network train with the kernel as without it (and their hidden groups did use it)."""
+    """kernels: every activation in float32, dense and μPC, a row range; errors: the dense error pass, every
+    activation and mode; trainer: an MLP and a μPC network train with the kernels as without them (and their
+    hidden groups did use them)."""
     run_checks(what, interpret=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("what", ["kernels", "trainer"])
+@pytest.mark.parametrize("what", ["kernels", "errors", "trainer"])
 def test_the_compiled_kernels_on_the_gpu(what):
     """The same checks compiled for the GPU, bfloat16 kernels too."""
     run_checks(what, interpret=False)
@@ -76,6 +79,7 @@ def test_no_kernel_on_a_cpu_without_the_interpreter(monkeypatch):
     from pcdist.engine.activations import Activation
 
     assert not chain.usable(torch.zeros(2, 2), Activation("tanh"), 4, 8, 8)
+    assert not errorpass.usable(Activation("tanh"), torch.zeros(2, 2))
 
 
 SCALARS = {"slope": "fp32", "lo": "fp32", "hi": "fp32", "beta": "fp32", "thr": "fp32", "alpha": "fp32"}
@@ -105,3 +109,23 @@ def test_the_kernels_compile_for_a_hopper_gpu(kernel, dt, tmp_path, monkeypatch)
     fn = kernels.dense_chain if kernel == "dense" else kernels.residual_chain
     built = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     assert ".entry " + fn.__name__ in built.asm["ptx"]
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch):
+    """The dense error pass builds for sm_90 on any machine for every activation's f and f', with d, the value
+    step and precisions: what the interpreter's checks cannot show of the GPU's compiler."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pcdist.engine import _chain_kernels as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, do not reuse a cached build
+    sig = {p: "*fp32" for p in ("au_ptr", "u_ptr", "h_ptr", "e_ptr", "d_ptr", "b_ptr", "p_ptr")}
+    sig |= {"n": "i32", "B": "i32", "O": "i32", "lr": "fp32"} | SCALARS
+    for code in sorted(set(chain.ACT_CODES.values()) | {8}):  # 8: gelu with approximate="tanh"
+        consts = {"ACT": code, "FRESH": fresh, "HAS_D": True, "UPDATE": not fresh, "HAS_P": True, "ACCURATE": True,
+                  "BLOCK": errorpass.BLOCK}
+        built = triton.compile(ASTSource(fn=kernels.dense_errors, signature=sig | {k: "constexpr" for k in consts},
+                                         constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        assert ".entry dense_errors" in built.asm["ptx"], code

@@ -1,4 +1,4 @@
-"""Triton kernels of pcdist/engine/chain.py (imported only where Triton is installed)."""
+"""Triton kernels of pcdist/engine/chain.py and pcdist/engine/errorpass.py (imported only where Triton is installed)."""
 
 import triton
 import triton.language as tl
@@ -147,3 +147,70 @@ def residual_chain(x_ptr, w_ptr, b_ptr, s_ptr, xs_ptr, u_ptr, h_ptr, row0, nrows
             tl.store(u_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
             tl.store(h_ptr + off, out.to(u_ptr.dtype.element_ty), mask=m)
         tl.debug_barrier()
+
+
+@triton.jit
+def _sig(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _dact(x, u, ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, ACCURATE: tl.constexpr):
+    """f'(a) for the activation code ACT from u = f(a), or from a itself (x) where u does not determine it
+    (silu, gelu, softplus, mish: ``Activation.needs_input``): the formulas of the CPU kernel (_native.c)."""
+    if ACT == 1:
+        return tl.where(u > 0, 1.0, 0.0)
+    elif ACT == 2:
+        return tl.where(u > 0, 1.0, slope)
+    elif ACT == 3:
+        return 1.0 - u * u
+    elif ACT == 4:
+        return (1.0 - u) * u
+    elif ACT == 5:
+        return tl.where((u > lo) & (u < hi), 1.0, 0.0)
+    elif ACT == 6:
+        s = _sig(x)
+        return s * (1.0 + x * (1.0 - s))
+    elif ACT == 7:
+        return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 8:
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x), ACCURATE)
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif ACT == 9:
+        ex = tl.exp(tl.minimum(beta * x, thr))
+        return tl.where(beta * x > thr, 1.0, ex / (ex + 1.0))
+    elif ACT == 10:
+        return tl.where(u > 0, 1.0, u + alpha)
+    elif ACT == 11:
+        t = _tanh(_softplus(x, 1.0, 20.0, ACCURATE), ACCURATE)
+        return t + x * _sig(x) * (1.0 - t * t)
+    else:
+        return 1.0 + 0.0 * x
+
+
+@triton.jit
+def dense_errors(au_ptr, u_ptr, h_ptr, e_ptr, d_ptr, b_ptr, p_ptr, n, B, O, lr,
+                 ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, FRESH: tl.constexpr, HAS_D: tl.constexpr,
+                 UPDATE: tl.constexpr, HAS_P: tl.constexpr, ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
+    """The dense kind's error pass over n elements of [K', B, O] (the CPU kernel's, pcdist/engine/native.py):
+    x = a + bias and u = f(x) (FRESH: au holds a = h_in @ w) or u read from u_ptr (au holding u, or the
+    pre-activation where f' needs it); e = pi (h - u); d = e f'(x) (HAS_D); h -= lr e (UPDATE, e not stored)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    layer = i // (B * O)
+    x = tl.load(au_ptr + i, mask=m, other=0.0)
+    if FRESH:
+        x = x + tl.load(b_ptr + layer * O + i % O, mask=m, other=0.0)
+        u = _act(x, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE)
+    else:
+        u = tl.load(u_ptr + i, mask=m, other=0.0)
+    h = tl.load(h_ptr + i, mask=m, other=0.0)
+    e = h - u
+    if HAS_P:
+        e = e * tl.load(p_ptr + layer, mask=m, other=1.0)
+    if HAS_D:
+        tl.store(d_ptr + i, e * _dact(x, u, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE), mask=m)
+    if UPDATE:
+        tl.store(h_ptr + i, h - lr * e, mask=m)
+    else:
+        tl.store(e_ptr + i, e, mask=m)

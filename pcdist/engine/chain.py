@@ -49,15 +49,21 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_allowed(like: Tensor) -> bool:
+    """Triton kernels for tensors like ``like``: on a CUDA device (or any device under the Triton interpreter),
+    Triton importable, PCDIST_TRITON not 0 (this chain and the error pass, pcdist/engine/errorpass.py)."""
+    return (os.environ.get("PCDIST_TRITON", "1") != "0" and (like.device.type == "cuda" or interpreted())
+            and _triton() is not None)
+
+
 def usable(like: Tensor, act, K: int, I: int, O: int) -> bool:
     """True if the chain kernel can run this group: K >= 2 square layers, float32 or bfloat16, on a CUDA
     device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0."""
-    return (K >= 2 and I == O and os.environ.get("PCDIST_TRITON", "1") != "0" and act is not None
-            and act.name in ACT_CODES and like.dtype in (torch.float32, torch.bfloat16)
-            and (like.device.type == "cuda" or interpreted()) and _triton() is not None)
+    return (K >= 2 and I == O and act is not None and act.name in ACT_CODES
+            and like.dtype in (torch.float32, torch.bfloat16) and triton_allowed(like))
 
 
-def _act_args(act) -> dict:
+def act_args(act) -> dict:
     code = ACT_CODES[act.name] + (1 if act.name == "gelu" and act.approximate == "tanh" else 0)
     return dict(ACT=code, slope=float(act.negative_slope), lo=float(act.min_val), hi=float(act.max_val),
                 beta=float(act.beta), thr=float(act.threshold), alpha=float(act.alpha))
@@ -86,7 +92,7 @@ def dense_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor, a: Tensor, u: Tensor, h
     lo, hi = (0, B) if rows is None else (rows.start or 0, B if rows.stop is None else rows.stop)
     BB, BN, BK = _blocks(D)
     grid = (-(-(hi - lo) // BB),)
-    k.dense_chain[grid](h0, w_KIO, b_KO, a, u, h_out, lo, hi - lo, B, D, K, **_act_args(act),
+    k.dense_chain[grid](h0, w_KIO, b_KO, a, u, h_out, lo, hi - lo, B, D, K, **act_args(act),
                         KEEP_A=a.data_ptr() != u.data_ptr(), ACCURATE=not interpreted(), PREC=_precision(u),
                         BB=BB, BN=BN, BK=BK)
 
@@ -101,34 +107,37 @@ def residual_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor | None, s: Tensor | N
     BB, BN, BK = _blocks(D)
     grid = (-(-(hi - lo) // BB),)
     k.residual_chain[grid](h0, w_KIO, u if b_KO is None else b_KO, u if s is None else s, u if x is None else x,
-                           u, h_out, lo, hi - lo, B, D, K, float(scale), **_act_args(act),
+                           u, h_out, lo, hi - lo, B, D, K, float(scale), **act_args(act),
                            HAS_B=b_KO is not None, STORE_S=s is not None, STORE_X=x is not None, SKIP=skip,
                            ACCURATE=not interpreted(), PREC=_precision(u), BB=BB, BN=BN, BK=BK)
 
 
-def checked(run, reference, what: str) -> bool:
-    """The kernel on a probe (``run()`` returns its outputs) against the torch chain (``reference()``): a
-    kernel that fails to build or run (a Triton this code does not suit), or disagrees, is not used (one
-    warning), and the torch chain runs instead."""
+CHAIN = ("feed-forward kernel", "the torch chain")
+
+
+def checked(run, reference, what: str, kernel: tuple[str, str] = CHAIN) -> bool:
+    """The kernel on a probe (``run()`` returns its outputs) against torch (``reference()``): a kernel that
+    fails to build or run (a Triton this code does not suit), or disagrees, is not used (one warning), and
+    torch runs instead. ``kernel``: its name and what runs instead, for the warning."""
     try:
         got = run()
     except Exception as e:  # Triton's compiler errors are plain RuntimeErrors
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        warnings.warn(f"pcdist: the fused feed-forward kernel failed on {what} ({type(e).__name__}: {first}); "
-                      "using the torch chain (PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
+        warnings.warn(f"pcdist: the fused {kernel[0]} failed on {what} ({type(e).__name__}: {first}); "
+                      f"using {kernel[1]} (PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
         return False
-    return agree(got, reference(), what)
+    return agree(got, reference(), what, kernel)
 
 
-def agree(got: list[Tensor], want: list[Tensor], what: str) -> bool:
-    """The kernel's outputs equal the torch chain's to round-off (relative 1e-4 in float32, 1e-2 with TF32
-    products, 3e-2 in bfloat16, of the largest value); otherwise warn once and say the torch chain is used."""
+def agree(got: list[Tensor], want: list[Tensor], what: str, kernel: tuple[str, str] = CHAIN) -> bool:
+    """The kernel's outputs equal torch's to round-off (relative 1e-4 in float32, 1e-2 with TF32
+    products, 3e-2 in bfloat16, of the largest value); otherwise warn once and say torch is used."""
     for g, w in zip(got, want):
         scale = float(w.abs().max()) if w.numel() else 0.0
         rel = 3e-2 if w.dtype == torch.bfloat16 else 1e-2 if _precision(w) == "tf32" else 1e-4
         tol = rel * max(scale, 1.0)
         if not float((g.float() - w.float()).abs().max()) <= tol:
-            warnings.warn(f"pcdist: the fused feed-forward kernel disagrees with torch on {what}; using the "
-                          "torch chain (PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
+            warnings.warn(f"pcdist: the fused {kernel[0]} disagrees with torch on {what}; using {kernel[1]} "
+                          "(PCDIST_TRITON=0 turns the kernel off)", stacklevel=3)
             return False
     return True

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .. import chain, native
+from .. import chain, errorpass, native
 from ..activations import Activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low
 
@@ -200,11 +200,17 @@ class DenseBound(BoundGroup):
         # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
         se = self.is_output and self.energy.residual and not self.free_output
         self._y_minus_b = torch.empty_like(self.a) if se else None
-        # f, the error, f' and the value step in one pass (CPU); None: separate torch ops.
-        # It reads a (u itself, except for gelu, whose f' needs its input) and, unless fresh, u.
-        self.kernel = native.Kernel(self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO, u=self.u,
-                                    prec=self.prec) \
-            if not self.is_output and native.usable(self.act, self.a) and self.e_out.is_contiguous() else None
+        # f, the error, f' and the value step in one pass (the C kernel on CPUs, Triton on GPUs, checked once
+        # against torch); None: separate torch ops. It reads a (u itself, except for gelu, whose f' needs its
+        # input) and, unless fresh, u.
+        self.kernel = None
+        if not self.is_output and self.e_out.is_contiguous():
+            args = (self.act, self.a, self.h_out, self.e_out, self.d, g.b_KO)
+            if native.usable(self.act, self.a):
+                self.kernel = native.Kernel(*args, u=self.u, prec=self.prec)
+            elif errorpass.usable(self.act, self.a) and (kernel := errorpass.Kernel(*args, u=self.u, prec=self.prec)) \
+                    .agrees(f"dense layers {self.first}..{self.first + K - 1}"):
+                self.kernel = kernel
         # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
         kind = g.kind
         self.fused_chain = None if self.is_output or kind.input_shape is not None or not self.h_out.is_contiguous() \
