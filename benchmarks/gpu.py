@@ -5,6 +5,8 @@ Per training step (float32 unless said, AdamW, ms):
   eager      pcdist.PCTrainer(compile="none"): every op dispatched by the host
   graph      pcdist.PCTrainer(compile="graph"): each stage's step captured once and replayed
              (on a CPU the same capturable core runs eagerly: a CPU measures its host work, not a replay)
+  graph_torch  (GPU) the same without pcdist's Triton kernels (PCDIST_TRITON=0: the init chain and the dense
+             error pass as torch ops), so graph_torch/graph is what those kernels gain
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -143,6 +145,14 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
 
     eager, graph = trainer("none"), trainer("graph")
     out = {"eager": lambda: eager.step(x, y, log=False), "graph": lambda: graph.step(x, y, log=False)}
+    if cuda:  # replayed without the Triton kernels (the fused init chain and error pass): torch ops instead
+        plain, before = trainer("graph"), os.environ.get("PCDIST_TRITON")
+        os.environ["PCDIST_TRITON"] = "0"
+        try:
+            plain.stage(B)  # the kernels are chosen when the stage's buffers are built
+        finally:
+            os.environ.pop("PCDIST_TRITON") if before is None else os.environ.update(PCDIST_TRITON=before)
+        out["graph_torch"] = lambda: plain.step(x, y, log=False)
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
@@ -195,7 +205,8 @@ def ratio(samples: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
-RATIOS = (("eager", "graph"), ("graph", "limit"), ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
+RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph", "limit"), ("loop", "graph"), ("bp_graph", "graph"),
+          ("bp_eager", "graph"))
 
 
 def measure(name: str, spec, device, rounds: int, min_time: float, loop: bool, **kw) -> dict:
