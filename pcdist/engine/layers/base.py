@@ -224,9 +224,15 @@ class BoundGroup:
         self.cached = False
 
 
+def lowp(a: Tensor, w: Tensor) -> Tensor:
+    """a @ w with a cast to w's narrower dtype (bfloat16 weights under precision="bf16"), the product in that
+    dtype: for an op that takes it in float32 as it reads it (an add into float32, a copy), one pass less."""
+    return torch.matmul(a.to(w.dtype), w)
+
+
 def low(a: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
-    """a @ w with a cast to w's narrower dtype (bfloat16 weights under precision="bf16"), the product in ``dtype``."""
-    return torch.matmul(a.to(w.dtype), w).to(dtype)
+    """``lowp``'s product in ``dtype``."""
+    return lowp(a, w).to(dtype)
 
 
 def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .. import chain, errorpass, native
 from ..activations import Activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low, lowp
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
 
@@ -232,7 +232,7 @@ class DenseBound(BoundGroup):
             if rows is not None:
                 a, u = a[rows], u[rows]
             if self.lowp:
-                torch.add(b, low(h, w, a.dtype), out=a)
+                torch.add(b, lowp(h, w), out=a)
             elif relu:
                 h = torch._addmm_activation(b, h, w, out=u)
                 continue
@@ -297,7 +297,7 @@ class DenseBound(BoundGroup):
     def _product(self, h: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
         """out = bias + h @ w_KIO (in bfloat16 products under precision="bf16")."""
         if self.lowp:
-            p = low(h, self.w_KIO, out.dtype)
+            p = lowp(h, self.w_KIO)
             torch.add(bias, p, out=out) if bias is not None else out.copy_(p)
         elif bias is not None:
             torch.baddbmm(bias, h, self.w_KIO, out=out)
@@ -312,7 +312,7 @@ class DenseBound(BoundGroup):
         if self.is_output:
             if self._y_minus_b is not None:
                 if self.lowp:
-                    torch.sub(self._y_minus_b, low(self.h_in, self.w_KIO, self.d.dtype), out=self.d)
+                    torch.sub(self._y_minus_b, lowp(self.h_in, self.w_KIO), out=self.d)
                 else:
                     torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
                 self.energy.scale_signal(self.d)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .. import chain, native
 from ..activations import Activation, get_activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low, lowp
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
 
@@ -223,8 +223,8 @@ class ResidualBound(BoundGroup):
             if x is not None:
                 x.copy_(h)
         if self.lowp:  # a (phi(h) @ w + b) with the product in bfloat16, the sums in the nodes' dtype
-            p = low(s, w, u.dtype)
-            torch.mul(p if b is None else p.add_(b), self.a, out=u)
+            p = lowp(s, w)
+            (u.copy_(p) if b is None else torch.add(b, p, out=u)).mul_(self.a)
             if self.skip:
                 u.add_(h)
         elif b is not None:
@@ -327,7 +327,7 @@ class ResidualBound(BoundGroup):
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         if self.lowp:
-            t = self.t.copy_(low(self.d, self.w_t.get(), self.t.dtype))
+            t = self.t.copy_(lowp(self.d, self.w_t.get()))
         else:
             t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
         if self.kernel is not None:
