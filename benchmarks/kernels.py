@@ -1,0 +1,80 @@
+"""The kernels one training step launches on a GPU, with pcdist's Triton kernels and without, counted on any machine.
+
+A step replayed as a CUDA graph costs about its kernel count times a few microseconds where its tensors are small
+(docs/gpu.md), so what the Triton kernels (the fused feed-forward chain, pcdist/engine/chain.py, and the dense error
+pass, pcdist/engine/errorpass.py) save shows up as kernels per step. This counts them without a GPU: the step runs
+on the CPU with the CPU's own C kernel off (PCDIST_NATIVE=0, the GPU's code path), under Triton's interpreter
+(TRITON_INTERPRET=1, which this script sets for itself), each aten op that launches a kernel counted
+(``pcdist.engine.capture.HostReads``, views excluded) and each Triton launch counted once (the interpreter's own
+work inside it is not a GPU kernel, so it is not run while counting: the counted step is the fourth, whose
+kernels do not depend on the values). Per network: with the Triton kernels (``triton``) and with PCDIST_TRITON=0
+(``torch``).
+
+    python benchmarks/kernels.py               # shapes A, B, C of the GPU table (MLPs, batch 64, T = 20; ~4 min)
+    python benchmarks/kernels.py --shapes C    # one of them
+
+Writes benchmarks/results/kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results"
+SHAPES = {"A": (64, [128] * 32, 10), "B": (784, [512] * 16, 10), "C": (784, [128] * 2, 10)}
+
+
+def count(shape: str) -> dict:
+    """Kernels per step of shape ``shape``, in this process (started with TRITON_INTERPRET=1 and PCDIST_TRITON)."""
+    import torch
+
+    import pcdist
+    from pcdist.engine import chain, errorpass
+    from pcdist.engine.capture import HostReads
+
+    d_in, hidden, d_out = SHAPES[shape]
+    net = pcdist.PCNetwork.from_dims([d_in, *hidden, d_out], "tanh", seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=20, x_lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, d_in, generator=g), torch.eye(d_out)[torch.randint(0, d_out, (64,), generator=g)]
+    for _ in range(3):
+        tr.step(x, y, log=False)
+    launches = []
+    errorpass.Kernel._call = lambda self, *a, **k: launches.append("errors")
+    chain.dense_chain = lambda *a, **k: launches.append("chain")
+    with HostReads(strict=False) as reads:
+        tr.step(x, y, log=False)
+    return {"aten": reads.kernels, "triton": len(launches), "total": reads.kernels + len(launches)}
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--count":  # a child: one shape, one setting
+        print(json.dumps(count(sys.argv[2])))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    rows = {}
+    for shape in args.shapes:
+        rows[shape] = {}
+        for name, on in (("torch", "0"), ("triton", "1")):
+            env = dict(os.environ, TRITON_INTERPRET="1", PCDIST_TRITON=on, PCDIST_NATIVE="0", OMP_NUM_THREADS="1")
+            out = subprocess.run([sys.executable, __file__, "--count", shape], env=env, capture_output=True,
+                                 text=True, check=True)
+            rows[shape][name] = json.loads(out.stdout.strip().splitlines()[-1])
+        t, f = rows[shape]["torch"], rows[shape]["triton"]
+        print(f"shape {shape}: kernels per step {t['total']} with torch ops, {f['total']} with pcdist's Triton kernels "
+              f"({f['triton']} of them Triton): {f['total'] / t['total']:.2f}x", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(rows, indent=2))
+    print(f"wrote {args.out / 'kernels.json'}")
+
+
+if __name__ == "__main__":
+    main()
