@@ -1,16 +1,17 @@
 """The kernels one training step launches on a GPU, with pcdist's Triton kernels and without, counted on any machine.
 
 A step replayed as a CUDA graph costs about its kernel count times a few microseconds where its tensors are small
-(docs/gpu.md), so what the Triton kernels (the fused feed-forward chain, pcdist/engine/chain.py, and the dense error
-pass, pcdist/engine/errorpass.py) save shows up as kernels per step. This counts them without a GPU: the step runs
-on the CPU with the CPU's own C kernel off (PCDIST_NATIVE=0, the GPU's code path), under Triton's interpreter
+(docs/gpu.md), so what the Triton kernels (the fused feed-forward chain, pcdist/engine/chain.py; the dense error
+pass and the residual kind's passes, pcdist/engine/errorpass.py) save shows up as kernels per step. This counts
+them without a GPU: the step runs on the CPU with its own C kernel off (PCDIST_NATIVE=0, the GPU's code path),
+under Triton's interpreter
 (TRITON_INTERPRET=1, which this script sets for itself), each aten op that launches a kernel counted
 (``pcdist.engine.capture.HostReads``, views excluded) and each Triton launch counted once (the interpreter's own
 work inside it is not a GPU kernel, so it is not run while counting: the counted step is the fourth, whose
 kernels do not depend on the values). Per network: with the Triton kernels (``triton``) and with PCDIST_TRITON=0
 (``torch``).
 
-    python benchmarks/kernels.py               # shapes A, B, C of the GPU table (MLPs, batch 64, T = 20; ~4 min)
+    python benchmarks/kernels.py               # A, B, C (MLPs, T = 20), a 32-layer μPC (T = 8): ~7 min
     python benchmarks/kernels.py --shapes C    # one of them
 
 Writes benchmarks/results/kernels.json.
@@ -26,7 +27,8 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "results"
-SHAPES = {"A": (64, [128] * 32, 10), "B": (784, [512] * 16, 10), "C": (784, [128] * 2, 10)}
+SHAPES = {"A": (64, [128] * 32, 10), "B": (784, [512] * 16, 10), "C": (784, [128] * 2, 10),
+          "mupc32": (64, [128] * 31, 10)}  # μPC of width 128, 32 layers, T = 8, as in the GPU table
 
 
 def count(shape: str) -> dict:
@@ -38,15 +40,21 @@ def count(shape: str) -> dict:
     from pcdist.engine.capture import HostReads
 
     d_in, hidden, d_out = SHAPES[shape]
-    net = pcdist.PCNetwork.from_dims([d_in, *hidden, d_out], "tanh", seed=0)
-    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=20, x_lr=0.05)
+    if shape.startswith("mupc"):
+        net = pcdist.PCNetwork(pcdist.mupc_specs(d_in, hidden[0], len(hidden) + 1, d_out, "relu"), seed=0)
+    else:
+        net = pcdist.PCNetwork.from_dims([d_in, *hidden, d_out], "tanh", seed=0)
+    T = 8 if shape.startswith("mupc") else 20
+    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=0.05)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, d_in, generator=g), torch.eye(d_out)[torch.randint(0, d_out, (64,), generator=g)]
     for _ in range(3):
         tr.step(x, y, log=False)
     launches = []
     errorpass.Kernel._call = lambda self, *a, **k: launches.append("errors")
-    chain.dense_chain = lambda *a, **k: launches.append("chain")
+    for name in ("activate", "errors", "backproject"):
+        setattr(errorpass.ResidualKernel, name, lambda self, *a, **k: launches.append("residual"))
+    chain.dense_chain = chain.residual_chain = lambda *a, **k: launches.append("chain")
     with HostReads(strict=False) as reads:
         tr.step(x, y, log=False)
     return {"aten": reads.kernels, "triton": len(launches), "total": reads.kernels + len(launches)}

@@ -97,6 +97,41 @@ def errors(act, prec: bool):
     assert (d_kept == 7.0).all(), "d is not written without with_d"
 
 
+def residual(act, prec: bool):
+    """The residual kind's three passes (errorpass.ResidualKernel) against torch ops: s = phi(h_in) (and the copy
+    of h_in where phi' needs it), e = pi (h - u) with the value step on the first K' layers, the back-projection
+    target = beta target + alpha_a t phi'(h_in) (+ alpha_e e of the skip) for beta 0 and not, with and without it."""
+    g = torch.Generator().manual_seed(4)
+    K, B, D = 3, 5, 37
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV)
+
+    h_in, u, h, t, tgt, e_skip = (rand(K, B, D) for _ in range(6))
+    pi = 0.5 + rand(K).abs() if prec else None
+    s, e = torch.empty_like(h_in), torch.empty_like(u)
+    x = torch.empty_like(h_in) if act.needs_input else None
+    kernel = errorpass.ResidualKernel(act, h_in, s, x, u, h.clone(), e, t, pi)
+    kernel.activate()
+    torch.testing.assert_close(s, act(h_in), atol=1e-5, rtol=1e-5)
+    if x is not None:
+        assert torch.equal(x, h_in)
+    e_want = (1.0 if pi is None else pi.view(-1, 1, 1)) * (h - u)
+    kernel.errors(0.3, 2)
+    torch.testing.assert_close(e, e_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel.h_out[:2], h[:2] - 0.3 * e_want[:2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(kernel.h_out[2:], h[2:]), "no value step on the held layer"
+    kernel.errors(None, 0)  # e of the stepped nodes, no step
+    torch.testing.assert_close(e, (1.0 if pi is None else pi.view(-1, 1, 1)) * (kernel.h_out - u), atol=1e-5,
+                               rtol=1e-5)
+    bp = act.grad(t, h_in, act(h_in), out=torch.empty_like(t))
+    for beta, skip in ((0.0, None), (0.5, None), (0.0, e_skip), (0.5, e_skip)):
+        out = tgt.clone()
+        kernel.backproject(out, skip, beta, 0.3, 0.7)
+        want = beta * tgt + 0.3 * bp + (0.0 if skip is None else 0.7 * skip)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def trainer(model):
     """The hidden group's init runs through the kernel (checked against torch on first use); three training
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
@@ -117,8 +152,8 @@ def trainer(model):
     e_f, w_f, hidden = trained(True)
     e_t, w_t, _ = trained(False)
     assert hidden and all(gr.fused_chain == "yes" for gr in hidden), [gr.fused_chain for gr in hidden]
-    if model == "mlp":  # its hidden dense groups take their error pass from the Triton kernel too
-        assert all(isinstance(gr.kernel, errorpass.Kernel) for gr in hidden), [gr.kernel for gr in hidden]
+    kind = errorpass.Kernel if model == "mlp" else errorpass.ResidualKernel  # the elementwise passes: Triton too
+    assert all(isinstance(gr.kernel, kind) for gr in hidden), [gr.kernel for gr in hidden]
     assert e_f == pytest.approx(e_t, rel=1e-5), (e_f, e_t)
     for a, b in zip(w_f, w_t):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -155,7 +190,7 @@ def main(what: str) -> int:
     # bfloat16 too (and every group's kernel is checked against torch on first use, chain.checked).
     dtypes = [torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
     cases = {"kernels": [(kernels, (act, dt)) for act in ACTS for dt in dtypes],
-             "errors": [(errors, (act, p)) for act in ACTS for p in (False, True)],
+             "errors": [(f, (act, p)) for f in (errors, residual) for act in ACTS for p in (False, True)],
              "trainer": [(trainer, (m,)) for m in ("mlp", "mupc")]}[what]
     for fn, args in cases:
         try:

@@ -113,8 +113,9 @@ def test_the_kernels_compile_for_a_hopper_gpu(kernel, dt, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("fresh", [True, False])
 def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch):
-    """The dense error pass builds for sm_90 on any machine for every activation's f and f', with d, the value
-    step and precisions: what the interpreter's checks cannot show of the GPU's compiler."""
+    """The dense error pass and the residual kind's passes build for sm_90 on any machine for every activation's f
+    and f', with and without their optional parts: what the interpreter's checks cannot show of the GPU's
+    compiler."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -129,3 +130,19 @@ def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch
         built = triton.compile(ASTSource(fn=kernels.dense_errors, signature=sig | {k: "constexpr" for k in consts},
                                          constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert ".entry dense_errors" in built.asm["ptx"], code
+    # the residual kind's three passes (fresh: with the optional parts, else without)
+    act = {"slope": "fp32", "lo": "fp32", "hi": "fp32", "thr": "fp32", "alpha": "fp32"}
+    for name, ptrs, scalars, flags in (
+            ("res_act", ("src_ptr", "s_ptr", "x_ptr"), {"n": "i32"} | SCALARS, {"STORE_X": fresh}),
+            ("res_errors", ("u_ptr", "h_ptr", "e_ptr", "p_ptr"), {"n": "i32", "stepped": "i32", "per": "i32",
+                                                                 "lr": "fp32"}, {"HAS_P": fresh, "UPDATE": fresh}),
+            ("res_backproject", ("s_ptr", "x_ptr", "t_ptr", "e_ptr", "tgt_ptr"),
+             {"n": "i32", "beta": "fp32", "alpha_a": "fp32", "alpha_e": "fp32", "bt": "fp32"} | act,
+             {"HAS_X": fresh, "HAS_E": fresh, "HAS_BETA": fresh})):
+        for code in (sorted(set(chain.ACT_CODES.values()) | {8}) if name != "res_errors" else [None]):
+            consts = {**({} if code is None else {"ACT": code}), **flags, "BLOCK": errorpass.BLOCK}
+            consts |= {} if name == "res_errors" else {"ACCURATE": True}
+            sig = {p: "*fp32" for p in ptrs} | scalars | {k: "constexpr" for k in consts}
+            built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
+                                   target=GPUTarget("cuda", 90, 32))
+            assert f".entry {name}" in built.asm["ptx"], (name, code)

@@ -214,3 +214,51 @@ def dense_errors(au_ptr, u_ptr, h_ptr, e_ptr, d_ptr, b_ptr, p_ptr, n, B, O, lr,
         tl.store(h_ptr + i, h - lr * e, mask=m)
     else:
         tl.store(e_ptr + i, e, mask=m)
+
+
+@triton.jit
+def res_act(src_ptr, s_ptr, x_ptr, n, ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, STORE_X: tl.constexpr,
+            ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
+    """The residual kind's s = phi(h_in) (and x = h_in where phi' needs its input) over n elements."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    v = tl.load(src_ptr + i, mask=m, other=0.0)
+    tl.store(s_ptr + i, _act(v, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE), mask=m)
+    if STORE_X:
+        tl.store(x_ptr + i, v, mask=m)
+
+
+@triton.jit
+def res_errors(u_ptr, h_ptr, e_ptr, p_ptr, n, stepped, per, lr, HAS_P: tl.constexpr, UPDATE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """e = pi (h - u) over n elements (pi of layer i // per), and h -= lr e on the first ``stepped`` (UPDATE)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    h = tl.load(h_ptr + i, mask=m, other=0.0)
+    e = h - tl.load(u_ptr + i, mask=m, other=0.0)
+    if HAS_P:
+        e = e * tl.load(p_ptr + i // per, mask=m, other=1.0)
+    tl.store(e_ptr + i, e, mask=m)
+    if UPDATE:
+        tl.store(h_ptr + i, h - lr * e, mask=m & (i < stepped))
+
+
+@triton.jit
+def res_backproject(s_ptr, x_ptr, t_ptr, e_ptr, tgt_ptr, n, beta, alpha_a, alpha_e,
+                    ACT: tl.constexpr, slope, lo, hi, bt, thr, alpha, HAS_X: tl.constexpr, HAS_E: tl.constexpr,
+                    HAS_BETA: tl.constexpr, ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
+    """target = beta target + alpha_a t phi'(h_in) (+ alpha_e e: the skip's errors), phi' from s = phi(h_in) or
+    from the copy x of h_in (HAS_X); HAS_BETA False ignores the target's old contents."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    u = tl.load(s_ptr + i, mask=m, other=0.0)
+    if HAS_X:
+        x = tl.load(x_ptr + i, mask=m, other=0.0)
+    else:
+        x = u
+    v = alpha_a * tl.load(t_ptr + i, mask=m, other=0.0) * _dact(x, u, ACT, slope, lo, hi, bt, thr, alpha, ACCURATE)
+    if HAS_E:
+        v += alpha_e * tl.load(e_ptr + i, mask=m, other=0.0)
+    if HAS_BETA:
+        v += beta * tl.load(tgt_ptr + i, mask=m, other=0.0)
+    tl.store(tgt_ptr + i, v, mask=m)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import chain
 
-__all__ = ["usable", "Kernel"]
+__all__ = ["usable", "Kernel", "ResidualKernel"]
 
 BLOCK = 1024
 
@@ -102,3 +102,84 @@ class Kernel:
 
         return chain.checked(run, lambda: [e_want, d_want, h, d_want, h - 0.25 * e_want], what,
                              ("error kernel", "torch ops"))
+
+
+class ResidualKernel:
+    """The residual kind's elementwise passes as Triton kernels: the GPU twin of native.ResidualKernel (same
+    buffers, same ``activate``, ``errors`` and ``backproject``; see there), one launch each where torch ops take
+    two to four."""
+
+    def __init__(self, act, h_in: Tensor, s: Tensor, x: Tensor | None, u: Tensor, h_out: Tensor, e: Tensor,
+                 t: Tensor | None, prec: Tensor | None = None):
+        like = [b for b in (h_in, s, x, u, h_out, e, t, prec) if b is not None]
+        if any(not b.is_contiguous() or b.dtype != u.dtype for b in like):
+            raise ValueError("triton residual kernel: every buffer must be contiguous and of one dtype")
+        self.act, self.h_in, self.s, self.x, self.u, self.h_out, self.e, self.t, self.prec = \
+            act, h_in, s, x, u, h_out, e, t, prec
+        self.per_layer = u[0].numel()
+
+    def _launch(self, name: str, n: int, *args, **consts) -> None:
+        getattr(chain._triton(), name)[(-(-n // BLOCK),)](*args, ACCURATE=not chain.interpreted(), BLOCK=BLOCK,
+                                                           **consts)
+
+    def _act(self) -> dict:
+        args = chain.act_args(self.act)
+        args["bt"] = args.pop("beta")  # the kernel's beta is the back-projection's
+        return args
+
+    def activate(self, bufs=None) -> None:
+        src, s, x = bufs or (self.h_in, self.s, self.x)
+        self._launch("res_act", src.numel(), src, s, s if x is None else x, src.numel(), **chain.act_args(self.act),
+                     STORE_X=x is not None)
+
+    def errors(self, lr: float | None, stepped: int, bufs=None) -> None:
+        u, h, e, prec = bufs or (self.u, self.h_out, self.e, self.prec)
+        self._launch("res_errors", u.numel(), u, h, e, h if prec is None else prec, u.numel(),
+                     stepped * self.per_layer, self.per_layer, 0.0 if lr is None else float(lr),
+                     HAS_P=prec is not None, UPDATE=lr is not None)
+
+    def backproject(self, target: Tensor, skip: Tensor | None, beta: float, alpha_a: float, alpha_e: float,
+                    bufs=None) -> None:
+        """target = beta * target + alpha_a * t * phi'(h_in) (+ alpha_e * skip, the skip term's errors)."""
+        t, s, x = bufs or (self.t, self.s, self.x)
+        if target.numel() != t.numel() or (skip is not None and skip.numel() != t.numel()):
+            raise ValueError("triton residual kernel: target and skip must have the back-projection's shape")
+        self._launch("res_backproject", t.numel(), s, s if x is None else x, t, t if skip is None else skip, target,
+                     t.numel(), float(beta), float(alpha_a), float(alpha_e), **self._act(), HAS_X=x is not None,
+                     HAS_E=skip is not None, HAS_BETA=beta != 0.0)
+
+    def agrees(self, what: str) -> bool:
+        """The three passes on a probe of this group's shape (two layers at most) against the torch ops."""
+        k = min(self.u.shape[0], 2)
+        g = torch.Generator(device=self.u.device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=self.u.device, dtype=self.u.dtype)
+
+        shape_in, shape_out = (k, *self.s.shape[1:]), (k, *self.u.shape[1:])
+        h_in, t, tgt = rand(*shape_in), rand(*shape_in), rand(*shape_in)
+        u, h = rand(*shape_out), rand(*shape_out)
+        e_skip = rand(*shape_in) if shape_in == shape_out else None
+        prec = None if self.prec is None else 0.5 + rand(k).abs()
+        keep_x = self.x is not None
+        s_want = self.act.forward(h_in)
+        e_want = (1.0 if prec is None else prec.view(-1, 1, 1)) * (h - u)
+        stepped = k - 1
+        bp = self.act.grad(t, h_in, s_want, out=torch.empty_like(t))
+        bp_want = 0.5 * tgt + 0.3 * bp + (0.0 if e_skip is None else 0.7 * e_skip)
+
+        def run():
+            s, x = torch.empty_like(h_in), torch.empty_like(h_in) if keep_x else None
+            self.activate((h_in, s, x))
+            h1, e = h.clone(), torch.empty_like(h)
+            self.errors(0.25, stepped, (u, h1, e, prec))
+            out = tgt.clone()
+            self.backproject(out, e_skip, 0.5, 0.3, 0.7, (t, s, x))
+            return [s, *([x] if keep_x else []), e, h1, out]
+
+        def want():
+            h1 = h.clone()
+            h1[:stepped] -= 0.25 * e_want[:stepped]
+            return [s_want, *([h_in] if keep_x else []), e_want, h1, bp_want]
+
+        return chain.checked(run, want, what, ("residual kernel", "torch ops"))

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import chain, native
+from .. import chain, errorpass, native
 from ..activations import Activation, get_activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low, lowp
 
@@ -204,9 +204,16 @@ class ResidualBound(BoundGroup):
         self.u = torch.empty(K, B, O, **kw)
         self.d = torch.empty(K, B, O, **kw) if self.is_output else e_out  # -dE/du
         self.t = torch.empty(K, B, I, **kw) if back else None
-        # phi, the error with the value step, and the back-projection's elementwise part, one pass each (CPU).
-        self.kernel = native.ResidualKernel(self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t, self.prec) \
-            if native.usable(self.act, self.u) and h_in.is_contiguous() and self.d.is_contiguous() else None
+        # phi, the error with the value step, and the back-projection's elementwise part, one pass each (the C
+        # kernel on CPUs, Triton on GPUs, checked once against torch); None: torch ops.
+        self.kernel = None
+        if h_in.is_contiguous() and self.d.is_contiguous():
+            args = (self.act, h_in, self.s, self.x, self.u, h_out, self.d, self.t, self.prec)
+            if native.usable(self.act, self.u):
+                self.kernel = native.ResidualKernel(*args)
+            elif errorpass.usable(self.act, self.u) and (kernel := errorpass.ResidualKernel(*args)) \
+                    .agrees(f"residual layers {self.first}..{self.first + K - 1}"):
+                self.kernel = kernel
         # The feed-forward chain of K >= 2 square layers as one kernel (GPU; checked on first use).
         self.fused_chain = None if self.is_output or not (h_in.is_contiguous() and h_out.is_contiguous()) \
             or self.lowp else chain.usable(self.u, self.act, K, I, O) or None
