@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import chain
+from .native import ErrorPass, act_code
 
 __all__ = ["usable", "Kernel", "ResidualKernel"]
 
@@ -34,34 +35,14 @@ def usable(act, like: Tensor) -> bool:
     interpreter), an activation whose f' it has (as the CPU kernel: not leaky_relu with a negative slope or
     elu with a negative alpha), fewer than 2^31 elements (its int32 offsets), Triton importable, PCDIST_TRITON
     not 0."""
-    from .native import act_code
-
     return (act is not None and act_code(act) is not None and like.dtype == torch.float32
             and like.numel() < 2**31 and chain.triton_allowed(like))
 
 
-class Kernel:
-    """The fused pass bound to one group's buffers: ``au`` [K, B, O] holds a = h_in @ w without the bias
-    (``run(fresh=True)``: u = f(a + b) computed on the fly, not stored) or else what f' is computed from
-    (u, or a + b where f' needs it), ``u`` the stored u, ``h`` the predicted nodes, ``e`` pi (h - u), ``d``
-    e f'(a); ``prec`` the K precisions pi or None. See native.Kernel, whose ``run`` this one's matches."""
+class Kernel(ErrorPass):
+    """The fused pass of native.ErrorPass (its buffers, checks and ``run``) as one Triton kernel."""
 
-    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None,
-                 prec: Tensor | None = None):
-        u = au if u is None else u
-        for name, t in (("a", au), ("u", u), ("h", h), ("e", e), ("d", d)):
-            if not t.is_contiguous() or t.shape != au.shape or t.dtype != au.dtype:
-                raise ValueError(f"triton error kernel: buffer {name} must be contiguous with shape {list(au.shape)}")
-        self.act, self.au, self.u, self.h, self.e, self.d = act, au, u, h, e, d
-        self.bias, self.prec = bias.contiguous(), prec
-        self.K, self.B, self.O = au.shape
-
-    def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
-        if lr is not None and stepped is not None and stepped < self.K:
-            self._call(fresh, with_d, lr, 0, stepped)
-            self._call(fresh, with_d, None, stepped, self.K)
-        else:
-            self._call(fresh, with_d, lr, 0, self.K)
+    who = "triton error kernel"
 
     def _call(self, fresh: bool, with_d: bool, lr: float | None, k0: int, k1: int, bufs=None) -> None:
         """The pass over layers [k0, k1) (``bufs``: other buffers of the same shapes, for the probe)."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["ACT_CODES", "act_code", "library", "usable", "Kernel", "ResidualKernel"]
+__all__ = ["ACT_CODES", "act_code", "library", "usable", "ErrorPass", "Kernel", "ResidualKernel"]
 
 ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5, "gelu": 6,
              "gelu_tanh": 7, "silu": 8, "softplus": 9, "elu": 10, "mish": 11}
@@ -193,8 +193,9 @@ def usable(act, like: Tensor) -> bool:
             and like.dtype in (torch.float32, torch.float64) and library() is not None)
 
 
-class Kernel:
-    """The fused pass bound to one group's preallocated buffers (pointers taken once).
+class ErrorPass:
+    """The buffers and ``run`` of a dense group's fused error pass, whatever runs it: the C kernel here (``Kernel``)
+    or Triton on GPUs (pcdist/engine/errorpass.py); a subclass brings ``_call(fresh, with_d, lr, k0, k1)``.
 
     ``au`` [K, B, O] holds a = h_in @ w without the bias (``fresh``: u = f(a + bias) is
     computed on the fly and not stored), or else u is read from ``u`` (default: ``au``
@@ -203,36 +204,51 @@ class Kernel:
     tensor the caller may change between calls; None: pi = 1 with no extra multiply); ``d`` e * f'(a)
     if wanted. ``run(fresh, with_d, lr)`` instead takes the step h -= lr * e when ``lr`` is given (e
     is then not stored: nothing reads it), on all K layers or, with ``stepped=K'``, on the first K'
-    only (the rest store e).
+    only (the rest store e). The buffers are checked here (``who`` names the kernel in the error).
     """
+
+    who = "native kernel"
 
     def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None,
                  prec: Tensor | None = None):
         u = au if u is None else u
         for name, t in (("a", au), ("u", u), ("h", h), ("e", e), ("d", d)):
             if not t.is_contiguous() or t.shape != au.shape or t.dtype != au.dtype:
-                raise ValueError(f"native kernel: buffer {name} must be contiguous with shape {list(au.shape)}")
+                raise ValueError(f"{self.who}: buffer {name} must be contiguous with shape {list(au.shape)}")
         K, B, O = au.shape
         if not bias.is_contiguous() or bias.shape != (K, O) or bias.dtype != au.dtype:
-            raise ValueError(f"native kernel: bias must be contiguous with shape {[K, O]}")
+            raise ValueError(f"{self.who}: bias must be contiguous with shape {[K, O]}")
         if prec is not None and (not prec.is_contiguous() or prec.shape != (K,) or prec.dtype != au.dtype):
-            raise ValueError(f"native kernel: prec must be contiguous with shape {[K]}")
+            raise ValueError(f"{self.who}: prec must be contiguous with shape {[K]}")
+        self.act, self.au, self.u, self.h, self.e, self.d, self.bias, self.prec = act, au, u, h, e, d, bias, prec
+        self.K, self.B, self.O = K, B, O
+
+    def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
+        if lr is not None and stepped is not None and stepped < self.K:
+            self._call(fresh, with_d, lr, 0, stepped)
+            self._call(fresh, with_d, None, stepped, self.K)
+        else:
+            self._call(fresh, with_d, lr, 0, self.K)
+
+    def _call(self, fresh: bool, with_d: bool, lr: float | None, k0: int, k1: int) -> None:
+        raise NotImplementedError
+
+
+class Kernel(ErrorPass):
+    """The fused pass of ``ErrorPass`` as the C kernel, bound to the group's buffers (pointers taken once)."""
+
+    def __init__(self, act, au: Tensor, h: Tensor, e: Tensor, d: Tensor, bias: Tensor, u: Tensor | None = None,
+                 prec: Tensor | None = None):
+        super().__init__(act, au, h, e, d, bias, u, prec)
+        u = self.u
         lib = library()
         self._fn = lib.pcd_errors_f32 if au.dtype == torch.float32 else lib.pcd_errors_f64
         self._code, self._bounds = act_code(act), _bounds(act)
         self._ptrs = [t.data_ptr() for t in (au, u, h, e, d)]
         self._bias = bias.data_ptr()
         self._prec = None if prec is None else prec.data_ptr()
-        self._K, self._B, self._O, self._size = K, B, O, au.element_size()
-        self._keep = (au, u, h, e, d, bias, prec)  # the buffers outlive the pointers
+        self._size = au.element_size()
         self._args: dict[tuple, tuple] = {}
-
-    def run(self, fresh: bool, with_d: bool, lr: float | None = None, stepped: int | None = None) -> None:
-        if lr is not None and stepped is not None and stepped < self._K:
-            self._call(fresh, with_d, lr, 0, stepped)
-            self._call(fresh, with_d, None, stepped, self._K)
-        else:
-            self._call(fresh, with_d, lr, 0, self._K)
 
     def _call(self, fresh: bool, with_d: bool, lr: float | None, k0: int, k1: int) -> None:
         """The pass over layers [k0, k1) of the group."""
@@ -244,7 +260,7 @@ class Kernel:
         if args is None:  # converted to ctypes once: a call then costs ~2 us instead of ~6
             if len(self._args) > 64:  # e.g. a changing lr: keep the cache bounded
                 self._args.clear()
-            B, O = self._B, self._O
+            B, O = self.B, self.O
             au, u, h, e, d = (p + k0 * B * O * self._size for p in self._ptrs)
             prec = None if self._prec is None else self._prec + k0 * self._size
             vals = (self._code, mode, key[-1], *self._bounds, au, u, h, e, d, self._bias + k0 * O * self._size,
