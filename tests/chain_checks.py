@@ -132,6 +132,54 @@ def residual(act, prec: bool):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+def conv(act, pool, prec: bool):
+    """The conv kind's passes (errorpass.ConvKernel) against autograd through torch's own bias add, f and
+    pooling: u = pool(f(conv + bias)), e = pi (h - u), the value step on the first layer only, and d the
+    gradient of <e, u> by the convolution's output (the signal: e routed back through the pooling, times f');
+    odd sizes (a border no window reaches, whose d stays 0), bias or none; a row range of a layer written
+    alone (the pipelined init's micro-batches) leaves the other rows as they were."""
+    from pcdist.engine.layers.conv import pooled
+
+    g = torch.Generator().manual_seed(5)
+    K, B, C, H, W = 2, 3, 4, 7, 5
+    window = [2, 2] if pool else None
+    PH, PW = (H // 2, W // 2) if pool else (H, W)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV)
+
+    kernel = errorpass.ConvKernel(act, pool, window)
+    for bias in (True, False):
+        src, h = rand(K, B, C, H, W), rand(K, B, C, PH, PW)
+        b = 0.1 * rand(K, C) if bias else None
+        pi = 0.5 + rand(K).abs() if prec else None
+        a, u, e, d = (torch.full((K, B, C, H, W), 7.0, device=DEV), torch.full((K, B, C, PH, PW), 7.0, device=DEV),
+                      torch.empty(K, B, C, PH, PW, device=DEV), torch.zeros(K, B, C, H, W, device=DEV))
+        idx = torch.empty(K, B, C, PH, PW, dtype=torch.int8, device=DEV) if pool == "max" else None
+        for k in range(K):
+            kernel.activate(src[k], None if b is None else b[k], a[k], u[k], None if idx is None else idx[k])
+        h1 = h.clone()
+        kernel.errors(a, u, h1, e, d, idx, pi, 0.3, 1, True)
+        x = (src if b is None else src + b.view(K, 1, C, 1, 1)).reshape(K * B, C, H, W).requires_grad_(True)
+        u_w = pooled(act(x), pool, window).reshape(K, B, C, PH, PW)
+        e_w = (1.0 if pi is None else pi.view(-1, 1, 1, 1, 1)) * (h - u_w.detach())
+        (d_w,) = torch.autograd.grad(u_w, x, e_w)
+        torch.testing.assert_close(u, u_w.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(e, e_w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d, d_w.reshape(d.shape), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h1[:1], h[:1] - 0.3 * e_w[:1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(h1[1:], h[1:]), "no value step on the held layer"
+        d2 = torch.full_like(d, 7.0)
+        kernel.errors(a, u, h1, e, d2, idx, pi, None, 0, False)
+        assert (d2 == 7.0).all(), "d is not written without with_d"
+        rows = slice(1, 3)
+        a2, u2 = torch.full_like(a[0], 7.0), torch.full_like(u[0], 7.0)
+        i2 = None if idx is None else torch.zeros_like(idx[0])
+        kernel.activate(src[0][rows], None if b is None else b[0], a2[rows], u2[rows], None if i2 is None else i2[rows])
+        torch.testing.assert_close(u2[rows], u[0][rows])
+        assert (u2[:1] == 7.0).all() and (a2[:1] == 7.0).all(), "rows outside the range are not written"
+
+
 def trainer(model):
     """The hidden group's init runs through the kernel (checked against torch on first use); three training
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
@@ -141,19 +189,30 @@ def trainer(model):
         os.environ["PCDIST_NATIVE"] = "0"  # the CPU's own error kernel off: the Triton one, or torch ops
         if model == "mlp":
             net = pcdist.PCNetwork.from_dims([12, 16, 16, 16, 4], "tanh", seed=0, device=DEV)
+        elif model == "cnn":  # max and average pooling, a group of two, an odd size and no pooling
+            from pcdist.engine.models import conv_specs
+            net = pcdist.PCNetwork(conv_specs((1, 7, 7), [(4, 3, 1, "max"), (4, 3, 1, None), (4, 3, 1, None),
+                                                          (6, 3, 1, "avg")], [], 4, "gelu"), seed=0, device=DEV)
         else:
             net = pcdist.PCNetwork(pcdist.mupc_specs(12, 16, 5, 4, "gelu"), seed=0, device=DEV)
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=0.1)
         g = torch.Generator().manual_seed(2)
-        energies = [tr.step(torch.randn(10, 12, generator=g).to(DEV), torch.eye(4, device=DEV)[torch.arange(10) % 4])
-                    ["energy"] for _ in range(3)]
-        return energies, [p.detach().clone() for p in net.parameters()], [gr for gr in tr._stage.groups if gr.K > 1]
+        shape = (1, 7, 7) if model == "cnn" else (12,)
+        y = torch.eye(4, device=DEV)[torch.arange(10) % 4]
+        energies = [tr.step(torch.randn(10, *shape, generator=g).to(DEV), y)["energy"] for _ in range(3)]
+        groups = tr._stage.groups
+        return energies, [p.detach().clone() for p in net.parameters()], \
+            [gr for gr in groups if gr.K > 1 or (model == "cnn" and not gr.is_output)]
 
     e_f, w_f, hidden = trained(True)
     e_t, w_t, _ = trained(False)
-    assert hidden and all(gr.fused_chain == "yes" for gr in hidden), [gr.fused_chain for gr in hidden]
-    kind = errorpass.Kernel if model == "mlp" else errorpass.ResidualKernel  # the elementwise passes: Triton too
-    assert all(isinstance(gr.kernel, kind) for gr in hidden), [gr.kernel for gr in hidden]
+    if model == "cnn":
+        assert len(hidden) == 3 and all(isinstance(gr.kernel, errorpass.ConvKernel) for gr in hidden), \
+            [gr.kernel for gr in hidden]
+    else:
+        assert hidden and all(gr.fused_chain == "yes" for gr in hidden), [gr.fused_chain for gr in hidden]
+        kind = errorpass.Kernel if model == "mlp" else errorpass.ResidualKernel  # the elementwise passes: Triton
+        assert all(isinstance(gr.kernel, kind) for gr in hidden), [gr.kernel for gr in hidden]
     assert e_f == pytest.approx(e_t, rel=1e-5), (e_f, e_t)
     for a, b in zip(w_f, w_t):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -190,8 +249,9 @@ def main(what: str) -> int:
     # bfloat16 too (and every group's kernel is checked against torch on first use, chain.checked).
     dtypes = [torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
     cases = {"kernels": [(kernels, (act, dt)) for act in ACTS for dt in dtypes],
-             "errors": [(f, (act, p)) for f in (errors, residual) for act in ACTS for p in (False, True)],
-             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc")]}[what]
+             "errors": [(f, (act, p)) for f in (errors, residual) for act in ACTS for p in (False, True)]
+             + [(conv, (act, pool, p)) for act in ACTS for pool in (None, "max", "avg") for p in (False, True)],
+             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn")]}[what]
     for fn, args in cases:
         try:
             fn(*args)

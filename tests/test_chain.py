@@ -146,3 +146,31 @@ def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch
             built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
                                    target=GPUTarget("cuda", 90, 32))
             assert f".entry {name}" in built.asm["ptx"], (name, code)
+
+
+@pytest.mark.parametrize("pool", [0, 1, 2])
+def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
+    """The conv kind's two passes (errorpass.ConvKernel) build for sm_90 without pooling, with max pooling (its
+    int8 window offsets) and with average pooling over a 2 x 2 window, every activation's f and f' in one of
+    the three (a third of them each: compiling is most of this test's time)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pcdist.engine import _chain_kernels as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    idx = "*i8" if pool == 1 else "*fp32"
+    window = {"KH": 1, "KW": 1} if pool == 0 else {"KH": 2, "KW": 2}
+    for name, ptrs, scalars, flags in (
+            ("conv_act_pool", {"src_ptr": "*fp32", "b_ptr": "*fp32", "a_ptr": "*fp32", "u_ptr": "*fp32",
+                               "idx_ptr": idx}, ("n", "C", "H", "W", "PH", "PW"), {"HAS_B": pool != 2}),
+            ("conv_errors", {"a_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "e_ptr": "*fp32",
+                             "d_ptr": "*fp32", "idx_ptr": idx, "p_ptr": "*fp32"},
+             ("n", "per", "stepped", "H", "W", "PH", "PW"), {"HAS_D": True, "UPDATE": pool != 2, "HAS_P": pool != 0})):
+        for code in sorted(set(chain.ACT_CODES.values()) | {8})[pool::3]:
+            consts = {"ACT": code, "POOL": pool, **window, **flags, "ACCURATE": True, "BLOCK": errorpass.BLOCK}
+            sig = ptrs | {s: "i32" for s in scalars} | ({"lr": "fp32"} if name == "conv_errors" else {}) | SCALARS
+            sig |= {k: "constexpr" for k in consts}
+            built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
+                                   target=GPUTarget("cuda", 90, 32))
+            assert f".entry {name}" in built.asm["ptx"], (name, code)

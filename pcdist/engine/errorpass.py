@@ -1,5 +1,7 @@
 """The dense kind's error pass as ONE Triton kernel on CUDA devices: the GPU twin of the CPU kernel
-(pcdist/engine/native.py ``Kernel``, same buffers, same ``run``).
+(pcdist/engine/native.py ``Kernel``, same buffers, same ``run``); the residual kind's three passes
+(``ResidualKernel``, the twin of native.ResidualKernel) and the conv kind's two (``ConvKernel``: bias,
+activation and pooling; the errors, the value step and the signal back through the pooling) likewise.
 
 Per inference step a hidden dense group computes, over its [K, B, O] buffers,
 
@@ -25,7 +27,7 @@ from torch import Tensor
 from . import chain
 from .native import ErrorPass, act_code
 
-__all__ = ["usable", "Kernel", "ResidualKernel"]
+__all__ = ["usable", "conv_usable", "Kernel", "ResidualKernel", "ConvKernel"]
 
 BLOCK = 1024
 
@@ -37,6 +39,16 @@ def usable(act, like: Tensor) -> bool:
     not 0."""
     return (act is not None and act_code(act) is not None and like.dtype == torch.float32
             and like.numel() < 2**31 and chain.triton_allowed(like))
+
+
+def conv_usable(act, pool: str | None, window: list[int], stride: list[int], padding: list[int], like: Tensor,
+                *bufs: Tensor) -> bool:
+    """True if ConvKernel can run a conv group: ``usable``'s conditions on its nodes ``like``, pooling (if any)
+    in windows that do not overlap and have no padding (the conv layers' 2 x 2 / 2: a window's signal then goes
+    to its own elements only) of at most 127 elements (the window offset is kept in an int8), and the group's
+    buffers ``bufs`` contiguous (a layer-parallel boundary's may not be)."""
+    tiles = pool is None or (list(stride) == list(window) and not any(padding) and window[0] * window[1] < 128)
+    return tiles and usable(act, like) and all(b.is_contiguous() for b in (like, *bufs))
 
 
 class Kernel(ErrorPass):
@@ -164,3 +176,90 @@ class ResidualKernel:
             return [s_want, *([h_in] if keep_x else []), e_want, h1, bp_want]
 
         return chain.checked(run, want, what, ("residual kernel", "torch ops"))
+
+
+class ConvKernel:
+    """The conv kind's elementwise passes as two Triton kernels (pcdist/engine/layers/conv.py; on a CPU torch
+    ops run them, there being no C kernel for conv layers). Per layer and inference step torch runs the bias add
+    (a pass of its own after cuDNN's convolution), f, the pooling, and then h - u, the weighting, the pooling's
+    backward (a fill and a scatter), f' and the value step: seven to nine kernels, and over the images of a conv
+    net, as wide as the convolution's output, most of a step's memory traffic outside the convolutions. Here
+    ``activate`` (bias, f and pooling, from the convolution's output: one pass, one launch a layer) and
+    ``errors`` (e, the value step and the signal d at the convolution's output: one launch a group). The pooling
+    windows do not overlap (``conv_usable``), so ``activate`` keeps each window's largest element's offset in
+    an int8 (torch's max pooling keeps an int64 index), and ``errors`` writes d over each window, 0 off the
+    largest element: elements in no window (the border in floor mode) are never written (d starts at 0).
+
+    ``a`` holds the pre-activation x = conv + bias (f' is computed from it: f(x) is not stored), ``u`` the
+    pooled f(x), ``idx`` the window offsets (max pooling). Checked against the torch ops on a probe of the
+    group's shape when it is built (``agrees``)."""
+
+    def __init__(self, act, pool: str | None, window: list[int]):
+        self.act, self.pool, self.window = act, pool, (window if pool else [1, 1])
+        self._pool_code = {None: 0, "max": 1, "avg": 2}[pool]
+
+    def _launch(self, name: str, n: int, *args, **consts) -> None:
+        if n:
+            getattr(chain._triton(), name)[(-(-n // BLOCK),)](
+                *args, **chain.act_args(self.act), POOL=self._pool_code, KH=self.window[0], KW=self.window[1],
+                ACCURATE=not chain.interpreted(), BLOCK=BLOCK, **consts)
+
+    def activate(self, src: Tensor, bias: Tensor | None, a: Tensor, u: Tensor, idx: Tensor | None) -> None:
+        """One layer (or rows of it): a = src + bias (src [N, C, H, W], the convolution without its bias; bias
+        [C]), u [N, C, PH, PW] = pool(f(a)), idx the window offset of each max (max pooling)."""
+        src = src.contiguous()
+        N, C, H, W = src.shape
+        self._launch("conv_act_pool", u.numel(), src, src if bias is None else bias, a, u,
+                     u if idx is None else idx, u.numel(), C, H, W, u.shape[-2], u.shape[-1], HAS_B=bias is not None)
+
+    def errors(self, a: Tensor, u: Tensor, h: Tensor, e: Tensor, d: Tensor, idx: Tensor | None, prec: Tensor | None,
+               lr: float | None, stepped: int, with_d: bool) -> None:
+        """Over a group's [K, B, C, PH, PW] nodes: e = pi (h - u); h -= lr e on the first ``stepped`` layers (lr
+        given); d [K, B, C, H, W] = pool'(e) f'(a) (``with_d``)."""
+        per = u[0].numel()
+        self._launch("conv_errors", u.numel(), a, u, h, e, d, u if idx is None else idx, h if prec is None else prec,
+                     u.numel(), per, stepped * per, a.shape[-2], a.shape[-1], u.shape[-2], u.shape[-1],
+                     0.0 if lr is None else float(lr), HAS_D=with_d, UPDATE=lr is not None, HAS_P=prec is not None)
+
+    def agrees(self, a_shape: tuple[int, ...], u_shape: tuple[int, ...], bias: bool, prec: bool, device,
+               what: str, src_dtype: torch.dtype = torch.float32) -> bool:
+        """Both passes on a probe of a group's shapes (a [K, B, C, H, W], u [K, B, C, PH, PW]; two layers at
+        most; the convolution's output in ``src_dtype``, bfloat16 under precision="bf16") against autograd
+        through torch's bias add, f and pooling, with the value step on the first layer only; False (and one
+        warning) where they fail or disagree."""
+        from .layers.conv import pooled
+
+        k = min(a_shape[0], 2)
+        a_shape, u_shape = (k, *a_shape[1:]), (k, *u_shape[1:])
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=device)
+
+        src, h = rand(*a_shape).to(src_dtype), rand(*u_shape)
+        b = 0.1 * rand(k, a_shape[2]) if bias else None
+        pi = 0.5 + rand(k).abs() if prec else None
+        flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+
+        def run():
+            a, u, e, d = torch.empty(a_shape, device=device), torch.empty(u_shape, device=device), \
+                torch.empty_like(h), torch.zeros(a_shape, device=device)
+            idx = torch.empty(u_shape, dtype=torch.int8, device=device) if self.pool == "max" else None
+            for j in range(k):
+                self.activate(src[j], None if b is None else b[j], a[j], u[j], None if idx is None else idx[j])
+            h1 = h.clone()
+            self.errors(a, u, h1, e, d, idx, pi, 0.25, 1, True)
+            return [u, e, h1, d]
+
+        def want():
+            x = src.float() if b is None else src.float() + b.view(k, 1, -1, 1, 1)
+            x = flat(x).requires_grad_(True)
+            with torch.enable_grad():
+                u = pooled(self.act(x), self.pool, self.window).reshape(u_shape)
+                e = (1.0 if pi is None else pi.view(-1, 1, 1, 1, 1)) * (h - u.detach())
+                (d,) = torch.autograd.grad(u, x, e)
+            h1 = h.clone()
+            h1[:1] -= 0.25 * e[:1]
+            return [u.detach(), e, h1, d.reshape(a_shape)]
+
+        return chain.checked(run, want, what, ("conv kernel", "torch ops"))

@@ -12,7 +12,10 @@ run as 2-D with H = 1, so every op below is the 2-D one).
 The value node of a conv layer is [B, C, H, W] ([B, C, L] for 1-D). Activation and pooling
 run on all K layers of a group at once (the K x B images are one batch); the convolutions
 themselves run layer by layer into the group's preallocated buffers (aten's ``convolution``
-and ``convolution_backward``, which pick the best algorithm per shape).
+and ``convolution_backward``, which pick the best algorithm per shape). On CUDA devices with
+Triton the bias, f and pooling are one kernel a layer, and the error, the value step and d one a
+group (pcdist/engine/errorpass.py ``ConvKernel``, checked against these torch ops when the group
+is built).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import errorpass
 from ..activations import Activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, accumulate
 
-__all__ = ["Conv", "ConvGroup", "POOLS"]
+__all__ = ["Conv", "ConvGroup", "POOLS", "pooled"]
 
 POOLS = ("max", "avg")
 _aten = torch.ops.aten
@@ -35,6 +39,14 @@ _aten = torch.ops.aten
 
 def _out_size(size: int, k: int, s: int, p: int, d: int = 1) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def pooled(z: Tensor, pool: str | None, window: list[int]) -> Tensor:
+    """z [N, C, H, W] pooled in windows of ``window`` with that stride and no padding (the torch reference of
+    the fused conv kernel, pcdist/engine/errorpass.py)."""
+    if pool is None:
+        return z
+    return (F.max_pool2d if pool == "max" else F.avg_pool2d)(z, window, window)
 
 
 @dataclass(frozen=True)
@@ -213,14 +225,31 @@ class ConvBound(BoundGroup):
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 convolutions, float32 nodes (precision="bf16")
         conv_shape = (K, B, s.out_channels, *s.as_2d(s.conv_spatial, 1))
+        if self.pool is not None:
+            self.pool_args = (s.as_2d(s.pool_kernel, 1), s.as_2d(s.pool_stride, 1), s.as_2d(s.pool_padding, 0))
+        node_shape = (K, B, s.out_channels, *s.as_2d(s.out_shape[1:], 1))
+        # The bias, f and pooling in one kernel a layer, e, the value step and the signal in one a group (Triton
+        # on GPUs, checked once against the torch ops below); None: those torch ops.
+        self.kernel = None
+        if errorpass.conv_usable(self.act, self.pool, *(self.pool_args if self.pool else ([1, 1], [1, 1], [0, 0])),
+                                 self.h2, self.x2, self.e2):
+            kernel = errorpass.ConvKernel(self.act, self.pool, self.pool_args[0] if self.pool else None)
+            if kernel.agrees(conv_shape, node_shape, self.bias is not None, self.prec is not None, kw["device"],
+                             f"conv layers {self.first}..{self.first + K - 1}", g.weight.dtype):
+                self.kernel = kernel
+        if self.kernel is not None:
+            self.a = torch.empty(conv_shape, **kw)  # the pre-activation, f' is computed from it
+            self.u = torch.empty(node_shape, **kw)
+            self.idx = torch.empty(node_shape, dtype=torch.int8, device=kw["device"]) if self.pool == "max" else None
+            self.d = torch.zeros_like(self.a)  # zero where no pooling window reaches (never written)
+            return
         self.a = torch.empty(conv_shape, **kw)
         self.z = self.a if not self.act.needs_input else torch.empty_like(self.a)  # f(a)
         if self.pool is None:
             self.u = self.z
             self.dz = None
         else:
-            self.pool_args = (s.as_2d(s.pool_kernel, 1), s.as_2d(s.pool_stride, 1), s.as_2d(s.pool_padding, 0))
-            self.u = torch.empty(K, B, s.out_channels, *s.as_2d(s.out_shape[1:], 1), **kw)
+            self.u = torch.empty(node_shape, **kw)
             self.idx = torch.empty(self.u.shape, dtype=torch.int64, device=kw["device"]) if self.pool == "max" else None
             self.dz = torch.empty_like(self.a)  # dE/dz: the error routed back through the pooling
         self.d = torch.empty_like(self.a)
@@ -236,6 +265,18 @@ class ConvBound(BoundGroup):
             _aten.max_pool2d_with_indices.out(z, *self.pool_args, [1, 1], False, out=u, indices=idx)
         elif self.pool == "avg":
             _aten.avg_pool2d.out(z, *self.pool_args, False, True, None, out=u)
+
+    def _layer(self, k: int, x: Tensor, rows=slice(None)) -> None:
+        """Layer k's convolution of x and its f and pooling, into rows ``rows`` of a, z, u (and the max's
+        indices)."""
+        if self.kernel is not None:  # the convolution without its bias: the kernel adds it as it reads
+            out = _aten.convolution(x if not self.lowp else x.to(self.w2.dtype), self.w2[k], None, *self.conv_args)
+            self.kernel.activate(out, None if self.bias is None else self.bias[k], self.a[k][rows], self.u[k][rows],
+                                 None if self.idx is None else self.idx[k][rows])
+            return
+        a, z, u = self.a[k][rows], self.z[k][rows], self.u[k][rows]
+        self._conv(k, x, a)
+        self._activate_and_pool(a, z, u, None if self.pool != "max" else self.idx[k][rows])
 
     def _conv(self, k: int, x: Tensor, out: Tensor) -> None:
         b = None if self.bias is None else self.bias[k]
@@ -257,14 +298,17 @@ class ConvBound(BoundGroup):
         sel = slice(None) if rows is None else rows
         h = self.x2[0][sel]
         for k in range(self.K):
-            a, z, u = self.a[k][sel], self.z[k][sel], self.u[k][sel]
-            self._conv(k, h, a)
-            self._activate_and_pool(a, z, u, None if self.pool != "max" else self.idx[k][sel])
-            h = u
+            self._layer(k, h, sel)
+            h = self.u[k][sel]
         self.h2[:, sel].copy_(self.u[:, sel])
         self.cached = True
 
     def predict(self) -> None:
+        if self.kernel is not None:
+            for k in range(self.K):
+                self._layer(k, self.x2[k])
+            self.cached = True
+            return
         for k in range(self.K):
             self._conv(k, self.x2[k], self.a[k])
         f = self._flat
@@ -274,6 +318,10 @@ class ConvBound(BoundGroup):
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         if not self.cached:
             self.predict()
+        if self.kernel is not None:
+            self.kernel.errors(self.a, self.u, self.h2, self.e2, self.d, self.idx, self.prec, step_lr,
+                               self.K - 1 if hold_last else self.K, with_signal)
+            return
         self.weigh(torch.sub(self.h2, self.u, out=self.e2))
         if with_signal:
             f = self._flat
