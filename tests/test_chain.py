@@ -1,5 +1,5 @@
 """The fused feed-forward chain (pcdist/engine/chain.py) computes what the torch chain computes, and the fused
-dense error pass (pcdist/engine/errorpass.py) what the torch ops compute.
+elementwise passes of the dense, residual and conv kinds (pcdist/engine/errorpass.py) what the torch ops compute.
 
 On a GPU a group of K equal square layers runs its feed-forward init as one Triton kernel instead of
 ~2K small ones. The kernels run here on a CPU under Triton's interpreter, in a process started with
@@ -9,8 +9,9 @@ write exactly what the torch chain writes (the pre-activations a gelu-like f nee
 input copies of μPC layers, the value nodes) for every activation and for a row range (the pipelined
 init's micro-batches), in float32 (the interpreter's bfloat16 loads are wrong; on a GPU every group's
 kernel, bfloat16 included, is checked against torch on first use); the error pass must write e, d and the
-value step of the torch ops in each of its modes, for every activation, with and without precisions; a trainer
-that uses them must train as one that does not; and a kernel that disagrees with torch is not used.
+value step of the torch ops in each of its modes, for every activation, with and without precisions (the conv
+kind's: without pooling, with max and with average pooling, against autograd through torch's pooling); a trainer
+that uses them (MLP, μPC, CNN) must train as one that does not; and a kernel that disagrees with torch is not used.
 """
 
 import os
@@ -40,9 +41,9 @@ def run_checks(what: str, interpret: bool) -> None:
 
 @pytest.mark.parametrize("what", ["kernels", "errors", "trainer"])
 def test_the_kernels_under_the_interpreter(what):
-    """kernels: every activation in float32, dense and μPC, a row range; errors: the dense error pass, every
-    activation and mode; trainer: an MLP and a μPC network train with the kernels as without them (and their
-    hidden groups did use them)."""
+    """kernels: every activation in float32, dense and μPC, a row range; errors: the dense, residual and conv
+    passes, every activation and mode; trainer: an MLP, a μPC network and a CNN train with the kernels as without
+    them (and their hidden groups did use them)."""
     run_checks(what, interpret=True)
 
 
