@@ -78,7 +78,8 @@ def settings(net: str, method: str, T: int | None = None) -> list[str]:
 
 def build(net: str, method: str, T: int, tiny: bool):
     """(trainer, x, y, config) of one network and method at its initial weights (seed 0), on one batch of 64."""
-    c = make_config(settings(net, method, T) + QUIET)
+    tiny_mupc = ["model.width=32"] if tiny and net == "mupc64" else []  # Newton's O(B D^3) solves: seconds at 128
+    c = make_config(settings(net, method, T) + QUIET + tiny_mupc)
     ds = load_dataset(c.data.name, c.data.root)
     flat = c.model.name not in ("cnn", "vgg")
     x = ds.x_train[:64].flatten(1) if flat else ds.x_train[:64]
@@ -171,7 +172,7 @@ def accuracy_part(nets: list[str], Ts: list[int], methods: list[str], tiny: bool
                 if tiny:
                     over += ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.log_every=2"]
                     if net == "mupc64":
-                        over.append("model.depth=4")
+                        over += ["model.depth=4", "model.width=32"]
                 t0 = time.perf_counter()
                 try:
                     r = pcdist.train([*over, f"run_dir={tmp / str(time.perf_counter_ns())}"])

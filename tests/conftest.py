@@ -8,8 +8,8 @@ import sys
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # Waiting OpenMP threads sleep instead of spinning, as pcdist sets for every process that imports it before
 # torch (pcdist/__init__.py). The test processes import torch first (below), and so do the Python blocks of
-# the docs that they run (`import torch, pcdist`): without this, each of two pytest workers' OpenMP threads
-# spins on a core the other worker needs (a conv PCN's steps cost ten times the CPU on a busy 2-core box).
+# the docs that they run (`import torch, pcdist`): without this, each pytest worker's OpenMP threads
+# spin on a core another worker needs (a conv PCN's steps cost ten times the CPU on a busy 2-core box).
 # The numbers are the same; only the time spent waiting changes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -42,7 +42,7 @@ FIRST = ["test_slurm.py", "test_launch.py", "test_after_training.py", "test_benc
          "test_cli.py", "test_modes_service.py", "test_data_arrays.py", "test_preemption.py", "test_sweeps.py"]
 """The files that take longest, longest first (make test: pytest-xdist's --dist loadfile with
 --no-loadscope-reorder hands out whole files in collection order). The SLURM tests mostly wait on the
-cluster, so they start at once; a long file handed out last would leave the other worker idle."""
+cluster, so they start at once; a long file handed out last would leave the other workers idle."""
 
 
 def pytest_collection_modifyitems(session, config, items):
