@@ -81,6 +81,7 @@ def test_no_kernel_on_a_cpu_without_the_interpreter(monkeypatch):
 
     assert not chain.usable(torch.zeros(2, 2), Activation("tanh"), 4, 8, 8)
     assert not errorpass.usable(Activation("tanh"), torch.zeros(2, 2))
+    assert not errorpass.conv_usable(Activation("relu"), "max", [2, 2], [2, 2], [0, 0], 64, torch.zeros(2, 2))
 
 
 SCALARS = {"slope": "fp32", "lo": "fp32", "hi": "fp32", "beta": "fp32", "thr": "fp32", "alpha": "fp32"}

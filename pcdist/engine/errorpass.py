@@ -41,14 +41,15 @@ def usable(act, like: Tensor) -> bool:
             and like.numel() < 2**31 and chain.triton_allowed(like))
 
 
-def conv_usable(act, pool: str | None, window: list[int], stride: list[int], padding: list[int], like: Tensor,
-                *bufs: Tensor) -> bool:
-    """True if ConvKernel can run a conv group: ``usable``'s conditions on its nodes ``like``, pooling (if any)
-    in windows that do not overlap and have no padding (the conv layers' 2 x 2 / 2: a window's signal then goes
-    to its own elements only) of at most 127 elements (the window offset is kept in an int8), and the group's
-    buffers ``bufs`` contiguous (a layer-parallel boundary's may not be)."""
+def conv_usable(act, pool: str | None, window: list[int], stride: list[int], padding: list[int], conv_size: int,
+                like: Tensor, *bufs: Tensor) -> bool:
+    """True if ConvKernel can run a conv group: ``usable``'s conditions on its nodes ``like``, fewer than 2^31
+    elements in its convolutions' output too (``conv_size``), pooling (if any) in windows that do not overlap and
+    have no padding (the conv layers' 2 x 2 / 2: a window's signal then goes to its own elements only) of at most
+    127 elements (the window offset is kept in an int8), and the group's buffers ``bufs`` contiguous (a
+    layer-parallel boundary's may not be)."""
     tiles = pool is None or (list(stride) == list(window) and not any(padding) and window[0] * window[1] < 128)
-    return tiles and usable(act, like) and all(b.is_contiguous() for b in (like, *bufs))
+    return tiles and conv_size < 2**31 and usable(act, like) and all(b.is_contiguous() for b in (like, *bufs))
 
 
 class Kernel(ErrorPass):
