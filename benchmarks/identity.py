@@ -1,7 +1,8 @@
 """Trajectories of this checkout against another commit's pcdist, bit for bit.
 
 Runs every configuration of the float64 reference grid (tests/test_reference.py: all
-activations x both energies, and pc/ipc x value momentum x SGD/AdamW x depths x energies)
+activations x both energies, and pc/ipc x value momentum x SGD/AdamW x depths x energies) and
+small conv nets (max, average and no pooling, a fused group of two equal conv layers, pc and ipc)
 for three training steps with both engines side by side in one process, and reports for
 each whether the value nodes, energies and weights after every step are bit-identical
 (torch.equal), else the largest difference.
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
@@ -25,14 +27,29 @@ from baseline import import_ref  # noqa: E402
 from test_reference import ACT_NAMES, BATCH_SIZES, DIMS, GRID, OPTIMIZERS, make_batch, make_seq  # noqa: E402
 
 
+def conv_seq(pool: str | None, act: str, seed: int) -> nn.Sequential:
+    """2 x 9 x 9 images: conv (+ pooling), two equal convs (one fused group), a linear head to 3 classes."""
+    torch.manual_seed(seed)
+    f = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}[act]
+    pooled = {"max": [nn.MaxPool2d(2)], "avg": [nn.AvgPool2d(2)], None: []}[pool]
+    side = 4 if pool else 9
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), f(), *pooled, nn.Conv2d(4, 4, 3, padding=1), f(),
+                         nn.Conv2d(4, 4, 3, padding=1), f(), nn.Flatten(), nn.Linear(4 * side * side, 3)).double()
+
+
 def trajectory(lib, seq, make_opt, T, x_momentum, algorithm, energy, seed):
     """Value nodes, energies and weights after each of three steps of ``lib``'s engine."""
-    net = lib.PCNetwork.from_sequential(seq, energy=energy)
+    images = isinstance(seq[0], nn.Conv2d)
+    net = lib.PCNetwork.from_sequential(seq, energy=energy, input_shape=(2, 9, 9) if images else None)
     tr = lib.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=0.1, x_momentum=x_momentum, algorithm=algorithm)
     gen = torch.Generator().manual_seed(1000 + seed)
     out = []
     for B in BATCH_SIZES:
-        x, y = make_batch(B, seq[0].in_features, seq[-1].out_features, gen)
+        if images:
+            x = torch.randn(B, 2, 9, 9, generator=gen, dtype=torch.float64)
+            y = torch.eye(3, dtype=torch.float64)[torch.randint(0, 3, (B,), generator=gen)]
+        else:
+            x, y = make_batch(B, seq[0].in_features, seq[-1].out_features, gen)
         stats = tr.step(x, y)
         out += [torch.tensor([stats["energy"], *stats["layer_energies"]], dtype=torch.float64), *tr.value_nodes(),
                 *[p.detach().clone() for p in net.to_sequential().parameters()]]
@@ -48,6 +65,9 @@ def cases():
         dims, same_act = DIMS[d]
         acts = [ACT_NAMES[(i + (0 if same_act else k)) % len(ACT_NAMES)] for k in range(len(dims) - 2)]
         yield f"grid-{a}-mu{m}-{o}-{d}-{e}", make_seq(dims, acts, seed=100 + i), OPTIMIZERS[o], 4 + i % 4, m, a, e, i
+    for i, (pool, act, algorithm) in enumerate((("max", "relu", "pc"), ("avg", "gelu", "ipc"), (None, "tanh", "pc"))):
+        yield f"conv-{pool}-{act}-{algorithm}", conv_seq(pool, act, 200 + i), OPTIMIZERS["adamw"], 4, 0.0, \
+            algorithm, "ce", 200 + i
 
 
 def main() -> int:
