@@ -232,7 +232,7 @@ class ConvBound(BoundGroup):
         # on GPUs, checked once against the torch ops below); None: those torch ops.
         self.kernel = None
         if errorpass.conv_usable(self.act, self.pool, *(self.pool_args if self.pool else ([1, 1], [1, 1], [0, 0])),
-                                 math.prod(conv_shape), self.h2, self.x2, self.e2):
+                                 math.prod(conv_shape), self.h2, self.e2):
             kernel = errorpass.ConvKernel(self.act, self.pool, self.pool_args[0] if self.pool else None)
             if kernel.agrees(conv_shape, node_shape, self.bias is not None, self.prec is not None, kw["device"],
                              f"conv layers {self.first}..{self.first + K - 1}", g.weight.dtype):
