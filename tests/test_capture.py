@@ -258,6 +258,25 @@ def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in nets)))
 
 
+def test_bfloat16_products_on_a_cpu_are_rounded_to_bfloat16_then_summed_in_float32():
+    """Where the GEMM cannot write float32 from bfloat16 operands (a CPU: base.f32_products is False; a GPU's
+    float32 products are tests/test_cuda.py's), a product is rounded to bfloat16 and then added in float32:
+    the closed form below, bit for bit, for the prediction (with a bias and a scale) and the back-projection."""
+    from pcdist.engine.layers.base import accumulate_product, f32_products, product_into
+
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(3, 5, 8, generator=g), torch.randn(3, 8, 4, generator=g).bfloat16()
+    bias, t = torch.randn(3, 1, 4, generator=g), torch.randn(3, 5, 4, generator=g)
+    p = torch.bmm(a.bfloat16(), w).float()  # the product in bfloat16, then read as float32
+    assert not f32_products(a)
+    out = torch.empty(3, 5, 4)
+    product_into(out, a, w, False, bias, 0.5)
+    assert torch.equal(out, (bias + p) * 0.5)
+    want = (t * 0.75).add_(p, alpha=-0.25)  # torch's own beta x + alpha y (a fused multiply-add on some CPUs)
+    accumulate_product(t, a, w, 0.75, -0.25, False)
+    assert torch.equal(t, want)
+
+
 @pytest.mark.parametrize("kind, algorithm", [("mlp", "pc"), ("mlp", "ipc"), ("mupc", "pc"), ("conv", "pc")])
 def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(kind, algorithm):
     """precision="bf16": the matmuls on bfloat16 operands, value nodes and errors in float32, the optimizer on

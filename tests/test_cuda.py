@@ -8,7 +8,9 @@ CPU can: no host reads, device-side schedules and skips equal to host ones). Her
   two captured programs) with ``compile="graph"`` equal ``compile="none"``;
 * the replayed step dispatches a handful of host ops whatever the depth (host work O(1) per step);
 * through the service (``pcdist.train``), graph and none give the same metrics, and a run resumed
-  under a captured step continues exactly.
+  under a captured step continues exactly;
+* precision="bf16": its products written in float32 by cuBLAS equal float64 arithmetic on their bfloat16
+  operands to float32 rounding, and a bf16 step replayed equals the eager bf16 step.
 
 The learning rates are chosen exactly representable in float32 (the fused kernels read a captured
 step's rate as a float32 tensor); a cosine schedule's rates are not, so there the runs agree to the
@@ -102,6 +104,65 @@ def test_a_replayed_step_costs_the_host_the_same_whatever_the_depth(hidden):
     torch.cuda.synchronize()
     assert reads.reads == [] and len(tr.runner.programs) == 1
     assert reads.ops <= 25, reads.by_op
+
+
+def test_bf16_products_are_written_in_float32_by_the_gemm():
+    """precision="bf16" on a GPU: the products of bfloat16 operands are written in float32 by cuBLAS itself
+    (base.f32_products, torch's out_dtype), so they equal float64 arithmetic on the same bfloat16 operands to
+    float32 rounding, where a bfloat16 product copied into float32 is off by bfloat16's (2^-9); the in-place
+    accumulation (the back-projection) too, beta 0 ignoring the target's old contents."""
+    from pcdist.engine.layers.base import accumulate_product, f32_products, product_into
+
+    if not hasattr(torch.ops.aten.baddbmm, "dtype_out"):
+        pytest.skip(f"torch {torch.__version__} has no float32 output for bfloat16 products")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(3, 64, 128, generator=g, device="cuda")
+    w = torch.randn(3, 128, 96, generator=g, device="cuda").bfloat16()
+    bias = torch.randn(3, 1, 96, generator=g, device="cuda")
+    exact = torch.bmm(a.bfloat16().double(), w.double())
+    assert f32_products(a)
+
+    def err(out, want):
+        return float(((out.double() - want) / want.abs().max()).abs().max())
+
+    for f32, bound in ((True, 1e-6), (False, 2.0 ** -8)):
+        out = torch.full((3, 64, 96), float("nan"), device="cuda")
+        product_into(out, a, w, f32, bias, 0.5)
+        assert err(out, 0.5 * (exact + bias.double())) <= bound, f32
+        t = torch.randn(3, 64, 96, generator=g, device="cuda")
+        want = 0.75 * t.double() - 0.25 * exact
+        accumulate_product(t, a, w, 0.75, -0.25, f32)
+        assert err(t, want) <= bound, f32
+    out = torch.full((3, 64, 96), float("nan"), device="cuda")
+    accumulate_product(out, a, w, 0.0, 1.0, True)
+    assert err(out, exact) <= 1e-6, "beta 0: the NaNs in the target are not read"
+    product_into(out, a, w, False)
+    assert err(out, exact) > 1e-6, "the bfloat16 product is rounded: the test can tell the two apart"
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mupc", "conv"])
+def test_a_bf16_step_replayed_equals_the_eager_bf16_step(kind):
+    """precision="bf16" captured and replayed (two batch sizes): the bfloat16 products (float32 outputs on a GPU),
+    the float32 nodes and master weights follow the eager bf16 run exactly (conv: cuDNN's kernels may sum in
+    another order when captured, as in float64 above, so the energies to 1e-3), and stay near float32's."""
+    def run(compile: str, precision: str):
+        net = network(kind, dtype=torch.float32).cuda()
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, precision=precision, compile=compile)
+        out = []
+        for s in range(6):
+            x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
+            out.append((tr.step(x.cuda(), y.cuda())["energy"], [p.detach().clone() for p in net.parameters()]))
+        torch.cuda.synchronize()
+        return out
+
+    graph, eager, fp32 = run("graph", "bf16"), run("none", "bf16"), run("none", "fp32")
+    for (e_g, w_g), (e_e, w_e), (e_f, _) in zip(graph, eager, fp32):
+        if kind == "conv":
+            assert e_g == pytest.approx(e_e, rel=1e-3)
+        else:
+            assert e_g == e_e and all(torch.equal(a, b) for a, b in zip(w_g, w_e))
+        assert e_g == pytest.approx(e_f, rel=0.05)
 
 
 def test_the_service_trains_alike_captured_and_eager(tmp_path):

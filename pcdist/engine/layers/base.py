@@ -34,6 +34,7 @@ schedule (pcdist/distributed/exchange.py) is the same for every kind.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -43,7 +44,9 @@ from torch import Tensor, nn
 from ..energies import OutputEnergy
 
 __all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "low",
-           "seeded_generator"]
+           "seeded_generator", "f32_products", "product_into", "accumulate_product"]
+
+_aten = torch.ops.aten
 
 
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
@@ -233,6 +236,62 @@ def lowp(a: Tensor, w: Tensor) -> Tensor:
 def low(a: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
     """``lowp``'s product in ``dtype``."""
     return lowp(a, w).to(dtype)
+
+
+_F32_PRODUCTS: dict[torch.device, bool] = {}
+
+
+def f32_products(like: Tensor) -> bool:
+    """True if bfloat16 batched products can be written in float32 by the GEMM itself on ``like``'s device
+    (cuBLAS's float32 output of bfloat16 operands, torch's ``out_dtype``, CUDA only): one pass less per product
+    than a bfloat16 product copied or added into the float32 nodes, and no rounding of the product to bfloat16.
+    Probed once per device on a small in-place product against float32 arithmetic; a torch without it, a CPU, or
+    one that disagrees keeps the bfloat16 products (``lowp``)."""
+    dev = like.device
+    if dev.type != "cuda":
+        return False
+    if dev not in _F32_PRODUCTS:
+        ok = False
+        try:
+            g = torch.Generator(device=dev).manual_seed(0)
+            a, w = (torch.randn(2, 8, 16, generator=g, device=dev).bfloat16(),
+                    torch.randn(2, 16, 24, generator=g, device=dev).bfloat16())
+            c, p = torch.randn(2, 8, 24, generator=g, device=dev), torch.full((2, 8, 24), math.nan, device=dev)
+            prod = torch.bmm(a.float(), w.float())
+            want = 0.5 * c + 0.25 * prod
+            _aten.baddbmm.dtype_out(c, a, w, torch.float32, beta=0.5, alpha=0.25, out=c)
+            _aten.baddbmm.dtype_out(p, a, w, torch.float32, beta=0.0, alpha=0.25, out=p)  # beta 0: p not read
+            ok = bool(torch.allclose(c, want, rtol=1e-4, atol=1e-4)
+                      and torch.allclose(p, 0.25 * prod, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+        _F32_PRODUCTS[dev] = ok
+    return _F32_PRODUCTS[dev]
+
+
+def product_into(out: Tensor, a: Tensor, w: Tensor, f32: bool, bias: Tensor | None = None, scale: float = 1.0) -> None:
+    """out = scale (a @ w (+ bias)) in out's dtype, the product on bfloat16 operands (a cast to w's dtype): written
+    in float32 by the GEMM where ``f32`` (``f32_products``), else a bfloat16 product copied or added in."""
+    if f32:
+        if bias is None:
+            _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=0.0, alpha=scale, out=out)
+        else:
+            out.copy_(bias.expand_as(out))
+            _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=scale, alpha=scale, out=out)
+        return
+    p = lowp(a, w)
+    out.copy_(p) if bias is None else torch.add(bias, p, out=out)
+    if scale != 1.0:
+        out.mul_(scale)
+
+
+def accumulate_product(target: Tensor, a: Tensor, w: Tensor, beta: float, alpha: float, f32: bool) -> None:
+    """``accumulate`` of the product a @ w on bfloat16 operands: target <- beta target + alpha (a @ w), by the GEMM
+    itself where ``f32`` (``f32_products``)."""
+    if f32:
+        _aten.baddbmm.dtype_out(target, a.to(w.dtype), w, torch.float32, beta=beta, alpha=alpha, out=target)
+    else:
+        accumulate(target, low(a, w, target.dtype), beta, alpha)
 
 
 def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:

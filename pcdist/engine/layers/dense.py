@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from .. import chain, errorpass, native
 from ..activations import Activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low, lowp
+from .base import (Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate_product, f32_products,
+                   low, lowp, product_into)
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
 
@@ -192,6 +193,7 @@ class DenseBound(BoundGroup):
         self.b_K1O = g.b_KO.unsqueeze(1)
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
+        self.f32 = self.lowp and f32_products(h_out)  # those products written in float32 by the GEMM (CUDA)
         self.a = torch.empty(K, B, g.kind.out_features, **kw)
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
@@ -297,8 +299,7 @@ class DenseBound(BoundGroup):
     def _product(self, h: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
         """out = bias + h @ w_KIO (in bfloat16 products under precision="bf16")."""
         if self.lowp:
-            p = lowp(h, self.w_KIO)
-            torch.add(bias, p, out=out) if bias is not None else out.copy_(p)
+            product_into(out, h, self.w_KIO, self.f32, bias)
         elif bias is not None:
             torch.baddbmm(bias, h, self.w_KIO, out=out)
         else:
@@ -343,7 +344,7 @@ class DenseBound(BoundGroup):
         if target.dim() > 3:  # an image node
             target = target.flatten(2)
         if self.lowp:
-            accumulate(target, low(self.d, self.w_t.get(), target.dtype), beta, alpha)
+            accumulate_product(target, self.d, self.w_t.get(), beta, alpha, self.f32)
         else:
             target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
 

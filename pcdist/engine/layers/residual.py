@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from .. import chain, errorpass, native
 from ..activations import Activation, get_activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, low, lowp
+from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, f32_products, low, \
+    product_into
 
 __all__ = ["Residual", "ResidualGroup", "ResidualLinear", "mupc_specs", "mupc_layers"]
 
@@ -196,6 +197,7 @@ class ResidualBound(BoundGroup):
         self.b_K1O = None if g.bias is None else g.bias.unsqueeze(1)
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
+        self.f32 = self.lowp and f32_products(h_out)  # those products written in float32 by the GEMM (CUDA)
         K, I, O = self.K, kind.in_features, kind.out_features
         self.s = h_in if self.identity else torch.empty(K, B, I, **kw)  # phi(h_in)
         # phi'(h_in) of gelu-like activations needs h_in itself, which the fused value step moves.
@@ -229,9 +231,8 @@ class ResidualBound(BoundGroup):
                 self.act.forward(h, out=s)
             if x is not None:
                 x.copy_(h)
-        if self.lowp:  # a (phi(h) @ w + b) with the product in bfloat16, the sums in the nodes' dtype
-            p = lowp(s, w)
-            (u.copy_(p) if b is None else torch.add(b, p, out=u)).mul_(self.a)
+        if self.lowp:  # a (phi(h) @ w + b) with the product on bfloat16 operands, the sums in the nodes' dtype
+            product_into(u, s, w, self.f32, b, self.a)
             if self.skip:
                 u.add_(h)
         elif b is not None:
@@ -334,7 +335,8 @@ class ResidualBound(BoundGroup):
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         if self.lowp:
-            t = self.t.copy_(lowp(self.d, self.w_t.get()))
+            product_into(self.t, self.d, self.w_t.get(), self.f32)
+            t = self.t
         else:
             t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
         if self.kernel is not None:
