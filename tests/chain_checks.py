@@ -180,6 +180,45 @@ def conv(act, pool, prec: bool):
         assert (u2[:1] == 7.0).all() and (a2[:1] == 7.0).all(), "rows outside the range are not written"
 
 
+def gemm_products(case: str):
+    """pcdist/engine/gemm.py's Triton GEMM (PCDIST_GEMM=triton) against torch's own, in each form a group calls:
+    a bias broadcast over the batch (predict), alpha and beta, an in-place accumulation into the target
+    (back-projection), a transposed operand (the weight gradients), beta 0 ignoring NaNs in the target, odd
+    sizes (masked tiles)."""
+    from pcdist.engine import gemm
+
+    os.environ["PCDIST_GEMM"] = "triton"
+    g = torch.Generator().manual_seed(6)
+    K, B, I, O = 3, 21, 37, 19
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV)
+
+    baddbmm, bmm = gemm.functions(rand(1))
+    assert baddbmm is gemm.baddbmm and bmm is gemm.bmm
+    h, w, d, bias = rand(K, B, I), rand(K, I, O), rand(K, B, O), rand(K, 1, O)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    if case == "predict":
+        torch.testing.assert_close(baddbmm(bias, h, w, out=torch.empty(K, B, O, device=DEV)),
+                                   torch.baddbmm(bias, h, w), **tol)
+        torch.testing.assert_close(baddbmm(bias, h, w, beta=0.5, alpha=0.3, out=torch.empty(K, B, O, device=DEV)),
+                                   torch.baddbmm(bias, h, w, beta=0.5, alpha=0.3), **tol)
+        torch.testing.assert_close(bmm(h, w, out=torch.empty(K, B, O, device=DEV)), torch.bmm(h, w), **tol)
+    elif case == "backproject":
+        target = rand(K, B, I)
+        want = torch.baddbmm(target, d, w.transpose(1, 2), beta=0.7, alpha=-0.2)
+        baddbmm(target, d, w.transpose(1, 2), beta=0.7, alpha=-0.2, out=target)
+        torch.testing.assert_close(target, want, **tol)
+        nan = torch.full((K, B, I), float("nan"), device=DEV)
+        baddbmm(nan, d, w.transpose(1, 2), beta=0.0, alpha=1.0, out=nan)
+        torch.testing.assert_close(nan, torch.bmm(d, w.transpose(1, 2)), **tol)
+    else:  # the weight gradients: a transposed node batch times the signal
+        grad = torch.full((K, I, O), float("nan"), device=DEV)
+        baddbmm(grad, h.transpose(1, 2), d, beta=0.0, alpha=0.25, out=grad)
+        torch.testing.assert_close(grad, 0.25 * torch.bmm(h.transpose(1, 2), d), **tol)
+    assert any(c is not None for c in gemm._CHOICE.values()), "the Triton kernel ran"
+
+
 def trainer(model):
     """The hidden group's init runs through the kernel (checked against torch on first use); three training
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
@@ -187,6 +226,7 @@ def trainer(model):
     def trained(fused: bool):
         os.environ["PCDIST_TRITON"] = "1" if fused else "0"
         os.environ["PCDIST_NATIVE"] = "0"  # the CPU's own error kernel off: the Triton one, or torch ops
+        os.environ["PCDIST_GEMM"] = "triton" if fused and model != "cnn" else "torch"  # the Triton products too
         if model == "mlp":
             net = pcdist.PCNetwork.from_dims([12, 16, 16, 16, 4], "tanh", seed=0, device=DEV)
         elif model == "cnn":  # max and average pooling, a group of two, an odd size and no pooling
@@ -210,6 +250,9 @@ def trainer(model):
         assert len(hidden) == 3 and all(isinstance(gr.kernel, errorpass.ConvKernel) for gr in hidden), \
             [gr.kernel for gr in hidden]
     else:
+        from pcdist.engine import gemm
+        assert all(gr.baddbmm is gemm.baddbmm for gr in hidden), "the products ran through the Triton GEMM"
+        assert gemm._CHOICE and None not in gemm._CHOICE.values(), "every product's Triton tiles agreed with torch"
         assert hidden and all(gr.fused_chain == "yes" for gr in hidden), [gr.fused_chain for gr in hidden]
         kind = errorpass.Kernel if model == "mlp" else errorpass.ResidualKernel  # the elementwise passes: Triton
         assert all(isinstance(gr.kernel, kind) for gr in hidden), [gr.kernel for gr in hidden]
@@ -250,7 +293,8 @@ def main(what: str) -> int:
     dtypes = [torch.float32] + ([] if INTERPRETED else [torch.bfloat16])
     cases = {"kernels": [(kernels, (act, dt)) for act in ACTS for dt in dtypes],
              "errors": [(f, (act, p)) for f in (errors, residual) for act in ACTS for p in (False, True)]
-             + [(conv, (act, pool, p)) for act in ACTS for pool in (None, "max", "avg") for p in (False, True)],
+             + [(conv, (act, pool, p)) for act in ACTS for pool in (None, "max", "avg") for p in (False, True)]
+             + [(gemm_products, (case,)) for case in ("predict", "backproject", "weights")],
              "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn")]}[what]
     for fn, args in cases:
         try:

@@ -178,3 +178,25 @@ def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
             built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
                                    target=GPUTarget("cuda", 90, 32))
             assert f".entry {name}" in built.asm["ptx"], (name, code)
+
+
+@pytest.mark.parametrize("prec", ["ieee", "tf32"])
+def test_the_gemm_kernel_compiles_for_a_hopper_gpu(prec, tmp_path, monkeypatch):
+    """The batched GEMM of pcdist/engine/gemm.py builds for sm_90 with each of its tile candidates (in float32 or
+    in TF32, half of them each: compiling is this test's time), reading the target or not."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pcdist.engine import _chain_kernels as kernels
+    from pcdist.engine import gemm
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    sig = {p: "*fp32" for p in ("a_ptr", "b_ptr", "c_ptr", "o_ptr")} | {"M": "i32", "N": "i32", "R": "i32"}
+    sig |= {f"s_{o}{d}": "i32" for o in "abco" for d in ("k", "m" if o in "aco" else "r", "r" if o == "a" else "n")}
+    sig |= {"alpha": "fp32", "beta": "fp32"}
+    for i, (BM, BN, BK, warps) in enumerate(gemm.CONFIGS[int(prec == "tf32")::2]):
+        consts = {"HAS_C": i % 2 == 0, "PREC": prec, "BM": BM, "BN": BN, "BK": BK}
+        built = triton.compile(ASTSource(fn=kernels.bmm, signature=sig | {k: "constexpr" for k in consts},
+                                         constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": warps})
+        assert ".entry bmm" in built.asm["ptx"], (BM, BN, BK)

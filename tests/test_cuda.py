@@ -10,7 +10,8 @@ CPU can: no host reads, device-side schedules and skips equal to host ones). Her
 * through the service (``pcdist.train``), graph and none give the same metrics, and a run resumed
   under a captured step continues exactly;
 * precision="bf16": its products written in float32 by cuBLAS equal float64 arithmetic on their bfloat16
-  operands to float32 rounding, and a bf16 step replayed equals the eager bf16 step.
+  operands to float32 rounding; a float32 or bf16 step replayed equals the eager step; the batched GEMM is
+  chosen once per shape (cuBLAS or Triton) and agrees with cuBLAS.
 
 The learning rates are chosen exactly representable in float32 (the fused kernels read a captured
 step's rate as a float32 tensor); a cosine schedule's rates are not, so there the runs agree to the
@@ -140,11 +141,13 @@ def test_bf16_products_are_written_in_float32_by_the_gemm():
     assert err(out, exact) > 1e-6, "the bfloat16 product is rounded: the test can tell the two apart"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["mlp", "mupc", "conv"])
-def test_a_bf16_step_replayed_equals_the_eager_bf16_step(kind):
-    """precision="bf16" captured and replayed (two batch sizes): the bfloat16 products (float32 outputs on a GPU),
-    the float32 nodes and master weights follow the eager bf16 run exactly (conv: cuDNN's kernels may sum in
-    another order when captured, as in float64 above, so the energies to 1e-3), and stay near float32's."""
+def test_a_float32_or_bf16_step_replayed_equals_the_eager_step(kind, precision):
+    """float32 nodes captured and replayed (two batch sizes), where pcdist's own kernels run (the Triton GEMM where
+    it was timed faster, the elementwise kernels; bf16: the bfloat16 products, float32 outputs on a GPU): the
+    nodes and master weights follow the eager run exactly (conv: cuDNN's kernels may sum in another order when
+    captured, as in float64 above, so the energies to 1e-3), and bf16 stays near float32."""
     def run(compile: str, precision: str):
         net = network(kind, dtype=torch.float32).cuda()
         opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
@@ -156,13 +159,31 @@ def test_a_bf16_step_replayed_equals_the_eager_bf16_step(kind):
         torch.cuda.synchronize()
         return out
 
-    graph, eager, fp32 = run("graph", "bf16"), run("none", "bf16"), run("none", "fp32")
+    graph, eager, fp32 = run("graph", precision), run("none", precision), run("none", "fp32")
     for (e_g, w_g), (e_e, w_e), (e_f, _) in zip(graph, eager, fp32):
         if kind == "conv":
             assert e_g == pytest.approx(e_e, rel=1e-3)
         else:
             assert e_g == e_e and all(torch.equal(a, b) for a, b in zip(w_g, w_e))
         assert e_g == pytest.approx(e_f, rel=0.05)
+
+
+def test_the_gemm_is_chosen_once_per_shape_and_agrees_with_cublas(monkeypatch):
+    """PCDIST_GEMM=auto on a GPU: the first product of a shape times cuBLAS against the Triton tiles and keeps the
+    faster (pcdist/engine/gemm.py); the next product of that shape decides nothing again, and either way the
+    result is cuBLAS's to round-off (a deep narrow group's shape: 128 layers of 64 x 128 by 128 x 128)."""
+    from pcdist.engine import gemm
+
+    monkeypatch.setenv("PCDIST_GEMM", "auto")
+    h, w = torch.randn(128, 64, 128, device="cuda"), torch.randn(128, 128, 128, device="cuda") / 12
+    out = torch.empty(128, 64, 128, device="cuda")
+    _, bmm = gemm.functions(h)
+    assert bmm is gemm.bmm
+    bmm(h, w, out=out)
+    decided = dict(gemm._CHOICE)
+    bmm(h, w, out=out)
+    assert gemm._CHOICE == decided and len(decided) >= 1
+    torch.testing.assert_close(out, torch.bmm(h, w), atol=1e-4, rtol=1e-4)
 
 
 def test_the_service_trains_alike_captured_and_eager(tmp_path):

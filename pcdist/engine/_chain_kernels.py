@@ -348,3 +348,28 @@ def conv_errors(a_ptr, u_ptr, h_ptr, e_ptr, d_ptr, idx_ptr, p_ptr, n, per, stepp
                 else:
                     dz = e
                 tl.store(d_ptr + off, dz * g, mask=m)
+
+
+@triton.jit
+def bmm(a_ptr, b_ptr, c_ptr, o_ptr, M, N, R, s_ak, s_am, s_ar, s_bk, s_br, s_bn, s_ck, s_cm, s_cn, s_ok, s_om, s_on,
+        alpha, beta, HAS_C: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One [BM, BN] tile of batch k of o = beta c + alpha (a @ b) (torch.baddbmm; HAS_C False: c not read, as a
+    beta of 0), every operand through its strides (a transposed operand, a broadcast bias: stride 0)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    k = tl.program_id(2).to(tl.int64)
+    mm, mn = rm < M, rn < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for r0 in range(0, R, BK):
+        r = r0 + tl.arange(0, BK)
+        mr = r < R
+        a = tl.load(a_ptr + k * s_ak + rm[:, None] * s_am + r[None, :] * s_ar, mask=mm[:, None] & mr[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + k * s_bk + r[:, None] * s_br + rn[None, :] * s_bn, mask=mr[:, None] & mn[None, :],
+                    other=0.0)
+        acc += tl.dot(a, b, input_precision=PREC)
+    acc = alpha * acc
+    m = mm[:, None] & mn[None, :]
+    if HAS_C:
+        acc += beta * tl.load(c_ptr + k * s_ck + rm[:, None] * s_cm + rn[None, :] * s_cn, mask=m, other=0.0)
+    tl.store(o_ptr + k * s_ok + rm[:, None] * s_om + rn[None, :] * s_on, acc.to(o_ptr.dtype.element_ty), mask=m)

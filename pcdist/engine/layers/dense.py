@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .. import chain, errorpass, native
+from .. import chain, errorpass, gemm, native
 from ..activations import Activation
 from .base import (Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate_product, f32_products,
                    low, lowp, product_into)
@@ -194,6 +194,7 @@ class DenseBound(BoundGroup):
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
         self.f32 = self.lowp and f32_products(h_out)  # those products written in float32 by the GEMM (CUDA)
+        self.baddbmm, self.bmm = gemm.functions(h_out)  # cuBLAS, or a Triton GEMM where faster (CUDA)
         self.a = torch.empty(K, B, g.kind.out_features, **kw)
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
@@ -301,9 +302,9 @@ class DenseBound(BoundGroup):
         if self.lowp:
             product_into(out, h, self.w_KIO, self.f32, bias)
         elif bias is not None:
-            torch.baddbmm(bias, h, self.w_KIO, out=out)
+            self.baddbmm(bias, h, self.w_KIO, out=out)
         else:
-            torch.bmm(h, self.w_KIO, out=out)
+            self.bmm(h, self.w_KIO, out=out)
 
     def errors(self, with_signal: bool, step_lr: float | None, hold_last: bool = False) -> None:
         """e = h_out - u and d = e * f'(a) (if ``with_signal``), predicting first if stale; with
@@ -315,7 +316,7 @@ class DenseBound(BoundGroup):
                 if self.lowp:
                     torch.sub(self._y_minus_b, lowp(self.h_in, self.w_KIO), out=self.d)
                 else:
-                    torch.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
+                    self.baddbmm(self._y_minus_b, self.h_in, self.w_KIO, alpha=-1.0, out=self.d)
                 self.energy.scale_signal(self.d)
             else:
                 if not self.cached:
@@ -346,14 +347,14 @@ class DenseBound(BoundGroup):
         if self.lowp:
             accumulate_product(target, self.d, self.w_t.get(), beta, alpha, self.f32)
         else:
-            target.baddbmm_(self.d, self.w_t.get(), beta=beta, alpha=alpha)
+            self.baddbmm(target, self.d, self.w_t.get(), beta=beta, alpha=alpha, out=target)
 
     def weight_grads(self, scale: float) -> None:
         w, b = self.g.weight, self.g.bias
         if self.lowp:
             torch.mul(low(self.h_in.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale, out=w.grad)
         else:
-            w.grad.baddbmm_(self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale)
+            self.baddbmm(w.grad, self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale, out=w.grad)
         if b is not None:
             torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import chain, errorpass, native
+from .. import chain, errorpass, gemm, native
 from ..activations import Activation, get_activation
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate, f32_products, low, \
     product_into
@@ -198,6 +198,7 @@ class ResidualBound(BoundGroup):
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
         self.f32 = self.lowp and f32_products(h_out)  # those products written in float32 by the GEMM (CUDA)
+        self.baddbmm, self.bmm = gemm.functions(h_out)  # cuBLAS, or a Triton GEMM where faster (CUDA)
         K, I, O = self.K, kind.in_features, kind.out_features
         self.s = h_in if self.identity else torch.empty(K, B, I, **kw)  # phi(h_in)
         # phi'(h_in) of gelu-like activations needs h_in itself, which the fused value step moves.
@@ -222,7 +223,7 @@ class ResidualBound(BoundGroup):
 
     def _predict(self, h: Tensor, s: Tensor, x: Tensor | None, w: Tensor, b: Tensor | None, u: Tensor) -> None:
         """u = skip * h + a (phi(h) @ w + b) for one layer ([B, I] operands) or all K ([K, B, I])."""
-        mm = torch.baddbmm if h.dim() == 3 else torch.addmm
+        mm = self.baddbmm if h.dim() == 3 else torch.addmm
         if self.kernel is not None and h is self.h_in:  # all K layers at once
             if not self.identity or x is not None:
                 self.kernel.activate()
@@ -338,7 +339,7 @@ class ResidualBound(BoundGroup):
             product_into(self.t, self.d, self.w_t.get(), self.f32)
             t = self.t
         else:
-            t = torch.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
+            t = self.bmm(self.d, self.w_t.get(), out=self.t)  # d @ W^T
         if self.kernel is not None:
             self.kernel.backproject(target, self.d if self.skip else None, beta, alpha * self.a, alpha)
             return
@@ -354,7 +355,7 @@ class ResidualBound(BoundGroup):
         if self.lowp:
             torch.mul(low(self.s.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale * self.a, out=w.grad)
         else:
-            w.grad.baddbmm_(self.s.transpose(1, 2), self.d, beta=0.0, alpha=scale * self.a)
+            self.baddbmm(w.grad, self.s.transpose(1, 2), self.d, beta=0.0, alpha=scale * self.a, out=w.grad)
         if g.bias is not None:
             torch.sum(self.d, dim=1, out=g.bias.grad).mul_(scale * self.a)
 

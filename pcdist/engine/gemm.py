@@ -1,0 +1,143 @@
+"""The batched products of dense and μPC groups on CUDA devices: cuBLAS, or a Triton kernel where it is faster.
+
+A group of K equal layers multiplies K small matrices at once (``baddbmm``: a [K, B, I] batch of nodes by [K, I, O]
+weights, per inference step twice, plus the weight gradients). Narrow and deep, these are many tiny GEMMs
+(64 x 128 by 128 x 128 at width 128), a shape cuBLAS's batched kernels run far below the GPU's arithmetic
+rate: on an H200 the float32 products of 512 such layers took 4.7 ms per step where their arithmetic is about
+1.6 ms (docs/gpu.md), so a deep narrow step's time grows with depth. ``bmm`` in pcdist/engine/_chain_kernels.py
+is a plain tiled Triton GEMM whose tile sizes are chosen per shape; which of the two runs a product is decided
+the first time a shape is seen, by timing both on the operands themselves (as cuDNN's benchmark mode picks a
+convolution algorithm), and kept for the process, so every trainer of a process makes the same choice:
+
+    auto      (default) on CUDA devices, the Triton kernel where its best tiles are at least 10% faster than
+              cuBLAS and agree with it to round-off; cuBLAS otherwise
+    torch     cuBLAS (torch.baddbmm) always
+    triton    the Triton kernel wherever it can run (the tests' setting under Triton's interpreter)
+
+set by the environment variable PCDIST_GEMM; PCDIST_TRITON=0 turns it off with the other kernels. Only float32
+operands (trainer.precision fp32 or tf32: the kernel's dot is TF32 where torch's float32 matmuls are); float64
+and bfloat16 products stay torch's. On a CPU, ``functions`` hands back torch's own functions: nothing changes.
+A choice is made outside CUDA-graph capture (a step's first call is eager); a shape first seen while capturing
+runs cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import chain
+
+__all__ = ["functions", "baddbmm", "bmm", "CONFIGS"]
+
+CONFIGS = ((16, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8))
+"""Tile candidates (rows BM, columns BN, reduction chunk BK, warps): narrow tiles for a batch of small GEMMs."""
+
+INTERPRETED_CONFIG = (16, 16, 16, 4)  # small tiles under the interpreter: every masked edge is exercised
+_CHOICE: dict[tuple, tuple | None] = {}
+
+
+def _mode() -> str:
+    mode = os.environ.get("PCDIST_GEMM", "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"PCDIST_GEMM={mode!r}: allowed auto, torch, triton")
+    return mode
+
+
+def functions(like: Tensor):
+    """(baddbmm, bmm) for a group whose products are like ``like``: this module's where the Triton kernel may run
+    (float32 on a CUDA device, or under the interpreter with PCDIST_GEMM=triton), else torch's own."""
+    mode = _mode()
+    ok = like.dtype == torch.float32 and mode != "torch" and chain.triton_allowed(like) \
+        and (like.device.type == "cuda" or mode == "triton")
+    return (baddbmm, bmm) if ok else (torch.baddbmm, torch.bmm)
+
+
+def _launch(cfg, inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor) -> None:
+    BM, BN, BK, warps = cfg
+    K, M, N = out.shape
+    c = out if inp is None else inp.expand(out.shape)
+    grid = (-(-M // BM), -(-N // BN), K)
+    chain._triton().bmm[grid](a, b, c, out, M, N, a.shape[2], *a.stride(), *b.stride(), *c.stride(), *out.stride(),
+                              float(alpha), float(beta), HAS_C=inp is not None and beta != 0.0,
+                              PREC=chain._precision(out), BM=BM, BN=BN, BK=BK, num_warps=warps)
+
+
+def _timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor):
+    """The Triton tiles for this product's shapes and strides (decided once, see the module docstring), or None."""
+    key = (a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), out.device,
+           None if inp is None else inp.expand(out.shape).stride(), beta != 0.0, chain._precision(out))
+    if key in _CHOICE:
+        return _CHOICE[key]
+    if out.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None  # no timing inside a capture: cuBLAS, decided on the next eager call
+    scratch = out.clone()
+    src = None if inp is None else (inp.clone() if inp.data_ptr() == out.data_ptr() else inp)
+
+    def torch_run():
+        if src is None:
+            torch.bmm(a, b, out=scratch)
+            if alpha != 1.0:
+                scratch.mul_(alpha)
+        else:
+            torch.baddbmm(src, a, b, beta=beta, alpha=alpha, out=scratch)
+
+    configs = [INTERPRETED_CONFIG] if chain.interpreted() else list(CONFIGS)
+    best, choice = None, None
+    try:
+        torch_run()
+        want = scratch.clone()
+        timed = _mode() == "auto"
+        base = _timed(torch_run) if timed else None
+        for cfg in configs:
+            run = lambda cfg=cfg: _launch(cfg, src, a, b, beta, alpha, scratch)  # noqa: E731
+            run()
+            if not chain.agree([scratch], [want], "a batched product", ("Triton GEMM", "cuBLAS")):
+                choice = None
+                break
+            t = _timed(run) if timed else 0.0
+            if best is None or t < best:
+                best, choice = t, cfg
+        if timed and choice is not None and not best < 0.9 * base:
+            choice = None
+    except Exception as e:  # a Triton this code does not suit: cuBLAS
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"pcdist: the Triton GEMM failed ({type(e).__name__}: {first}); using cuBLAS "
+                      "(PCDIST_GEMM=torch skips it)", stacklevel=3)
+        choice = None
+    _CHOICE[key] = choice
+    return choice
+
+
+def baddbmm(input: Tensor, batch1: Tensor, batch2: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
+            out: Tensor) -> Tensor:
+    """torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha, out=out), by cuBLAS or the Triton kernel."""
+    cfg = _choose(input, batch1, batch2, beta, alpha, out)
+    if cfg is None:
+        return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha, out=out)
+    _launch(cfg, input, batch1, batch2, beta, alpha, out)
+    return out
+
+
+def bmm(batch1: Tensor, batch2: Tensor, *, out: Tensor) -> Tensor:
+    """torch.bmm(batch1, batch2, out=out), by cuBLAS or the Triton kernel."""
+    cfg = _choose(None, batch1, batch2, 0.0, 1.0, out)
+    if cfg is None:
+        return torch.bmm(batch1, batch2, out=out)
+    _launch(cfg, None, batch1, batch2, 0.0, 1.0, out)
+    return out
