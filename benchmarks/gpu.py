@@ -7,6 +7,8 @@ Per training step (float32 unless said, AdamW, ms):
              (on a CPU the same capturable core runs eagerly: a CPU measures its host work, not a replay)
   graph_torch  (GPU) the same without pcdist's Triton kernels (PCDIST_TRITON=0: the init chain and the dense
              error pass as torch ops), so graph_torch/graph is what those kernels gain
+  graph_cublas (GPU) the same with every product on cuBLAS (PCDIST_GEMM=torch): what the Triton GEMM
+             gains where it was timed faster (pcdist/engine/gemm.py)
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -145,14 +147,21 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
 
     eager, graph = trainer("none"), trainer("graph")
     out = {"eager": lambda: eager.step(x, y, log=False), "graph": lambda: graph.step(x, y, log=False)}
-    if cuda:  # replayed without the Triton kernels (the fused init chain and error pass): torch ops instead
-        plain, before = trainer("graph"), os.environ.get("PCDIST_TRITON")
-        os.environ["PCDIST_TRITON"] = "0"
+    def built_under(env: dict):
+        """A replayed trainer whose stage is built with ``env`` set (the kernels are chosen when it is built)."""
+        tr, before = trainer("graph"), {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            plain.stage(B)  # the kernels are chosen when the stage's buffers are built
+            tr.stage(B)
         finally:
-            os.environ.pop("PCDIST_TRITON") if before is None else os.environ.update(PCDIST_TRITON=before)
+            for k, v in before.items():
+                os.environ.pop(k) if v is None else os.environ.update({k: v})
+        return tr
+
+    if cuda:  # replayed without any Triton kernel (torch ops, cuBLAS), and with all but the Triton GEMM
+        plain, cublas = built_under({"PCDIST_TRITON": "0"}), built_under({"PCDIST_GEMM": "torch"})
         out["graph_torch"] = lambda: plain.step(x, y, log=False)
+        out["graph_cublas"] = lambda: cublas.step(x, y, log=False)
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
@@ -205,8 +214,8 @@ def ratio(samples: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
-RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph", "limit"), ("loop", "graph"), ("bp_graph", "graph"),
-          ("bp_eager", "graph"))
+RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph", "limit"),
+          ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
 
 
 def measure(name: str, spec, device, rounds: int, min_time: float, loop: bool, **kw) -> dict:
