@@ -18,7 +18,8 @@ set by the environment variable PCDIST_GEMM; PCDIST_TRITON=0 turns it off with t
 operands (trainer.precision fp32 or tf32: the kernel's dot is TF32 where torch's float32 matmuls are); float64
 and bfloat16 products stay torch's. On a CPU, ``functions`` hands back torch's own functions: nothing changes.
 A choice is made outside CUDA-graph capture (a step's first call is eager); a shape first seen while capturing
-runs cuBLAS.
+runs cuBLAS. As with cuDNN's benchmark mode, two runs may time a shape differently and so differ by float32
+round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
 """
 
 from __future__ import annotations
