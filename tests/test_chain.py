@@ -82,6 +82,8 @@ def test_no_kernel_on_a_cpu_without_the_interpreter(monkeypatch):
     assert not chain.usable(torch.zeros(2, 2), Activation("tanh"), 4, 8, 8)
     assert not errorpass.usable(Activation("tanh"), torch.zeros(2, 2))
     assert not errorpass.conv_usable(Activation("relu"), "max", [2, 2], [2, 2], [0, 0], 64, torch.zeros(2, 2))
+    from pcdist.engine import gemm
+    assert gemm.functions(torch.zeros(2, 2)) == (torch.baddbmm, torch.bmm), "a CPU's products are torch's own"
 
 
 SCALARS = {"slope": "fp32", "lo": "fp32", "hi": "fp32", "beta": "fp32", "thr": "fp32", "alpha": "fp32"}
