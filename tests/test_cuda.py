@@ -134,6 +134,9 @@ def test_bf16_products_are_written_in_float32_by_the_gemm():
         want = 0.75 * t.double() - 0.25 * exact
         accumulate_product(t, a, w, 0.75, -0.25, f32)
         assert err(t, want) <= bound, f32
+    one = torch.full((64, 96), float("nan"), device="cuda")  # one layer (the feed-forward chain's [B, I] operands)
+    product_into(one, a[0], w[0], True, bias[0, 0], 0.5)
+    assert err(one, 0.5 * (exact[0] + bias[0].double())) <= 1e-6
     out = torch.full((3, 64, 96), float("nan"), device="cuda")
     accumulate_product(out, a, w, 0.0, 1.0, True)
     assert err(out, exact) <= 1e-6, "beta 0: the NaNs in the target are not read"

@@ -273,11 +273,12 @@ def product_into(out: Tensor, a: Tensor, w: Tensor, f32: bool, bias: Tensor | No
     """out = scale (a @ w (+ bias)) in out's dtype, the product on bfloat16 operands (a cast to w's dtype): written
     in float32 by the GEMM where ``f32`` (``f32_products``), else a bfloat16 product copied or added in."""
     if f32:
-        if bias is None:
-            _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=0.0, alpha=scale, out=out)
-        else:
+        if bias is not None:
             out.copy_(bias.expand_as(out))
-            _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=scale, alpha=scale, out=out)
+        if a.dim() == 2:  # one layer (the feed-forward chain): a batch of one
+            out, a, w = out.unsqueeze(0), a.unsqueeze(0), w.unsqueeze(0)
+        _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=0.0 if bias is None else scale,
+                                alpha=scale, out=out)
         return
     p = lowp(a, w)
     out.copy_(p) if bias is None else torch.add(bias, p, out=out)
