@@ -204,3 +204,13 @@ def test_the_gemm_kernel_compiles_for_a_hopper_gpu(prec, tmp_path, monkeypatch):
                                          constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": warps})
         assert ".entry bmm" in built.asm["ptx"], (BM, BN, BK)
+
+
+def test_a_bad_gemm_setting_is_refused_naming_the_allowed_ones(monkeypatch):
+    """PCDIST_GEMM picks the products' kernel (pcdist/engine/gemm.py): a value it does not know is an error naming
+    the variable and its values, not a silent default."""
+    from pcdist.engine import gemm
+
+    monkeypatch.setenv("PCDIST_GEMM", "fast")
+    with pytest.raises(ValueError, match=r"PCDIST_GEMM='fast': allowed auto, torch, triton"):
+        gemm.functions(torch.zeros(2, 2))
