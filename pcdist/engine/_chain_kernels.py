@@ -233,7 +233,13 @@ def res_errors(u_ptr, h_ptr, e_ptr, p_ptr, n, stepped, per, lr, HAS_P: tl.conste
                BLOCK: tl.constexpr):
     """e = pi (h - u) over n elements (pi of layer i // per), and h -= lr e on the first ``stepped`` (UPDATE)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
+    _node_errors(u_ptr, h_ptr, e_ptr, p_ptr, i, i < n, stepped, per, lr, HAS_P, UPDATE)
+
+
+@triton.jit
+def _node_errors(u_ptr, h_ptr, e_ptr, p_ptr, i, m, stepped, per, lr, HAS_P: tl.constexpr, UPDATE: tl.constexpr):
+    """Elements i (mask m) of e = pi (h - u) (pi of layer i // per), stored, and h -= lr e on the first
+    ``stepped`` (UPDATE); returns e (the residual and conv kinds' error pass)."""
     h = tl.load(h_ptr + i, mask=m, other=0.0)
     e = h - tl.load(u_ptr + i, mask=m, other=0.0)
     if HAS_P:
@@ -241,6 +247,7 @@ def res_errors(u_ptr, h_ptr, e_ptr, p_ptr, n, stepped, per, lr, HAS_P: tl.conste
     tl.store(e_ptr + i, e, mask=m)
     if UPDATE:
         tl.store(h_ptr + i, h - lr * e, mask=m & (i < stepped))
+    return e
 
 
 @triton.jit
@@ -324,13 +331,7 @@ def conv_errors(a_ptr, u_ptr, h_ptr, e_ptr, d_ptr, idx_ptr, p_ptr, n, per, stepp
     1, its offset in idx) or e / (KH KW) everywhere in it (POOL 2), e itself without pooling (POOL 0)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    h = tl.load(h_ptr + i, mask=m, other=0.0)
-    e = h - tl.load(u_ptr + i, mask=m, other=0.0)
-    if HAS_P:
-        e = e * tl.load(p_ptr + i // per, mask=m, other=1.0)
-    tl.store(e_ptr + i, e, mask=m)
-    if UPDATE:
-        tl.store(h_ptr + i, h - lr * e, mask=m & (i < stepped))
+    e = _node_errors(u_ptr, h_ptr, e_ptr, p_ptr, i, m, stepped, per, lr, HAS_P, UPDATE)
     if HAS_D:
         base = _window(i, PH, PW, H, W, KH, KW)
         if POOL == 1:
