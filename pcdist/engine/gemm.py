@@ -25,7 +25,6 @@ round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from torch import Tensor
@@ -90,36 +89,30 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
     scratch = out.clone()
     src = None if inp is None else (inp.clone() if inp.data_ptr() == out.data_ptr() else inp)
 
-    def torch_run():
+    def torch_run():  # what baddbmm / bmm would run instead (inp None: bmm, whose alpha is 1)
         if src is None:
             torch.bmm(a, b, out=scratch)
-            if alpha != 1.0:
-                scratch.mul_(alpha)
         else:
             torch.baddbmm(src, a, b, beta=beta, alpha=alpha, out=scratch)
 
-    configs = [INTERPRETED_CONFIG] if chain.interpreted() else list(CONFIGS)
+    def tiles(cfg):
+        _launch(cfg, src, a, b, beta, alpha, scratch)
+        return [scratch]
+
+    torch_run()
+    want = [scratch.clone()]
+    timed = _mode() == "auto"
+    base = _timed(torch_run) if timed else None
     best, choice = None, None
-    try:
-        torch_run()
-        want = scratch.clone()
-        timed = _mode() == "auto"
-        base = _timed(torch_run) if timed else None
-        for cfg in configs:
-            run = lambda cfg=cfg: _launch(cfg, src, a, b, beta, alpha, scratch)  # noqa: E731
-            run()
-            if not chain.agree([scratch], [want], "a batched product", ("Triton GEMM", "cuBLAS")):
-                choice = None
-                break
-            t = _timed(run) if timed else 0.0
-            if best is None or t < best:
-                best, choice = t, cfg
-        if timed and choice is not None and not best < 0.9 * base:
-            choice = None
-    except Exception as e:  # a Triton this code does not suit: cuBLAS
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        warnings.warn(f"pcdist: the Triton GEMM failed ({type(e).__name__}: {first}); using cuBLAS "
-                      "(PCDIST_GEMM=torch skips it)", stacklevel=3)
+    for cfg in [INTERPRETED_CONFIG] if chain.interpreted() else CONFIGS:
+        # each candidate builds, runs and agrees with cuBLAS (else one warning and cuBLAS), then is timed
+        if not chain.checked(lambda: tiles(cfg), lambda: want, "a batched product", ("Triton GEMM", "cuBLAS")):
+            best, choice = None, None
+            break
+        t = _timed(lambda: tiles(cfg)) if timed else 0.0
+        if best is None or t < best:
+            best, choice = t, cfg
+    if timed and choice is not None and not best < 0.9 * base:
         choice = None
     _CHOICE[key] = choice
     return choice
