@@ -41,6 +41,13 @@ def usable(act, like: Tensor) -> bool:
             and like.numel() < 2**31 and chain.triton_allowed(like))
 
 
+def _launch(name: str, n: int, *args, **consts) -> None:
+    """The elementwise kernel ``name`` over n elements, BLOCK a program (nothing for n = 0)."""
+    if n:
+        getattr(chain._triton(), name)[(-(-n // BLOCK),)](*args, ACCURATE=not chain.interpreted(), BLOCK=BLOCK,
+                                                           **consts)
+
+
 def conv_usable(act, pool: str | None, window: list[int], stride: list[int], padding: list[int], conv_size: int,
                 like: Tensor, *bufs: Tensor) -> bool:
     """True if ConvKernel can run a conv group: ``usable``'s conditions on its nodes ``like``, fewer than 2^31
@@ -112,10 +119,6 @@ class ResidualKernel:
             act, h_in, s, x, u, h_out, e, t, prec
         self.per_layer = u[0].numel()
 
-    def _launch(self, name: str, n: int, *args, **consts) -> None:
-        getattr(chain._triton(), name)[(-(-n // BLOCK),)](*args, ACCURATE=not chain.interpreted(), BLOCK=BLOCK,
-                                                           **consts)
-
     def _act(self) -> dict:
         args = chain.act_args(self.act)
         args["bt"] = args.pop("beta")  # the kernel's beta is the back-projection's
@@ -123,12 +126,12 @@ class ResidualKernel:
 
     def activate(self, bufs=None) -> None:
         src, s, x = bufs or (self.h_in, self.s, self.x)
-        self._launch("res_act", src.numel(), src, s, s if x is None else x, src.numel(), **chain.act_args(self.act),
+        _launch("res_act", src.numel(), src, s, s if x is None else x, src.numel(), **chain.act_args(self.act),
                      STORE_X=x is not None)
 
     def errors(self, lr: float | None, stepped: int, bufs=None) -> None:
         u, h, e, prec = bufs or (self.u, self.h_out, self.e, self.prec)
-        self._launch("res_errors", u.numel(), u, h, e, h if prec is None else prec, u.numel(),
+        _launch("res_errors", u.numel(), u, h, e, h if prec is None else prec, u.numel(),
                      stepped * self.per_layer, self.per_layer, 0.0 if lr is None else float(lr),
                      HAS_P=prec is not None, UPDATE=lr is not None)
 
@@ -138,7 +141,7 @@ class ResidualKernel:
         t, s, x = bufs or (self.t, self.s, self.x)
         if target.numel() != t.numel() or (skip is not None and skip.numel() != t.numel()):
             raise ValueError("triton residual kernel: target and skip must have the back-projection's shape")
-        self._launch("res_backproject", t.numel(), s, s if x is None else x, t, t if skip is None else skip, target,
+        _launch("res_backproject", t.numel(), s, s if x is None else x, t, t if skip is None else skip, target,
                      t.numel(), float(beta), float(alpha_a), float(alpha_e), **self._act(), HAS_X=x is not None,
                      HAS_E=skip is not None, HAS_BETA=beta != 0.0)
 
@@ -200,10 +203,8 @@ class ConvKernel:
         self._pool_code = {None: 0, "max": 1, "avg": 2}[pool]
 
     def _launch(self, name: str, n: int, *args, **consts) -> None:
-        if n:
-            getattr(chain._triton(), name)[(-(-n // BLOCK),)](
-                *args, **chain.act_args(self.act), POOL=self._pool_code, KH=self.window[0], KW=self.window[1],
-                ACCURATE=not chain.interpreted(), BLOCK=BLOCK, **consts)
+        _launch(name, n, *args, **chain.act_args(self.act), POOL=self._pool_code, KH=self.window[0],
+                KW=self.window[1], **consts)
 
     def activate(self, src: Tensor, bias: Tensor | None, a: Tensor, u: Tensor, idx: Tensor | None) -> None:
         """One layer (or rows of it): a = src + bias (src [N, C, H, W], the convolution without its bias; bias
