@@ -9,6 +9,8 @@ Per training step (float32 unless said, AdamW, ms):
              error pass as torch ops), so graph_torch/graph is what those kernels gain
   graph_cublas (GPU) the same with every product on cuBLAS (PCDIST_GEMM=torch): what the Triton GEMM
              gains where it was timed faster (pcdist/engine/gemm.py)
+  graph_cl   (GPU, conv nets) the same with channels-last image nodes (PCDIST_CHANNELS_LAST=1: cuDNN's NHWC
+             convolutions, pcdist/engine/layers/conv.py), so graph/graph_cl is what that layout gains
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -162,6 +164,9 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
         plain, cublas = built_under({"PCDIST_TRITON": "0"}), built_under({"PCDIST_GEMM": "torch"})
         out["graph_torch"] = lambda: plain.step(x, y, log=False)
         out["graph_cublas"] = lambda: cublas.step(x, y, log=False)
+        if any(g.kind.kind == "conv" for g in net.groups):
+            nhwc = built_under({"PCDIST_CHANNELS_LAST": "1"})
+            out["graph_cl"] = lambda: nhwc.step(x, y, log=False)
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
@@ -214,7 +219,8 @@ def ratio(samples: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
-RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph", "limit"),
+RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph", "graph_cl"),
+          ("graph", "limit"),
           ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
 
 

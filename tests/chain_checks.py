@@ -132,30 +132,36 @@ def residual(act, prec: bool):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def conv(act, pool, prec: bool):
+def conv(act, pool, prec: bool, node_cl: bool = False, src_cl: bool = False):
     """The conv kind's passes (errorpass.ConvKernel) against autograd through torch's own bias add, f and
     pooling: u = pool(f(conv + bias)), e = pi (h - u), the value step on the first layer only, and d the
     gradient of <e, u> by the convolution's output (the signal: e routed back through the pooling, times f');
     odd sizes (a border no window reaches, whose d stays 0), bias or none; a row range of a layer written
-    alone (the pipelined init's micro-batches) leaves the other rows as they were."""
+    alone (the pipelined init's micro-batches) leaves the other rows as they were. ``node_cl`` / ``src_cl``: the
+    nodes / the convolution-sized images channels-last (PCDIST_CHANNELS_LAST), in any combination."""
     from pcdist.engine.layers.conv import pooled
+    from pcdist.engine.nodes import stacked_zeros
 
     g = torch.Generator().manual_seed(5)
     K, B, C, H, W = 2, 3, 4, 7, 5
     window = [2, 2] if pool else None
     PH, PW = (H // 2, W // 2) if pool else (H, W)
+    big, small = (K, B, C, H, W), (K, B, C, PH, PW)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(DEV)
 
-    kernel = errorpass.ConvKernel(act, pool, window)
+    def full(shape, cl, value, dtype=torch.float32):
+        return stacked_zeros(shape, cl, dtype=dtype, device=DEV).fill_(value)
+
+    kernel = errorpass.ConvKernel(act, pool, window, node_cl, src_cl)
     for bias in (True, False):
-        src, h = rand(K, B, C, H, W), rand(K, B, C, PH, PW)
+        src, h = full(big, src_cl, 0.0).copy_(rand(*big)), full(small, node_cl, 0.0).copy_(rand(*small))
         b = 0.1 * rand(K, C) if bias else None
         pi = 0.5 + rand(K).abs() if prec else None
-        a, u, e, d = (torch.full((K, B, C, H, W), 7.0, device=DEV), torch.full((K, B, C, PH, PW), 7.0, device=DEV),
-                      torch.empty(K, B, C, PH, PW, device=DEV), torch.zeros(K, B, C, H, W, device=DEV))
-        idx = torch.empty(K, B, C, PH, PW, dtype=torch.int8, device=DEV) if pool == "max" else None
+        a, u = full(big, src_cl, 7.0), full(small, node_cl, 7.0)
+        e, d = full(small, node_cl, 0.0), full(big, src_cl, 0.0)
+        idx = full(small, node_cl, 0, torch.int8) if pool == "max" else None
         for k in range(K):
             kernel.activate(src[k], None if b is None else b[k], a[k], u[k], None if idx is None else idx[k])
         h1 = h.clone()
@@ -224,12 +230,15 @@ def trainer(model):
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
     the gradients, so round-off stays round-off; AdamW's sign-like step would amplify it where v is tiny)."""
     def trained(fused: bool):
+        # cnn_cl: the kernels on channels-last nodes and images (PCDIST_CHANNELS_LAST), against the torch ops on
+        # row-major ones
+        os.environ["PCDIST_CHANNELS_LAST"] = "1" if fused and model == "cnn_cl" else "0"
         os.environ["PCDIST_TRITON"] = "1" if fused else "0"
         os.environ["PCDIST_NATIVE"] = "0"  # the CPU's own error kernel off: the Triton one, or torch ops
-        os.environ["PCDIST_GEMM"] = "triton" if fused and model != "cnn" else "torch"  # the Triton products too
+        os.environ["PCDIST_GEMM"] = "triton" if fused and "cnn" not in model else "torch"  # the Triton products too
         if model == "mlp":
             net = pcdist.PCNetwork.from_dims([12, 16, 16, 16, 4], "tanh", seed=0, device=DEV)
-        elif model == "cnn":  # max and average pooling, a group of two, an odd size and no pooling
+        elif "cnn" in model:  # max and average pooling, a group of two, an odd size and no pooling
             from pcdist.engine.models import conv_specs
             net = pcdist.PCNetwork(conv_specs((1, 7, 7), [(4, 3, 1, "max"), (4, 3, 1, None), (4, 3, 1, None),
                                                           (6, 3, 1, "avg")], [], 4, "gelu"), seed=0, device=DEV)
@@ -237,18 +246,23 @@ def trainer(model):
             net = pcdist.PCNetwork(pcdist.mupc_specs(12, 16, 5, 4, "gelu"), seed=0, device=DEV)
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=0.1)
         g = torch.Generator().manual_seed(2)
-        shape = (1, 7, 7) if model == "cnn" else (12,)
+        shape = (1, 7, 7) if "cnn" in model else (12,)
         y = torch.eye(4, device=DEV)[torch.arange(10) % 4]
         energies = [tr.step(torch.randn(10, *shape, generator=g).to(DEV), y)["energy"] for _ in range(3)]
         groups = tr._stage.groups
         return energies, [p.detach().clone() for p in net.parameters()], \
-            [gr for gr in groups if gr.K > 1 or (model == "cnn" and not gr.is_output)]
+            [gr for gr in groups if gr.K > 1 or ("cnn" in model and not gr.is_output)]
 
     e_f, w_f, hidden = trained(True)
     e_t, w_t, _ = trained(False)
-    if model == "cnn":
+    if "cnn" in model:
         assert len(hidden) == 3 and all(isinstance(gr.kernel, errorpass.ConvKernel) for gr in hidden), \
             [gr.kernel for gr in hidden]
+        # channels-last: the output nodes but the one the dense layer reads, the convolutions' images but the first's
+        # (its input has one channel: row-major and channels-last at once, taken as row-major)
+        layouts = [(gr.kernel.src_cl, gr.kernel.node_cl) for gr in hidden]
+        want = [(False, True), (True, True), (True, False)] if model == "cnn_cl" else [(False, False)] * 3
+        assert layouts == want, layouts
     else:
         from pcdist.engine import gemm
         assert all(gr.baddbmm is gemm.baddbmm for gr in hidden), "the products ran through the Triton GEMM"
@@ -294,10 +308,11 @@ def main(what: str) -> int:
     cases = {"kernels": [(kernels, (act, dt)) for act in ACTS for dt in dtypes],
              "errors": [(f, (act, p)) for f in (errors, residual) for act in ACTS for p in (False, True)]
              # the conv pass: every activation and pooling, the precisions (read only by e) on every other one
-             + [(conv, (act, pool, (i + j) % 2 == 1)) for i, act in enumerate(ACTS)
-                for j, pool in enumerate((None, "max", "avg"))]
+             # and the four layouts (row-major or channels-last nodes and convolution outputs) in turn
+             + [(conv, (act, pool, (i + j) % 2 == 1, (i // 2 + j) % 4 >= 2, (i // 2 + j) % 2 == 1))
+                for i, act in enumerate(ACTS) for j, pool in enumerate((None, "max", "avg"))]
              + [(gemm_products, (case,)) for case in ("predict", "backproject", "weights")],
-             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn")]}[what]
+             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn", "cnn_cl")]}[what]
     for fn, args in cases:
         try:
             fn(*args)

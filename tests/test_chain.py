@@ -159,7 +159,8 @@ def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
     """The conv kind's two passes (errorpass.ConvKernel) build for sm_90 without pooling, with max pooling (its
     int8 window offsets) and with average pooling over a 2 x 2 window, every activation's f and f' in one of
     the three (a third of them each: compiling is most of this test's time); with max pooling the convolution's
-    output is bfloat16, as under precision="bf16"."""
+    output is bfloat16, as under precision="bf16"; the layouts (row-major or channels-last nodes and images,
+    PCDIST_CHANNELS_LAST) in turn over the activations."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -174,9 +175,12 @@ def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
              {"HAS_B": pool != 2}),
             ("conv_errors", {"a_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "e_ptr": "*fp32",
                              "d_ptr": "*fp32", "idx_ptr": idx, "p_ptr": "*fp32"},
-             ("n", "per", "stepped", "H", "W", "PH", "PW"), {"HAS_D": True, "UPDATE": pool != 2, "HAS_P": pool != 0})):
-        for code in sorted(set(chain.ACT_CODES.values()) | {8})[pool::3]:
-            consts = {"ACT": code, "POOL": pool, **window, **flags, "ACCURATE": True, "BLOCK": errorpass.BLOCK}
+             ("n", "per", "stepped", "C", "H", "W", "PH", "PW"),
+             {"HAS_D": True, "UPDATE": pool != 2, "HAS_P": pool != 0})):
+        for i, code in enumerate(sorted(set(chain.ACT_CODES.values()) | {8})[pool::3]):
+            layout = {"NODE_CL": (i + pool) % 4 >= 2, "SRC_CL": (i + pool) % 2 == 1}
+            consts = {"ACT": code, "POOL": pool, **window, **layout, **flags, "ACCURATE": True,
+                      "BLOCK": errorpass.BLOCK}
             sig = ptrs | {s: "i32" for s in scalars} | ({"lr": "fp32"} if name == "conv_errors" else {}) | SCALARS
             sig |= {k: "constexpr" for k in consts}
             built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),

@@ -135,6 +135,29 @@ def test_conv_kind_equals_the_reference(name, algorithm, x_momentum, energy, opt
         assert any(g.kind.kind == "conv" and g.K == 2 for g in net.groups), "equal conv layers form one group"
 
 
+@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES[1:3],
+                         ids=["-".join(map(str, m)) for m in MODES[1:3]])
+@pytest.mark.parametrize("name", CONV[:3] + ["mixed"])
+def test_channels_last_nodes_equal_the_reference(name, algorithm, x_momentum, energy, optimizer, monkeypatch):
+    """With PCDIST_CHANNELS_LAST=1 the image nodes 2-D convolutions read are stored channels-last, and so are their
+    groups' buffers and weight copies (refreshed after every weight change: iPC changes them at each inference
+    step): the steps equal the reference as the row-major ones do. A node read by a dense layer (flattened) or
+    by a module layer (any code) stays row-major, as does every node of its run of equal shapes."""
+    from pcdist.engine.nodes import is_channels_last
+
+    monkeypatch.setenv("PCDIST_CHANNELS_LAST", "1")
+    layers, shape = conv_net(name) if name != "mixed" else module_net(name)
+    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer)
+    st = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1).stage(4)
+    layouts = [is_channels_last(st.node(n)) for n in range(net.num_layers + 1)]
+    # 2d-maxpool-fused: node 0 has one channel (both layouts at once), nodes 1-3 are one run read by the dense layer
+    want = {"2d-maxpool-fused": [False] * 5,
+            "2d-stride-avgpool": [True, True, False, False, False],
+            "2d-dilated-grouped": [True, True, False, False],
+            "mixed": [False] * 7}[name]  # node 1 is read by a module layer
+    assert layouts == want
+
+
 @pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES, ids=["-".join(map(str, m)) for m in MODES])
 @pytest.mark.parametrize("name", ["layernorm-linear", "residual-blocks", "mixed"])
 def test_module_kind_equals_the_reference(name, algorithm, x_momentum, energy, optimizer):
@@ -266,3 +289,12 @@ def test_running_statistics_and_randomness_are_refused_in_training_mode(module, 
     with torch.no_grad():
         x = torch.randn(3, 3)
         assert_close(net(x), nn.Sequential(*layers)(x))
+
+
+def test_a_bad_channels_last_setting_is_refused_naming_the_allowed_ones(monkeypatch):
+    """PCDIST_CHANNELS_LAST is 0 or 1: anything else is an error naming the variable, not a silent default."""
+    monkeypatch.setenv("PCDIST_CHANNELS_LAST", "yes")
+    layers, shape = conv_net("2d-stride-avgpool")
+    net = pcdist.PCNetwork.from_layers(layers, input_shape=shape)
+    with pytest.raises(ValueError, match=r"PCDIST_CHANNELS_LAST='yes': allowed 0, 1"):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2).stage(3)

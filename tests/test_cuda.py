@@ -171,6 +171,34 @@ def test_a_float32_or_bf16_step_replayed_equals_the_eager_step(kind, precision):
         assert e_g == pytest.approx(e_f, rel=0.05)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_channels_last_conv_nodes_replay_as_eager_and_follow_the_row_major_run(precision, monkeypatch):
+    """PCDIST_CHANNELS_LAST=1 on a GPU (cuDNN's NHWC convolutions, the conv kernels' channels-last variants): a
+    float32 / TF32 / bf16 conv net's step replayed equals its eager step, and the run follows the row-major one
+    to the convolutions' round-off (other cuDNN algorithms sum in another order)."""
+    from pcdist.engine.models import conv_specs
+    from pcdist.engine.nodes import is_channels_last
+
+    def run(compile: str, channels_last: str):
+        monkeypatch.setenv("PCDIST_CHANNELS_LAST", channels_last)  # nodes 0 and 1 channels-last, node 2 not
+        net = pcdist.PCNetwork(conv_specs((3, 8, 8), [(8, 3, 1, "max"), (8, 3, 1, "max")], [], 4, "relu"),
+                               energy="ce", seed=1, device="cuda")
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, precision=precision, compile=compile)
+        out = []
+        for s in range(6):
+            x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
+            out.append(tr.step(x.cuda(), y.cuda())["energy"])
+        torch.cuda.synchronize()
+        return out, tr.stage(10)
+
+    (graph, st), (eager, _), (rows, st_rows) = run("graph", "1"), run("none", "1"), run("graph", "0")
+    assert [is_channels_last(st.node(n)) for n in range(4)] == [True, True, False, False]
+    assert not any(is_channels_last(st_rows.node(n)) for n in range(4))
+    assert graph == pytest.approx(eager, rel=1e-3)
+    assert graph == pytest.approx(rows, rel=1e-2 if precision == "bf16" else 1e-3)
+
+
 def test_the_gemm_is_chosen_once_per_shape_and_agrees_with_cublas(monkeypatch):
     """PCDIST_GEMM=auto on a GPU: the first product of a shape times cuBLAS against the Triton tiles and keeps the
     faster (pcdist/engine/gemm.py); the next product of that shape decides nothing again, and either way the

@@ -272,36 +272,56 @@ def res_backproject(s_ptr, x_ptr, t_ptr, e_ptr, tgt_ptr, n, beta, alpha_a, alpha
 
 
 @triton.jit
-def _window(i, PH, PW, H, W, KH: tl.constexpr, KW: tl.constexpr):
-    """The offset in [N, C, H, W] of the first element of the pooling window of element i of [N, C, PH, PW]."""
-    pw = i % PW
-    t = i // PW
-    ph = t % PH
-    return (t // PH) * H * W + ph * KH * W + pw * KW
+def _window(i, C, PH, PW, H, W, KH: tl.constexpr, KW: tl.constexpr, NODE_CL: tl.constexpr, SRC_CL: tl.constexpr):
+    """For element i of the pooled images [N, C, PH, PW] (in their storage order: channels-last where NODE_CL):
+    the offset of its pooling window's first element in the convolution's output [N, C, H, W] (channels-last
+    where SRC_CL), the stride of that output's W axis, and the element's channel."""
+    if NODE_CL:
+        c = i % C
+        t = i // C
+        pw = t % PW
+        t = t // PW
+        ph = t % PH
+        nb = t // PH
+    else:
+        pw = i % PW
+        t = i // PW
+        ph = t % PH
+        t = t // PH
+        c = t % C
+        nb = t // C
+    if SRC_CL:
+        base = ((nb * H + ph * KH) * W + pw * KW) * C + c
+        sw = C
+    else:
+        base = ((nb * C + c) * H + ph * KH) * W + pw * KW
+        sw = 1
+    return base, sw, c
 
 
 @triton.jit
 def conv_act_pool(src_ptr, b_ptr, a_ptr, u_ptr, idx_ptr, n, C, H, W, PH, PW,
                   ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, HAS_B: tl.constexpr, POOL: tl.constexpr,
-                  KH: tl.constexpr, KW: tl.constexpr, ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
+                  KH: tl.constexpr, KW: tl.constexpr, NODE_CL: tl.constexpr, SRC_CL: tl.constexpr,
+                  ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
     """One conv layer's bias, activation and pooling over n elements of its output u [N, C, PH, PW]: from the
     convolution's output src [N, C, H, W] (without its bias), x = src + bias[c] is written to a (what f' is
     computed from), z = f(x), and u = z (POOL 0, a 1 x 1 window), the window's max (POOL 1; idx: the window
     offset of its first largest element, as torch's max pooling picks) or its mean (POOL 2). Windows of KH x KW
     with stride KH x KW and no padding (what the conv layers' pooling is; an element of src in no window, at the
-    border in floor mode, is not written)."""
+    border in floor mode, is not written). u and idx channels-last where NODE_CL, src and a where SRC_CL."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    base = _window(i, PH, PW, H, W, KH, KW)
+    base, sw, c = _window(i, C, PH, PW, H, W, KH, KW, NODE_CL, SRC_CL)
     if HAS_B:
-        b = tl.load(b_ptr + (i // (PH * PW)) % C, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
     else:
         b = 0.0
     best = tl.zeros([BLOCK], dtype=tl.float32)
     j = tl.zeros([BLOCK], dtype=tl.int32)
     for di in tl.static_range(KH):
         for dj in tl.static_range(KW):
-            off = base + di * W + dj
+            off = base + (di * W + dj) * sw
             x = tl.load(src_ptr + off, mask=m, other=0.0).to(tl.float32) + b
             tl.store(a_ptr + off, x, mask=m)
             z = _act(x, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE)
@@ -321,24 +341,25 @@ def conv_act_pool(src_ptr, b_ptr, a_ptr, u_ptr, idx_ptr, n, C, H, W, PH, PW,
 
 
 @triton.jit
-def conv_errors(a_ptr, u_ptr, h_ptr, e_ptr, d_ptr, idx_ptr, p_ptr, n, per, stepped, H, W, PH, PW, lr,
+def conv_errors(a_ptr, u_ptr, h_ptr, e_ptr, d_ptr, idx_ptr, p_ptr, n, per, stepped, C, H, W, PH, PW, lr,
                 ACT: tl.constexpr, slope, lo, hi, beta, thr, alpha, POOL: tl.constexpr, KH: tl.constexpr,
-                KW: tl.constexpr, HAS_D: tl.constexpr, UPDATE: tl.constexpr, HAS_P: tl.constexpr,
-                ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
+                KW: tl.constexpr, NODE_CL: tl.constexpr, SRC_CL: tl.constexpr, HAS_D: tl.constexpr,
+                UPDATE: tl.constexpr, HAS_P: tl.constexpr, ACCURATE: tl.constexpr, BLOCK: tl.constexpr):
     """A conv group's error pass over n elements of its nodes [K, B, C, PH, PW]: e = pi (h - u) (pi of layer
     i // per), h -= lr e on the first ``stepped`` elements (UPDATE), and (HAS_D) the signal at the convolution's
     output d = pool'(e) f'(x) over each element's window of x = a (conv_act_pool's): e at the window's max (POOL
-    1, its offset in idx) or e / (KH KW) everywhere in it (POOL 2), e itself without pooling (POOL 0)."""
+    1, its offset in idx) or e / (KH KW) everywhere in it (POOL 2), e itself without pooling (POOL 0). The nodes
+    channels-last where NODE_CL, a and d where SRC_CL."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     e = _node_errors(u_ptr, h_ptr, e_ptr, p_ptr, i, m, stepped, per, lr, HAS_P, UPDATE)
     if HAS_D:
-        base = _window(i, PH, PW, H, W, KH, KW)
+        base, sw, c = _window(i, C, PH, PW, H, W, KH, KW, NODE_CL, SRC_CL)
         if POOL == 1:
             j = tl.load(idx_ptr + i, mask=m, other=0).to(tl.int32)
         for di in tl.static_range(KH):
             for dj in tl.static_range(KW):
-                off = base + di * W + dj
+                off = base + (di * W + dj) * sw
                 x = tl.load(a_ptr + off, mask=m, other=0.0)
                 g = _dact(x, _act(x, ACT, slope, lo, hi, beta, thr, alpha, ACCURATE), ACT, slope, lo, hi, beta, thr,
                           alpha, ACCURATE)

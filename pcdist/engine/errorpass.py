@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import chain
 from .native import ErrorPass, act_code
+from .nodes import is_channels_last, stacked_zeros
 
 __all__ = ["usable", "conv_usable", "Kernel", "ResidualKernel", "ConvKernel"]
 
@@ -53,10 +54,12 @@ def conv_usable(act, pool: str | None, window: list[int], stride: list[int], pad
     """True if ConvKernel can run a conv group: ``usable``'s conditions on its nodes ``like``, fewer than 2^31
     elements in its convolutions' output too (``conv_size``), pooling (if any) in windows that do not overlap and
     have no padding (the conv layers' 2 x 2 / 2: a window's signal then goes to its own elements only) of at most
-    127 elements (the window offset is kept in an int8), and the group's buffers ``bufs`` contiguous (a
-    layer-parallel boundary's may not be)."""
+    127 elements (the window offset is kept in an int8), and the group's nodes ``like`` and buffers ``bufs`` dense
+    in one layout, row-major or channels-last (a layer-parallel boundary's may be neither)."""
     tiles = pool is None or (list(stride) == list(window) and not any(padding) and window[0] * window[1] < 128)
-    return tiles and conv_size < 2**31 and usable(act, like) and all(b.is_contiguous() for b in (like, *bufs))
+    cl = is_channels_last(like)
+    dense = all(is_channels_last(b) == cl and (cl or b.is_contiguous()) for b in (like, *bufs))
+    return tiles and conv_size < 2**31 and usable(act, like) and dense
 
 
 class Kernel(ErrorPass):
@@ -195,21 +198,23 @@ class ConvKernel:
     largest element: elements in no window (the border in floor mode) are never written (d starts at 0).
 
     ``a`` holds the pre-activation x = conv + bias (f' is computed from it: f(x) is not stored), ``u`` the
-    pooled f(x), ``idx`` the window offsets (max pooling). Checked against the torch ops on a probe of the
-    group's shape when it is built (``agrees``)."""
+    pooled f(x), ``idx`` the window offsets (max pooling). ``node_cl``: the nodes (u, h, e, idx) are
+    channels-last, ``src_cl``: the convolution-sized images (its output, a, d) are (pcdist/engine/nodes.py).
+    Checked against the torch ops on a probe of the group's shapes and layouts when it is built (``agrees``)."""
 
-    def __init__(self, act, pool: str | None, window: list[int]):
+    def __init__(self, act, pool: str | None, window: list[int], node_cl: bool = False, src_cl: bool = False):
         self.act, self.pool, self.window = act, pool, (window if pool else [1, 1])
+        self.node_cl, self.src_cl = node_cl, src_cl
         self._pool_code = {None: 0, "max": 1, "avg": 2}[pool]
 
     def _launch(self, name: str, n: int, *args, **consts) -> None:
         _launch(name, n, *args, **chain.act_args(self.act), POOL=self._pool_code, KH=self.window[0],
-                KW=self.window[1], **consts)
+                KW=self.window[1], NODE_CL=self.node_cl, SRC_CL=self.src_cl, **consts)
 
     def activate(self, src: Tensor, bias: Tensor | None, a: Tensor, u: Tensor, idx: Tensor | None) -> None:
         """One layer (or rows of it): a = src + bias (src [N, C, H, W], the convolution without its bias; bias
         [C]), u [N, C, PH, PW] = pool(f(a)), idx the window offset of each max (max pooling)."""
-        src = src.contiguous()
+        src = src.contiguous(memory_format=torch.channels_last if self.src_cl else torch.contiguous_format)
         N, C, H, W = src.shape
         self._launch("conv_act_pool", u.numel(), src, src if bias is None else bias, a, u,
                      u if idx is None else idx, u.numel(), C, H, W, u.shape[-2], u.shape[-1], HAS_B=bias is not None)
@@ -220,7 +225,7 @@ class ConvKernel:
         given); d [K, B, C, H, W] = pool'(e) f'(a) (``with_d``)."""
         per = u[0].numel()
         self._launch("conv_errors", u.numel(), a, u, h, e, d, u if idx is None else idx, h if prec is None else prec,
-                     u.numel(), per, stepped * per, a.shape[-2], a.shape[-1], u.shape[-2], u.shape[-1],
+                     u.numel(), per, stepped * per, u.shape[-3], a.shape[-2], a.shape[-1], u.shape[-2], u.shape[-1],
                      0.0 if lr is None else float(lr), HAS_D=with_d, UPDATE=lr is not None, HAS_P=prec is not None)
 
     def agrees(self, a_shape: tuple[int, ...], u_shape: tuple[int, ...], bias: bool, prec: bool, device,
@@ -235,18 +240,22 @@ class ConvKernel:
         a_shape, u_shape = (k, *a_shape[1:]), (k, *u_shape[1:])
         g = torch.Generator(device=device).manual_seed(0)
 
-        def rand(*shape):
-            return torch.randn(*shape, generator=g, device=device)
+        def rand(*shape, cl=False):
+            t = torch.randn(*shape, generator=g, device=device)
+            return stacked_zeros(shape, True, device=device).copy_(t) if cl else t
 
-        src, h = rand(*a_shape).to(src_dtype), rand(*u_shape)
+        def empty(shape, cl, **kw):
+            return stacked_zeros(shape, cl, device=device, **kw)
+
+        src, h = rand(*a_shape, cl=self.src_cl).to(src_dtype), rand(*u_shape, cl=self.node_cl)
         b = 0.1 * rand(k, a_shape[2]) if bias else None
         pi = 0.5 + rand(k).abs() if prec else None
         flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
 
         def run():
-            a, u, e, d = torch.empty(a_shape, device=device), torch.empty(u_shape, device=device), \
-                torch.empty_like(h), torch.zeros(a_shape, device=device)
-            idx = torch.empty(u_shape, dtype=torch.int8, device=device) if self.pool == "max" else None
+            a, u, e, d = empty(a_shape, self.src_cl), empty(u_shape, self.node_cl), torch.empty_like(h), \
+                empty(a_shape, self.src_cl)
+            idx = empty(u_shape, self.node_cl, dtype=torch.int8) if self.pool == "max" else None
             for j in range(k):
                 self.activate(src[j], None if b is None else b[j], a[j], u[j], None if idx is None else idx[j])
             h1 = h.clone()

@@ -9,6 +9,10 @@ Beside h each block holds the value gradient (or momentum) v and the errors e; w
 momentum, and when no layer's back-projection reads the errors, v and e are one tensor
 (the errors are written straight into the gradient they start).
 
+An image node read by a 2-D convolution may be stored channels-last (``channels_last``, pcdist/engine/layers/conv.py
+``channels_last_nodes``): a block whose every node is one is allocated [N, B, H, W, C] and viewed as [N, B, C, H, W],
+so each node h_n [B, C, H, W] is a channels-last (NHWC) tensor, the layout GPUs' tensor-core convolutions read.
+
 A layer slice's boundary tensors are views into (or buffers beside) these blocks: the
 upstream neighbour's last node h_{first-1} is replicated in slot 0 (both ranks apply the
 same update to it from the same two messages per step), ``send_node`` / ``send_error``
@@ -20,29 +24,52 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["NodeBlock", "ValueNodes"]
+__all__ = ["NodeBlock", "ValueNodes", "stacked_zeros", "is_channels_last"]
+
+
+def stacked_zeros(shape: tuple[int, ...], channels_last: bool = False, **kw) -> Tensor:
+    """Zeros of ``shape`` [..., C, H, W]; ``channels_last``: stored [..., H, W, C], so that every [C, H, W] image
+    of it (and every [B, C, H, W] batch) is channels-last."""
+    if not channels_last:
+        return torch.zeros(shape, **kw)
+    *lead, C, H, W = shape
+    n = len(lead)
+    return torch.zeros(*lead, H, W, C, **kw).permute(*range(n), n + 2, n, n + 1)
+
+
+def is_channels_last(t: Tensor) -> bool:
+    """True if t [..., C, H, W] is stored densely as [..., H, W, C] (and is not also plain row-major: a tensor with
+    one channel, or 1 x 1 images, is both, and is taken as row-major)."""
+    if t.dim() < 3 or t.is_contiguous():
+        return False
+    n = t.dim()
+    return t.permute(*range(n - 3), n - 2, n - 1, n - 3).is_contiguous()
 
 
 class NodeBlock:
-    """Value nodes [lo, lo + N) of one shape, with value gradients v and errors e."""
+    """Value nodes [lo, lo + N) of one shape, with value gradients v and errors e (channels-last images where
+    ``channels_last``)."""
 
-    def __init__(self, lo: int, N: int, B: int, shape: tuple[int, ...], separate_errors: bool, **kw):
+    def __init__(self, lo: int, N: int, B: int, shape: tuple[int, ...], separate_errors: bool,
+                 channels_last: bool = False, **kw):
         self.lo, self.N = lo, N
-        self.h = torch.zeros(N, B, *shape, **kw)
-        self.v = torch.zeros(N, B, *shape, **kw)
-        self.e = torch.zeros(N, B, *shape, **kw) if separate_errors else self.v
+        self.h = stacked_zeros((N, B, *shape), channels_last, **kw)
+        self.v = stacked_zeros((N, B, *shape), channels_last, **kw)
+        self.e = stacked_zeros((N, B, *shape), channels_last, **kw) if separate_errors else self.v
 
 
 class ValueNodes:
     """Nodes first-1 .. stop-1 of a slice of a network with node shapes ``shapes`` (h_0 .. h_L).
 
+    ``channels_last``: the nodes to store channels-last (a block is, if all its nodes are in it).
     ``free``: the nodes this slice updates, (index of the first, h, v, e) per run of one block: the
     owned hidden nodes, h_0 if ``free_bottom`` (on the first slice) and h_L if ``free_top`` (on the
     last); the replica of the upstream neighbour's node is not among them.
     """
 
     def __init__(self, shapes: list[tuple[int, ...]], first: int, stop: int, B: int, separate_errors: bool,
-                 free_bottom: bool = False, free_top: bool = False, **kw):
+                 free_bottom: bool = False, free_top: bool = False, channels_last: frozenset[int] = frozenset(),
+                 **kw):
         L = len(shapes) - 1
         self.blocks: list[NodeBlock] = []
         n = first - 1
@@ -50,7 +77,8 @@ class ValueNodes:
             m = n
             while m + 1 < stop and shapes[m + 1] == shapes[n]:
                 m += 1
-            self.blocks.append(NodeBlock(n, m - n + 1, B, tuple(shapes[n]), separate_errors, **kw))
+            cl = all(i in channels_last for i in range(n, m + 1))
+            self.blocks.append(NodeBlock(n, m - n + 1, B, tuple(shapes[n]), separate_errors, cl, **kw))
             n = m + 1
         # Free nodes: (0 or) first .. min(stop - 1, L - 1 (or L)); one contiguous slot range per block.
         lo_node = 0 if free_bottom and first == 1 else first

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ..energies import OutputEnergy
 
 __all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "low",
-           "seeded_generator", "f32_products", "product_into", "accumulate_product"]
+           "seeded_generator", "DerivedWeight", "f32_products", "product_into", "accumulate_product"]
 
 _aten = torch.ops.aten
 
@@ -306,7 +306,30 @@ def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:
         target.add_(p, alpha=alpha)
 
 
-class TransposedWeight:
+class DerivedWeight:
+    """``view(w)`` of a weight w for a phase's kernel: with ``copy`` (weights fixed through a batch's inference: pc)
+    a copy allocated by ``empty(view(w))`` (row-major by default), refreshed on first use after each weight change;
+    otherwise the view itself."""
+
+    def __init__(self, w: Tensor, view, copy: bool, empty=None):
+        self.w, self.view = w, view
+        self._t = view(w)
+        if copy:
+            self._t = empty(self._t) if empty else torch.empty_like(self._t, memory_format=torch.contiguous_format)
+        self._stale = copy
+
+    def get(self) -> Tensor:
+        if self._stale:
+            self._t.copy_(self.view(self.w))
+            self._stale = False
+        return self._t
+
+    def invalidate(self) -> None:
+        if self._t.data_ptr() != self.w.data_ptr():  # a copy, not the view
+            self._stale = True
+
+
+class TransposedWeight(DerivedWeight):
     """w^T [K, O, I] of a stacked w [K, I, O] for the back-projection GEMM.
 
     A GEMM that reads its second operand transposed is 20-30% slower on CPUs (MKL) than
@@ -316,18 +339,4 @@ class TransposedWeight:
     """
 
     def __init__(self, w_KIO: Tensor, copy: bool):
-        self.w_KIO = w_KIO
-        self._t = w_KIO.transpose(1, 2)
-        if copy:
-            self._t = torch.empty_like(self._t, memory_format=torch.contiguous_format)
-        self._stale = copy
-
-    def get(self) -> Tensor:
-        if self._stale:
-            self._t.copy_(self.w_KIO.transpose(1, 2))
-            self._stale = False
-        return self._t
-
-    def invalidate(self) -> None:
-        if self._t.data_ptr() != self.w_KIO.data_ptr():  # a copy, not the view
-            self._stale = True
+        super().__init__(w_KIO, lambda w: w.transpose(1, 2), copy)

@@ -16,11 +16,17 @@ and ``convolution_backward``, which pick the best algorithm per shape). On CUDA 
 Triton the bias, f and pooling are one kernel a layer, and the error, the value step and d one a
 group (pcdist/engine/errorpass.py ``ConvKernel``, checked against these torch ops when the group
 is built).
+
+With PCDIST_CHANNELS_LAST=1 the image nodes that 2-D convolutions read are stored channels-last (NHWC,
+``channels_last_nodes``; pcdist/engine/nodes.py), and so are the groups' own buffers and a copy of their
+weights: the layout in which cuDNN's tensor-core convolutions (TF32, bfloat16) read and write without
+transposing. Every op above takes either layout; results equal the row-major ones to round-off.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +35,10 @@ from torch import Tensor, nn
 
 from .. import errorpass
 from ..activations import Activation
-from .base import Binding, BoundGroup, LayerGroup, LayerKind, accumulate
+from ..nodes import is_channels_last, stacked_zeros
+from .base import Binding, BoundGroup, DerivedWeight, LayerGroup, LayerKind, accumulate
 
-__all__ = ["Conv", "ConvGroup", "POOLS", "pooled"]
+__all__ = ["Conv", "ConvGroup", "POOLS", "pooled", "channels_last_nodes"]
 
 POOLS = ("max", "avg")
 _aten = torch.ops.aten
@@ -47,6 +54,20 @@ def pooled(z: Tensor, pool: str | None, window: list[int]) -> Tensor:
     if pool is None:
         return z
     return (F.max_pool2d if pool == "max" else F.avg_pool2d)(z, window, window)
+
+
+def channels_last_nodes(specs, first: int, stop: int) -> frozenset[int]:
+    """The nodes a Stage of layers [first, stop) stores channels-last: with PCDIST_CHANNELS_LAST=1 (0, the default:
+    none), every node that a 2-D conv layer reads (node n, read by layer n + 1), on a network not split into layer
+    slices (a layer-parallel boundary is sent as it is stored). A run of equal nodes is one tensor, so it is
+    channels-last only if all of its nodes are: the last image node of a conv stack, read by a dense layer as a
+    row-major vector, keeps a run of convolutions of its own shape row-major."""
+    mode = os.environ.get("PCDIST_CHANNELS_LAST", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed 0, 1")
+    if mode == "0" or first != 1 or stop != len(specs) + 1:
+        return frozenset()
+    return frozenset(n for n, s in enumerate(specs) if isinstance(s, Conv) and len(s.spatial) == 2)
 
 
 @dataclass(frozen=True)
@@ -219,6 +240,12 @@ class ConvBound(BoundGroup):
         to2 = (lambda t: t.unsqueeze(-2)) if self.one_d else (lambda t: t)
         self.x2, self.h2, self.e2 = to2(h_in), to2(h_out), to2(e_out)  # [K, B, C, H, W]
         self.w2 = to2(g.weight)  # [K, C_out, C_in / groups, kh, kw]
+        # Channels-last input nodes (PCDIST_CHANNELS_LAST): the convolutions' outputs, the buffers of their size and
+        # a copy of the weights (refreshed after each weight change) are channels-last too, the node-sized ones
+        # take the output nodes' layout.
+        cl_in, cl_out = is_channels_last(self.x2), is_channels_last(self.h2)
+        self.w_conv = DerivedWeight(self.w2, lambda w: w, cl_in,
+                                    lambda t: stacked_zeros(t.shape, True, dtype=t.dtype, device=t.device))
         self.bias = g.bias
         self.act, self.pool = s.activation, s.pool
         self.conv_args = (s.as_2d(s.stride, 1), s.as_2d(s.padding, 0), s.as_2d(s.dilation, 1), False, [0, 0], s.groups)
@@ -233,26 +260,25 @@ class ConvBound(BoundGroup):
         self.kernel = None
         if errorpass.conv_usable(self.act, self.pool, *(self.pool_args if self.pool else ([1, 1], [1, 1], [0, 0])),
                                  math.prod(conv_shape), self.h2, self.e2):
-            kernel = errorpass.ConvKernel(self.act, self.pool, self.pool_args[0] if self.pool else None)
+            kernel = errorpass.ConvKernel(self.act, self.pool, self.pool_args[0] if self.pool else None, cl_out, cl_in)
             if kernel.agrees(conv_shape, node_shape, self.bias is not None, self.prec is not None, kw["device"],
                              f"conv layers {self.first}..{self.first + K - 1}", g.weight.dtype):
                 self.kernel = kernel
+        self.a = stacked_zeros(conv_shape, cl_in, **kw)  # the pre-activation (the kernel computes f' from it)
+        self.d = torch.zeros_like(self.a)  # zero where no pooling window reaches (the kernel never writes there)
         if self.kernel is not None:
-            self.a = torch.empty(conv_shape, **kw)  # the pre-activation, f' is computed from it
-            self.u = torch.empty(node_shape, **kw)
-            self.idx = torch.empty(node_shape, dtype=torch.int8, device=kw["device"]) if self.pool == "max" else None
-            self.d = torch.zeros_like(self.a)  # zero where no pooling window reaches (never written)
+            self.u = stacked_zeros(node_shape, cl_out, **kw)
+            self.idx = stacked_zeros(node_shape, cl_out, dtype=torch.int8, device=kw["device"]) \
+                if self.pool == "max" else None
             return
-        self.a = torch.empty(conv_shape, **kw)
         self.z = self.a if not self.act.needs_input else torch.empty_like(self.a)  # f(a)
         if self.pool is None:
             self.u = self.z
             self.dz = None
         else:
-            self.u = torch.empty(node_shape, **kw)
-            self.idx = torch.empty(self.u.shape, dtype=torch.int64, device=kw["device"]) if self.pool == "max" else None
+            self.u = stacked_zeros(node_shape, cl_out, **kw)
+            self.idx = torch.empty_like(self.u, dtype=torch.int64) if self.pool == "max" else None
             self.dz = torch.empty_like(self.a)  # dE/dz: the error routed back through the pooling
-        self.d = torch.empty_like(self.a)
 
     @staticmethod
     def _flat(t: Tensor) -> Tensor:
@@ -270,7 +296,8 @@ class ConvBound(BoundGroup):
         """Layer k's convolution of x and its f and pooling, into rows ``rows`` of a, z, u (and the max's
         indices)."""
         if self.kernel is not None:  # the convolution without its bias: the kernel adds it as it reads
-            out = _aten.convolution(x if not self.lowp else x.to(self.w2.dtype), self.w2[k], None, *self.conv_args)
+            w = self.w_conv.get()[k]
+            out = _aten.convolution(x if not self.lowp else x.to(w.dtype), w, None, *self.conv_args)
             self.kernel.activate(out, None if self.bias is None else self.bias[k], self.a[k][rows], self.u[k][rows],
                                  None if self.idx is None else self.idx[k][rows])
             return
@@ -279,20 +306,20 @@ class ConvBound(BoundGroup):
         self._activate_and_pool(a, z, u, None if self.pool != "max" else self.idx[k][rows])
 
     def _conv(self, k: int, x: Tensor, out: Tensor) -> None:
-        b = None if self.bias is None else self.bias[k]
+        b, w = None if self.bias is None else self.bias[k], self.w_conv.get()[k]
         if self.lowp:  # the convolution in bfloat16, the bias added in the nodes' dtype
-            out.copy_(_aten.convolution(x.to(self.w2.dtype), self.w2[k], None, *self.conv_args))
+            out.copy_(_aten.convolution(x.to(w.dtype), w, None, *self.conv_args))
             if b is not None:
                 out.add_(b.view(-1, *[1] * (out.dim() - 2)))
             return
-        _aten.convolution.out(x, self.w2[k], b, *self.conv_args, out=out)
+        _aten.convolution.out(x, w, b, *self.conv_args, out=out)
 
     def _grads(self, k: int, mask: list[bool], bias_sizes=None):
         """convolution_backward of layer k at its input and signal (cast to bfloat16 under precision="bf16")."""
-        d, x = self.d[k], self.x2[k]
+        d, x, w = self.d[k], self.x2[k], self.w_conv.get()[k]
         if self.lowp:
-            d, x = d.to(self.w2.dtype), x.to(self.w2.dtype)
-        return _aten.convolution_backward(d, x, self.w2[k], bias_sizes, *self.conv_args, mask)
+            d, x = d.to(w.dtype), x.to(w.dtype)
+        return _aten.convolution_backward(d, x, w, bias_sizes, *self.conv_args, mask)
 
     def feedforward(self, rows: slice | None, init: str) -> None:
         sel = slice(None) if rows is None else rows
@@ -353,3 +380,7 @@ class ConvBound(BoundGroup):
             torch.mul(gw, scale, out=wg2[k])
             if g.bias is not None:  # under bf16 the bias's gradient sums the signal in the nodes' dtype
                 torch.mul(gb if gb is not None else self.d[k].sum((0, 2, 3)), scale, out=g.bias.grad[k])
+
+    def weights_changed(self) -> None:
+        super().weights_changed()
+        self.w_conv.invalidate()
