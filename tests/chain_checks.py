@@ -258,8 +258,8 @@ def trainer(model):
     if "cnn" in model:
         assert len(hidden) == 3 and all(isinstance(gr.kernel, errorpass.ConvKernel) for gr in hidden), \
             [gr.kernel for gr in hidden]
-        # channels-last: the output nodes but the one the dense layer reads, the convolutions' images but the first's
-        # (its input has one channel: row-major and channels-last at once, taken as row-major)
+        # channels-last: the convolutions' images but the first's, whose input has one channel, and the output nodes
+        # but the last, whose images are 1 x 1 (row-major and channels-last at once, both taken as row-major)
         layouts = [(gr.kernel.src_cl, gr.kernel.node_cl) for gr in hidden]
         want = [(False, True), (True, True), (True, False)] if model == "cnn_cl" else [(False, False)] * 3
         assert layouts == want, layouts

@@ -179,6 +179,32 @@ def test_the_capturable_core_equals_the_eager_step(name):
 
 
 @pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_channels_last_conv_steps_read_nothing_on_the_host_and_capture_as_eager(algorithm, monkeypatch):
+    """PCDIST_CHANNELS_LAST=1 (channels-last image nodes, weight copies refreshed at every weight change: iPC's
+    at each inference step): steps with log=False read nothing on the host, and compile="graph" trains bit for
+    bit as compile="none"."""
+    from pcdist.engine.models import conv_specs
+    from pcdist.engine.nodes import is_channels_last
+
+    monkeypatch.setenv("PCDIST_CHANNELS_LAST", "1")
+
+    def trained(compile: str):
+        net = pcdist.PCNetwork(conv_specs((3, 8, 8), [(4, 3, 1, "max"), (4, 3, 1, "max")], [], 4, "relu"),
+                               energy="ce", seed=1, dtype=DT)
+        tr, notes = trainer_for(net, compile, dict(algorithm=algorithm, value_noise=0.02, lr_schedule=True))
+        tr.step(*batch(net, "xy", 6, 0), log=True)
+        with HostReads() as reads:
+            for s in range(3):
+                tr.step(*batch(net, "xy", 6, 1 + s), log=False)
+        assert reads.reads == [] and notes == [], (reads.reads, notes)
+        assert [is_channels_last(tr.stage(6).node(n)) for n in range(4)] == [True, True, True, False]
+        return [p.detach().clone() for p in net.parameters()], tr.value_nodes()
+
+    (w_e, h_e), (w_g, h_g) = trained("none"), trained("graph")
+    assert all(torch.equal(a, b) for a, b in zip(w_e + h_e, w_g + h_g))
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
 def test_the_tensor_learning_rate_schedule_equals_the_float_one(algorithm):
     """Under a plan the optimizer reads each step's rate from a device tensor: the rates it read equal the
     float schedule's (warm-up then cosine) to 1e-15, for every optimizer step (T per training step in ipc)."""

@@ -135,25 +135,28 @@ def test_conv_kind_equals_the_reference(name, algorithm, x_momentum, energy, opt
         assert any(g.kind.kind == "conv" and g.K == 2 for g in net.groups), "equal conv layers form one group"
 
 
-@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES[1:3],
-                         ids=["-".join(map(str, m)) for m in MODES[1:3]])
-@pytest.mark.parametrize("name", CONV[:3] + ["mixed"])
+CL_CASES = [(name, *m) for name in CONV[:3] for m in MODES] + [("mixed", *MODES[0])]  # mixed: a module reads node 1
+
+
+@pytest.mark.parametrize("name,algorithm,x_momentum,energy,optimizer", CL_CASES,
+                         ids=["-".join(map(str, c)) for c in CL_CASES])
 def test_channels_last_nodes_equal_the_reference(name, algorithm, x_momentum, energy, optimizer, monkeypatch):
     """With PCDIST_CHANNELS_LAST=1 the image nodes 2-D convolutions read are stored channels-last, and so are their
     groups' buffers and weight copies (refreshed after every weight change: iPC changes them at each inference
-    step): the steps equal the reference as the row-major ones do. A node read by a dense layer (flattened) or
-    by a module layer (any code) stays row-major, as does every node of its run of equal shapes."""
+    step): the steps equal the reference as the row-major ones do. So does a dense layer reading a conv layer's
+    channels-last output (its weight's rows copied into that order, its gradient back). A node read by a module
+    layer (any code) stays row-major, as does every node of its run of equal shapes."""
     from pcdist.engine.nodes import is_channels_last
 
     monkeypatch.setenv("PCDIST_CHANNELS_LAST", "1")
     layers, shape = conv_net(name) if name != "mixed" else module_net(name)
-    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer)
+    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer, steps=1 if name == "mixed" else 3)
     st = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1).stage(4)
     layouts = [is_channels_last(st.node(n)) for n in range(net.num_layers + 1)]
-    # 2d-maxpool-fused: node 0 has one channel (both layouts at once), nodes 1-3 are one run read by the dense layer
-    want = {"2d-maxpool-fused": [False] * 5,
-            "2d-stride-avgpool": [True, True, False, False, False],
-            "2d-dilated-grouped": [True, True, False, False],
+    # 2d-maxpool-fused: node 0 has one channel (row-major and channels-last at once)
+    want = {"2d-maxpool-fused": [False, True, True, True, False],
+            "2d-stride-avgpool": [True, True, True, False, False],
+            "2d-dilated-grouped": [True, True, True, False],
             "mixed": [False] * 7}[name]  # node 1 is read by a module layer
     assert layouts == want
 

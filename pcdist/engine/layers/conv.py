@@ -37,6 +37,7 @@ from .. import errorpass
 from ..activations import Activation
 from ..nodes import is_channels_last, stacked_zeros
 from .base import Binding, BoundGroup, DerivedWeight, LayerGroup, LayerKind, accumulate
+from .dense import Dense
 
 __all__ = ["Conv", "ConvGroup", "POOLS", "pooled", "channels_last_nodes"]
 
@@ -58,16 +59,19 @@ def pooled(z: Tensor, pool: str | None, window: list[int]) -> Tensor:
 
 def channels_last_nodes(specs, first: int, stop: int) -> frozenset[int]:
     """The nodes a Stage of layers [first, stop) stores channels-last: with PCDIST_CHANNELS_LAST=1 (0, the default:
-    none), every node that a 2-D conv layer reads (node n, read by layer n + 1), on a network not split into layer
-    slices (a layer-parallel boundary is sent as it is stored). A run of equal nodes is one tensor, so it is
-    channels-last only if all of its nodes are: the last image node of a conv stack, read by a dense layer as a
-    row-major vector, keeps a run of convolutions of its own shape row-major."""
+    none), every node that a 2-D conv layer reads (node n, read by layer n + 1), and one that a 2-D conv layer
+    writes for a dense layer (which reads it in that order: pcdist/engine/layers/dense.py), on a network not split
+    into layer slices (a layer-parallel boundary is sent as it is stored). A run of equal nodes is one tensor, so
+    it is channels-last only if all of its nodes are; any other reader (a module layer: any code) keeps its node
+    row-major."""
     mode = os.environ.get("PCDIST_CHANNELS_LAST", "0")
     if mode not in ("0", "1"):
         raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed 0, 1")
     if mode == "0" or first != 1 or stop != len(specs) + 1:
         return frozenset()
-    return frozenset(n for n, s in enumerate(specs) if isinstance(s, Conv) and len(s.spatial) == 2)
+    conv2d = [isinstance(s, Conv) and len(s.spatial) == 2 for s in specs]
+    return frozenset(n for n, s in enumerate(specs) if conv2d[n] or (
+        n > 0 and conv2d[n - 1] and isinstance(s, Dense) and s.input_shape is not None and len(s.input_shape) == 3))
 
 
 @dataclass(frozen=True)

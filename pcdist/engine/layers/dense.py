@@ -27,8 +27,9 @@ from torch import Tensor, nn
 
 from .. import chain, errorpass, gemm, native
 from ..activations import Activation
-from .base import (Binding, BoundGroup, LayerGroup, LayerKind, TransposedWeight, accumulate_product, f32_products,
-                   low, lowp, product_into)
+from ..nodes import is_channels_last
+from .base import (Binding, BoundGroup, DerivedWeight, LayerGroup, LayerKind, TransposedWeight, accumulate_product,
+                   f32_products, low, lowp, product_into)
 
 __all__ = ["Dense", "DenseGroup", "INITS"]
 
@@ -183,13 +184,21 @@ class DenseBound(BoundGroup):
     """
 
     def __init__(self, g: DenseGroup, h_in, h_out, e_out, b: Binding):
-        if g.kind.input_shape is not None:  # an image node, read flattened (a free view of the block)
-            h_in = h_in.flatten(2)
+        # An image node is read flattened (a free view of the block); a channels-last one [K, B, C, H, W]
+        # (PCDIST_CHANNELS_LAST) in its storage order (h, w, c), with the weight's rows copied into that order.
+        self.hwc = g.kind.input_shape is not None and len(g.kind.input_shape) == 3 and is_channels_last(h_in)
+        if g.kind.input_shape is not None:
+            h_in = self._flat(h_in)
         super().__init__(g, h_in, h_out, e_out, b)
         K, B = self.K, b.batch_size
         self.act = g.kind.activation
-        self.w_KIO = g.weight
-        self.w_t = TransposedWeight(g.weight, copy=b.static_weights)
+        self.w_KIO, self.w_hwc = g.weight, None
+        if self.hwc:
+            C, H, W = g.kind.input_shape
+            self.w_hwc = DerivedWeight(g.weight, lambda w: w.view(K, C, H, W, -1).permute(0, 2, 3, 1, 4), True)
+            self.w_KIO = self.w_hwc.get().view(g.weight.shape)  # the copy, refreshed at each weight change
+            self._grad_hwc = torch.empty_like(self.w_KIO)
+        self.w_t = TransposedWeight(self.w_KIO, copy=b.static_weights)
         self.b_K1O = g.b_KO.unsqueeze(1)
         kw = dict(dtype=h_out.dtype, device=g.weight.device)
         self.lowp = g.weight.dtype != h_out.dtype  # bfloat16 products, float32 nodes (precision="bf16")
@@ -199,7 +208,7 @@ class DenseBound(BoundGroup):
         # u overwrites a unless f'(a) must be read from a itself (gelu).
         self.u = self.a if self.act is None or not self.act.needs_input else torch.empty_like(self.a)
         self.d = torch.empty_like(self.a)
-        self.layers = [(g.b_KO[k], g.weight[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
+        self.layers = [(g.b_KO[k], self.w_KIO[k], self.a[k], self.u[k]) for k in range(K)]  # for the chain
         # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
         se = self.is_output and self.energy.residual and not self.free_output
         self._y_minus_b = torch.empty_like(self.a) if se else None
@@ -341,9 +350,13 @@ class DenseBound(BoundGroup):
         if step_lr is not None:
             self.h_out[:stepped].add_(self.e_out[:stepped], alpha=-step_lr)
 
+    def _flat(self, t: Tensor) -> Tensor:
+        """Image nodes [K, B, *image] as [K, B, I] (a view), in the order the weight's rows are read."""
+        return t.permute(0, 1, 3, 4, 2).flatten(2) if self.hwc else t.flatten(2)
+
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         if target.dim() > 3:  # an image node
-            target = target.flatten(2)
+            target = self._flat(target)
         if self.lowp:
             accumulate_product(target, self.d, self.w_t.get(), beta, alpha, self.f32)
         else:
@@ -351,15 +364,21 @@ class DenseBound(BoundGroup):
 
     def weight_grads(self, scale: float) -> None:
         w, b = self.g.weight, self.g.bias
+        grad = w.grad if self.w_hwc is None else self._grad_hwc  # the rows in the order h_in is read
         if self.lowp:
-            torch.mul(low(self.h_in.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale, out=w.grad)
+            torch.mul(low(self.h_in.transpose(1, 2), self.d.to(w.dtype), w.dtype), scale, out=grad)
         else:
-            self.baddbmm(w.grad, self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale, out=w.grad)
+            self.baddbmm(grad, self.h_in.transpose(1, 2), self.d, beta=0.0, alpha=scale, out=grad)
+        if self.w_hwc is not None:  # back into nn.Linear's (c, h, w) order
+            self.w_hwc.view(w.grad).copy_(grad.view(self.w_hwc.get().shape))
         if b is not None:
             torch.sum(self.d, dim=1, out=b.grad).mul_(scale)
 
     def weights_changed(self) -> None:
         self.cached = False
+        if self.w_hwc is not None:  # refreshed now: every phase reads it
+            self.w_hwc.invalidate()
+            self.w_hwc.get()
         self.w_t.invalidate()
         if self._y_minus_b is not None:
             torch.sub(self.h_out, self.b_K1O, out=self._y_minus_b)
