@@ -62,8 +62,11 @@ def networks(tiny: bool) -> dict:
 class ConvLimit:
     """The convolutions and matmuls of one pcdist step, alone (see the module docstring)."""
 
-    def __init__(self, net: pcdist.PCNetwork, B: int, T: int, device=None, dtype=torch.float32):
+    def __init__(self, net: pcdist.PCNetwork, B: int, T: int, device=None, dtype=torch.float32,
+                 channels_last: bool = False):
+        """``channels_last``: 2-D convolutions on channels-last images and weights (PCDIST_CHANNELS_LAST)."""
         self.T, self.layers = T, []
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
         kw = dict(dtype=dtype, device=device)
         for g in net.groups:
             for k in range(g.K):
@@ -71,6 +74,8 @@ class ConvLimit:
                 w = g.weight[k].detach().to(**kw).clone()
                 x = torch.randn(B, *s.in_shape, **kw)
                 if isinstance(s, Conv):
+                    if x.dim() == 4:
+                        x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
                     conv = (list(s.stride), list(s.padding), list(s.dilation), False, [0, 0], s.groups)
                     a = _aten.convolution(x, w, None, *conv)
                     self.layers.append(("conv", x, w, conv, torch.empty_like(a), torch.randn_like(a)))

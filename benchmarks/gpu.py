@@ -10,7 +10,8 @@ Per training step (float32 unless said, AdamW, ms):
   graph_cublas (GPU) the same with every product on cuBLAS (PCDIST_GEMM=torch): what the Triton GEMM
              gains where it was timed faster (pcdist/engine/gemm.py)
   graph_cl   (GPU, conv nets) the same with channels-last image nodes (PCDIST_CHANNELS_LAST=1: cuDNN's NHWC
-             convolutions, pcdist/engine/layers/conv.py), so graph/graph_cl is what that layout gains
+             convolutions, pcdist/engine/layers/conv.py), so graph/graph_cl is what that layout gains;
+             limit_cl its convolutions alone, channels-last
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -167,6 +168,8 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
         if any(g.kind.kind == "conv" for g in net.groups):
             nhwc = built_under({"PCDIST_CHANNELS_LAST": "1"})
             out["graph_cl"] = lambda: nhwc.step(x, y, log=False)
+            out["limit_cl"] = graphed(ConvLimit(net, B, T, device, torch.bfloat16 if precision == "bf16" else dtype,
+                                                channels_last=True).step, device)
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
@@ -220,7 +223,7 @@ def ratio(samples: dict, num: str, den: str) -> float:
 
 
 RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph", "graph_cl"),
-          ("graph", "limit"),
+          ("graph", "limit"), ("graph_cl", "limit_cl"),
           ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
 
 
