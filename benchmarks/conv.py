@@ -7,12 +7,16 @@ Per training step (float32, AdamW, torch threads = cores):
   limit   the convolutions and matmuls pcdist's step performs, alone: the feed-forward init,
           T further predictions, T back-projections and one weight gradient per layer, into
           preallocated buffers where aten allows; no activation, pooling, error or optimizer work
+  pcdist_cl, limit_cl  the same with channels-last image nodes (PCDIST_CHANNELS_LAST=1,
+          pcdist/engine/layers/conv.py) and convolutions
 
 Networks:
   vgg5    PCX's VGG-5 on CIFAR-10-sized inputs (3 x 32 x 32; 128, 256, 512, 512 channels, 3 x 3,
           max pooling), batch 128, T = 7 as in PCX's VGG5_PCN_SE.yaml
   stack   a deep stack of equal conv layers: 3 -> 32 channels, then 15 x (32 -> 32), 3 x 3 "same"
           on 16 x 16 images, relu, a linear head; batch 64, T = 10
+  digits  the service's model=cnn on digits: 1 x 8 x 8, conv 32 and 64 channels each with max pooling,
+          gelu; batch 64, T = 5 (the squared-error output here, the service's is ce)
 
 The variants run interleaved (round-robin) in one process; each ratio is the median over
 rounds of the ratio within a round. A third section times the fusion choice of the conv kind
@@ -54,9 +58,11 @@ def networks(tiny: bool) -> dict:
     """name: (layer kinds, input shape, batch, T)."""
     if tiny:
         return {"vgg5": (conv_specs((3, 8, 8), [(8, 3, 1, "max"), (16, 3, 1, "max")], [], 10, "gelu"), (3, 8, 8), 8, 2),
-                "stack": (conv_specs((3, 8, 8), [(8, 3, 1, None)] * 4, [], 10, "relu"), (3, 8, 8), 8, 2)}
+                "stack": (conv_specs((3, 8, 8), [(8, 3, 1, None)] * 4, [], 10, "relu"), (3, 8, 8), 8, 2),
+                "digits": (conv_specs((1, 8, 8), [(8, 3, 1, "max")] * 2, [], 10, "gelu"), (1, 8, 8), 8, 2)}
     return {"vgg5": (vgg_specs("vgg5", (3, 32, 32), 10, "gelu"), (3, 32, 32), 128, 7),
-            "stack": (conv_specs((3, 16, 16), [(32, 3, 1, None)] * 16, [], 10, "relu"), (3, 16, 16), 64, 10)}
+            "stack": (conv_specs((3, 16, 16), [(32, 3, 1, None)] * 16, [], 10, "relu"), (3, 16, 16), 64, 10),
+            "digits": (conv_specs((1, 8, 8), [(32, 3, 1, "max"), (64, 3, 1, "max")], [], 10, "gelu"), (1, 8, 8), 64, 5)}
 
 
 class ConvLimit:
@@ -121,9 +127,21 @@ def make_variants(specs, in_shape, B: int, T: int, x_lr: float = 0.05) -> dict:
     x = torch.randn(B, *in_shape)
     y = nn.functional.one_hot(torch.randint(0, 10, (B,)), 10).float()
     loop = LoopPC(copy.deepcopy(layers), T, x_lr)
-    trainer = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
-    return {"loop": lambda: loop.step(x, y), "pcdist": lambda: trainer.step(x, y),
-            "limit": ConvLimit(net, B, T).step}
+
+    def trainer(channels_last: str):
+        n = copy.deepcopy(net)
+        tr = pcdist.PCTrainer(n, torch.optim.AdamW(n.parameters(), lr=1e-4, fused=True), T=T, x_lr=x_lr)
+        before = os.environ.get("PCDIST_CHANNELS_LAST")
+        os.environ["PCDIST_CHANNELS_LAST"] = channels_last  # read when the stage is built
+        try:
+            tr.stage(B)
+        finally:
+            os.environ.pop("PCDIST_CHANNELS_LAST") if before is None else os.environ.update(PCDIST_CHANNELS_LAST=before)
+        return tr
+
+    rows, nhwc = trainer("0"), trainer("1")
+    return {"loop": lambda: loop.step(x, y), "pcdist": lambda: rows.step(x, y), "pcdist_cl": lambda: nhwc.step(x, y),
+            "limit": ConvLimit(net, B, T).step, "limit_cl": ConvLimit(net, B, T, channels_last=True).step}
 
 
 def stacked_variants(K: int, B: int, C: int, HW: int) -> dict:
@@ -173,7 +191,8 @@ def main() -> None:
         samples = time_interleaved(make_variants(specs, in_shape, B, T), rounds, min_time)
         med = {k: statistics.median(v) for k, v in samples.items()}
         nets[name] = {"layers": [str(s) for s in specs], "batch": B, "T": T, "seconds": med,
-                      **{f"{a}/{b}": ratio(samples, a, b) for a, b in (("loop", "pcdist"), ("pcdist", "limit"))},
+                      **{f"{a}/{b}": ratio(samples, a, b) for a, b in (("loop", "pcdist"), ("pcdist", "limit"),
+                                                                       ("pcdist", "pcdist_cl"), ("limit", "limit_cl"))},
                       "rounds": samples}
         r = nets[name]
         print(f"{name} ({len(specs)} layers, batch {B}, T {T}): "
@@ -205,12 +224,12 @@ def plot(nets: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    names, variants = list(nets), ("loop", "pcdist", "limit")
+    names, variants = list(nets), ("loop", "pcdist", "pcdist_cl", "limit", "limit_cl")
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
         ax.bar([j + i * width for j in range(len(names))], [nets[n]["seconds"][v] * 1e3 for n in names], width,
                label=v)
-    ax.set_xticks([j + width for j in range(len(names))],
+    ax.set_xticks([j + 2 * width for j in range(len(names))],
                   [f"{n}\nbatch {nets[n]['batch']}, T {nets[n]['T']}" for n in names])
     ax.set_yscale("log")
     ax.set_ylabel("ms per training step")

@@ -74,14 +74,14 @@ def test_conv_benchmark_writes_medians_ratios_and_plot(tmp_path):
     stdout = run("conv.py", "--tiny", "--out", str(tmp_path))
     res = json.loads((tmp_path / "conv.json").read_text())
     assert (tmp_path / "conv.png").read_bytes()[:8] == PNG_MAGIC
-    assert res["config"]["tiny"] and set(res["networks"]) == {"vgg5", "stack"}
+    assert res["config"]["tiny"] and set(res["networks"]) == {"vgg5", "stack", "digits"}
     for name, net in res["networks"].items():
         rounds = net["rounds"]
-        assert set(rounds) == {"loop", "pcdist", "limit"}
+        assert set(rounds) == {"loop", "pcdist", "pcdist_cl", "limit", "limit_cl"}
         assert len({len(v) for v in rounds.values()}) == 1, "every variant is timed in every round"
         for variant, samples in rounds.items():
             assert net["seconds"][variant] == statistics.median(samples)
-        for num, den in (("loop", "pcdist"), ("pcdist", "limit")):
+        for num, den in (("loop", "pcdist"), ("pcdist", "limit"), ("pcdist", "pcdist_cl"), ("limit", "limit_cl")):
             assert net[f"{num}/{den}"] == statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
         assert net["layers"][0].startswith("conv2d") and f"{name} (" in stdout
     st = res["stacked"]

@@ -295,9 +295,9 @@ def test_running_statistics_and_randomness_are_refused_in_training_mode(module, 
 
 
 def test_a_bad_channels_last_setting_is_refused_naming_the_allowed_ones(monkeypatch):
-    """PCDIST_CHANNELS_LAST is 0 or 1: anything else is an error naming the variable, not a silent default."""
+    """PCDIST_CHANNELS_LAST is auto, 0 or 1: anything else is an error naming the variable, not a silent default."""
     monkeypatch.setenv("PCDIST_CHANNELS_LAST", "yes")
     layers, shape = conv_net("2d-stride-avgpool")
     net = pcdist.PCNetwork.from_layers(layers, input_shape=shape)
-    with pytest.raises(ValueError, match=r"PCDIST_CHANNELS_LAST='yes': allowed 0, 1"):
+    with pytest.raises(ValueError, match=r"PCDIST_CHANNELS_LAST='yes': allowed auto, 0, 1"):
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2).stage(3)

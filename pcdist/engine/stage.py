@@ -74,7 +74,8 @@ class Stage:
         # v and e are one tensor unless heavy-ball momentum keeps v, or a kind's back-projection reads e.
         separate = rule.plain and rule.momentum != 0.0 or any(g.reads_errors for g in net.groups)
         self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, free_bottom, free_top,
-                                channels_last_nodes(net.specs, first, stop), dtype=dtype, device=p.device)
+                                channels_last_nodes(net.specs, first, stop, dtype, p.device), dtype=dtype,
+                                device=p.device)
         # pi_first .. pi_{stop-1}; None when all are 1 and no schedule changes them (no extra pass).
         pis = net.precision or (1.0,) * L
         self.precision = torch.tensor(pis[first - 1 : stop - 1], dtype=dtype, device=p.device) \

@@ -17,10 +17,11 @@ Triton the bias, f and pooling are one kernel a layer, and the error, the value 
 group (pcdist/engine/errorpass.py ``ConvKernel``, checked against these torch ops when the group
 is built).
 
-With PCDIST_CHANNELS_LAST=1 the image nodes that 2-D convolutions read are stored channels-last (NHWC,
-``channels_last_nodes``; pcdist/engine/nodes.py), and so are the groups' own buffers and a copy of their
-weights: the layout in which cuDNN's tensor-core convolutions (TF32, bfloat16) read and write without
-transposing. Every op above takes either layout; results equal the row-major ones to round-off.
+The image nodes that 2-D convolutions read may be stored channels-last (NHWC, ``channels_last_nodes``:
+by default on CPUs with oneDNN, PCDIST_CHANNELS_LAST=1 everywhere; pcdist/engine/nodes.py), and then so are
+the groups' own buffers and a copy of their weights: the layout oneDNN's and cuDNN's tensor-core
+convolutions (TF32, bfloat16) read and write without reordering. Every op above takes either layout; results
+equal the row-major ones to round-off.
 """
 
 from __future__ import annotations
@@ -57,16 +58,22 @@ def pooled(z: Tensor, pool: str | None, window: list[int]) -> Tensor:
     return (F.max_pool2d if pool == "max" else F.avg_pool2d)(z, window, window)
 
 
-def channels_last_nodes(specs, first: int, stop: int) -> frozenset[int]:
-    """The nodes a Stage of layers [first, stop) stores channels-last: with PCDIST_CHANNELS_LAST=1 (0, the default:
-    none), every node that a 2-D conv layer reads (node n, read by layer n + 1), and one that a 2-D conv layer
-    writes for a dense layer (which reads it in that order: pcdist/engine/layers/dense.py), on a network not split
-    into layer slices (a layer-parallel boundary is sent as it is stored). A run of equal nodes is one tensor, so
-    it is channels-last only if all of its nodes are; any other reader (a module layer: any code) keeps its node
-    row-major."""
-    mode = os.environ.get("PCDIST_CHANNELS_LAST", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed 0, 1")
+def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device: torch.device) -> frozenset[int]:
+    """The nodes a Stage of layers [first, stop) stores channels-last: every node that a 2-D conv layer reads (node
+    n, read by layer n + 1), and one that a 2-D conv layer writes for a dense layer (which reads it in that order:
+    pcdist/engine/layers/dense.py), on a network not split into layer slices (a layer-parallel boundary is sent as
+    it is stored). A run of equal nodes is one tensor, so it is channels-last only if all of its nodes are; any
+    other reader (a module layer: any code) keeps its node row-major.
+
+    PCDIST_CHANNELS_LAST: ``auto`` (default) where it was measured faster: CPUs with oneDNN, float32 or bfloat16
+    nodes (a conv step 1.05-1.23x faster on 2 cores, ``python benchmarks/conv.py``); not yet on GPUs, where
+    ``benchmarks/gpu.py`` measures it; ``1`` always, ``0`` never."""
+    mode = os.environ.get("PCDIST_CHANNELS_LAST", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed auto, 0, 1")
+    if mode == "auto":
+        mode = "1" if (device.type == "cpu" and torch.backends.mkldnn.is_available()
+                       and dtype in (torch.float32, torch.bfloat16)) else "0"
     if mode == "0" or first != 1 or stop != len(specs) + 1:
         return frozenset()
     conv2d = [isinstance(s, Conv) and len(s.spatial) == 2 for s in specs]
