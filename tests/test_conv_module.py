@@ -301,3 +301,33 @@ def test_a_bad_channels_last_setting_is_refused_naming_the_allowed_ones(monkeypa
     net = pcdist.PCNetwork.from_layers(layers, input_shape=shape)
     with pytest.raises(ValueError, match=r"PCDIST_CHANNELS_LAST='yes': allowed auto, 0, 1"):
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2).stage(3)
+
+
+CL_OPTS = {"newton": dict(init="newton"), "backward-adam": dict(init="backward", value_optimizer="adam"),
+           "ipc-heun": dict(algorithm="ipc", solver="heun"), "noise": dict(value_noise=0.02)}
+
+
+@pytest.mark.parametrize("opts", list(CL_OPTS.values()), ids=list(CL_OPTS))
+def test_channels_last_steps_follow_row_major_ones_in_every_init_and_solver(opts, monkeypatch):
+    """Channels-last nodes (PCDIST_CHANNELS_LAST=1; float64, so that round-off stays round-off through the inits'
+    solves): the inits near equilibrium (which read the nodes through the layers' own functions), a value
+    optimizer, an ODE solver and value noise give the row-major run's weights and energies."""
+    from pcdist.engine.models import conv_specs
+    from pcdist.engine.nodes import is_channels_last
+
+    def trained(mode: str):
+        monkeypatch.setenv("PCDIST_CHANNELS_LAST", mode)
+        net = pcdist.PCNetwork(conv_specs((3, 6, 6), [(4, 3, 1, "max"), (5, 3, 1, None)], [], 3, "tanh"), seed=2,
+                               dtype=DT)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=3, x_lr=0.1, noise_seed=1, **opts)
+        gen = torch.Generator().manual_seed(3)
+        energies = [tr.step(torch.randn(5, 3, 6, 6, generator=gen, dtype=DT),
+                            torch.eye(3, dtype=DT)[torch.arange(5) % 3])["energy"] for _ in range(3)]
+        layouts = [is_channels_last(tr.stage(5).node(n)) for n in range(4)]
+        return energies, [p.detach().clone() for p in net.parameters()], layouts
+
+    (e_cl, w_cl, l_cl), (e_rm, w_rm, l_rm) = trained("1"), trained("0")
+    assert l_cl == [True, True, True, False] and l_rm == [False] * 4
+    assert e_cl == pytest.approx(e_rm, rel=1e-10)
+    for a, b in zip(w_cl, w_rm):
+        assert_close(a, b, atol=ATOL, rtol=0)

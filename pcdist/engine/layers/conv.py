@@ -66,7 +66,7 @@ def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device
     other reader (a module layer: any code) keeps its node row-major.
 
     PCDIST_CHANNELS_LAST: ``auto`` (default) where it was measured faster: CPUs with oneDNN, float32 or bfloat16
-    nodes (a conv step 1.05-1.23x faster on 2 cores, ``python benchmarks/conv.py``); not yet on GPUs, where
+    nodes (a conv step 1.06-1.24x faster on 2 cores, ``python benchmarks/conv.py``); not yet on GPUs, where
     ``benchmarks/gpu.py`` measures it; ``1`` always, ``0`` never."""
     mode = os.environ.get("PCDIST_CHANNELS_LAST", "auto")
     if mode not in ("auto", "0", "1"):
