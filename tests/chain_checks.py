@@ -218,10 +218,26 @@ def gemm_products(case: str):
         nan = torch.full((K, B, I), float("nan"), device=DEV)
         baddbmm(nan, d, w.transpose(1, 2), beta=0.0, alpha=1.0, out=nan)
         torch.testing.assert_close(nan, torch.bmm(d, w.transpose(1, 2)), **tol)
-    else:  # the weight gradients: a transposed node batch times the signal
+    elif case == "weights":  # the weight gradients: a transposed node batch times the signal
         grad = torch.full((K, I, O), float("nan"), device=DEV)
         baddbmm(grad, h.transpose(1, 2), d, beta=0.0, alpha=0.25, out=grad)
         torch.testing.assert_close(grad, 0.25 * torch.bmm(h.transpose(1, 2), d), **tol)
+    else:  # precision="bf16": float32 nodes times bfloat16 weights, the nodes rounded to bfloat16 as they are read
+        from pcdist.engine.layers.base import accumulate_product, product_into
+
+        w16 = w.to(torch.bfloat16)
+        exact = torch.bmm(h.to(torch.bfloat16).float(), w16.float())  # float32 sums of exact products
+        out = torch.empty(K, B, O, device=DEV)
+        product_into(out, h, w16, False, bias, 0.5)
+        torch.testing.assert_close(out, 0.5 * (bias + exact), **tol)
+        product_into(out, h, w16, False)
+        torch.testing.assert_close(out, exact, **tol)
+        target = rand(K, B, I)
+        want = 0.7 * target - 0.2 * torch.bmm(d.to(torch.bfloat16).float(), w16.float().transpose(1, 2))
+        accumulate_product(target, d, w16.transpose(1, 2), 0.7, -0.2, False)
+        torch.testing.assert_close(target, want, **tol)
+        assert any(key[2] == torch.float32 and key[5] == torch.bfloat16 and c is not None
+                   for key, c in gemm._CHOICE.items()), "the bfloat16 products ran through the Triton GEMM"
     assert any(c is not None for c in gemm._CHOICE.values()), "the Triton kernel ran"
 
 
@@ -275,6 +291,31 @@ def trainer(model):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def bf16_trainer(model):
+    """precision="bf16" (bfloat16 weights, float32 nodes) with its per-step products through the Triton GEMM (the
+    nodes rounded as it reads them, float32 sums): three steps follow the torch ops' bfloat16 products (which round
+    each product to bfloat16 on a CPU) to bfloat16's precision, and the products ran through the kernel."""
+    from pcdist.engine import gemm
+
+    def trained(fused: bool):
+        os.environ["PCDIST_TRITON"] = "1" if fused else "0"
+        os.environ["PCDIST_NATIVE"] = "0"
+        os.environ["PCDIST_GEMM"] = "triton" if fused else "torch"
+        gemm._CHOICE.clear()
+        net = pcdist.PCNetwork(pcdist.mupc_specs(12, 16, 5, 4, "gelu"), seed=0, device=DEV) if model == "mupc" \
+            else pcdist.PCNetwork.from_dims([12, 16, 16, 16, 4], "tanh", seed=0, device=DEV)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=0.1, precision="bf16")
+        g = torch.Generator().manual_seed(2)
+        y = torch.eye(4, device=DEV)[torch.arange(10) % 4]
+        energies = [tr.step(torch.randn(10, 12, generator=g).to(DEV), y)["energy"] for _ in range(3)]
+        low = [c for key, c in gemm._CHOICE.items() if key[2] == torch.float32 and key[5] == torch.bfloat16]
+        return energies, low
+
+    (e_f, low), (e_t, _) = trained(True), trained(False)
+    assert low and None not in low, "the hidden groups' bfloat16 products ran through the Triton GEMM"
+    assert e_f == pytest.approx(e_t, rel=2e-2), (e_f, e_t)
+
+
 def interpreter_runs() -> str:
     """'' where the interpreter runs a loop over a kernel argument; else why not (Triton 3.6's interpreter
     with numpy 2.4 or later cannot: it converts a one-element array to an int)."""
@@ -311,8 +352,9 @@ def main(what: str) -> int:
              # and the four layouts (row-major or channels-last nodes and convolution outputs) in turn
              + [(conv, (act, pool, (i + j) % 2 == 1, (i // 2 + j) % 4 >= 2, (i // 2 + j) % 2 == 1))
                 for i, act in enumerate(ACTS) for j, pool in enumerate((None, "max", "avg"))]
-             + [(gemm_products, (case,)) for case in ("predict", "backproject", "weights")],
-             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn", "cnn_cl")]}[what]
+             + [(gemm_products, (case,)) for case in ("predict", "backproject", "weights", "bf16")],
+             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn", "cnn_cl")]
+             + [(bf16_trainer, (m,)) for m in ("mlp", "mupc")]}[what]
     for fn, args in cases:
         try:
             fn(*args)

@@ -188,10 +188,11 @@ def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
             assert f".entry {name}" in built.asm["ptx"], (name, code)
 
 
-@pytest.mark.parametrize("prec", ["ieee", "tf32"])
+@pytest.mark.parametrize("prec", ["ieee", "tf32", "bf16"])
 def test_the_gemm_kernel_compiles_for_a_hopper_gpu(prec, tmp_path, monkeypatch):
-    """The batched GEMM of pcdist/engine/gemm.py builds for sm_90 with each of its tile candidates (in float32 or
-    in TF32, half of them each: compiling is this test's time), reading the target or not."""
+    """The batched GEMM of pcdist/engine/gemm.py builds for sm_90 with each of its tile candidates (in float32, in
+    TF32, or on float32 nodes times bfloat16 weights rounded as read, precision="bf16"; a third of them each:
+    compiling is this test's time), reading the target or not."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -202,12 +203,16 @@ def test_the_gemm_kernel_compiles_for_a_hopper_gpu(prec, tmp_path, monkeypatch):
     sig = {p: "*fp32" for p in ("a_ptr", "b_ptr", "c_ptr", "o_ptr")} | {"M": "i32", "N": "i32", "R": "i32"}
     sig |= {f"s_{o}{d}": "i32" for o in "abco" for d in ("k", "m" if o in "aco" else "r", "r" if o == "a" else "n")}
     sig |= {"alpha": "fp32", "beta": "fp32"}
-    for i, (BM, BN, BK, warps) in enumerate(gemm.CONFIGS[int(prec == "tf32")::2]):
-        consts = {"HAS_C": i % 2 == 0, "PREC": prec, "BM": BM, "BN": BN, "BK": BK}
+    if prec == "bf16":
+        sig["b_ptr"] = "*bf16"
+    for i, (BM, BN, BK, warps) in enumerate(gemm.CONFIGS[["ieee", "tf32", "bf16"].index(prec)::3]):
+        consts = {"HAS_C": i % 2 == 0, "PREC": "ieee" if prec == "bf16" else prec, "LOW": prec == "bf16",
+                  "EMULATE": False, "BM": BM, "BN": BN, "BK": BK}
         built = triton.compile(ASTSource(fn=kernels.bmm, signature=sig | {k: "constexpr" for k in consts},
                                          constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": warps})
         assert ".entry bmm" in built.asm["ptx"], (BM, BN, BK)
+        assert prec != "bf16" or ".bf16.bf16" in built.asm["ptx"], "bfloat16 tensor-core products"
 
 
 def test_a_bad_gemm_setting_is_refused_naming_the_allowed_ones(monkeypatch):

@@ -107,26 +107,32 @@ def test_a_replayed_step_costs_the_host_the_same_whatever_the_depth(hidden):
     assert reads.ops <= 25, reads.by_op
 
 
-def test_bf16_products_are_written_in_float32_by_the_gemm():
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+def test_bf16_products_are_written_in_float32_by_the_gemm(gemm, monkeypatch):
     """precision="bf16" on a GPU: the products of bfloat16 operands are written in float32 by cuBLAS itself
-    (base.f32_products, torch's out_dtype), so they equal float64 arithmetic on the same bfloat16 operands to
-    float32 rounding, where a bfloat16 product copied into float32 is off by bfloat16's (2^-9); the in-place
-    accumulation (the back-projection) too, beta 0 ignoring the target's old contents."""
+    (base.f32_products, torch's out_dtype; PCDIST_GEMM=torch) or by the Triton GEMM, which rounds the float32
+    operand as it reads it (gemm.low_product; PCDIST_GEMM=triton), so they equal float64 arithmetic on the same
+    bfloat16 operands to float32 rounding, where a bfloat16 product copied into float32 is off by bfloat16's
+    (2^-9); the in-place accumulation (the back-projection) too, beta 0 ignoring the target's old contents."""
+    from pcdist.engine import gemm as products
     from pcdist.engine.layers.base import accumulate_product, f32_products, product_into
 
-    if not hasattr(torch.ops.aten.baddbmm, "dtype_out"):
+    monkeypatch.setenv("PCDIST_GEMM", gemm)
+    products._CHOICE.clear()
+    if gemm == "torch" and not hasattr(torch.ops.aten.baddbmm, "dtype_out"):
         pytest.skip(f"torch {torch.__version__} has no float32 output for bfloat16 products")
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(3, 64, 128, generator=g, device="cuda")
     w = torch.randn(3, 128, 96, generator=g, device="cuda").bfloat16()
     bias = torch.randn(3, 1, 96, generator=g, device="cuda")
     exact = torch.bmm(a.bfloat16().double(), w.double())
-    assert f32_products(a)
+    f32_ok = f32_products(a)
+    assert f32_ok or gemm == "triton"
 
     def err(out, want):
         return float(((out.double() - want) / want.abs().max()).abs().max())
 
-    for f32, bound in ((True, 1e-6), (False, 2.0 ** -8)):
+    for f32, bound in ((f32_ok, 1e-6), (False, 2.0 ** -8 if gemm == "torch" else 1e-6)):
         out = torch.full((3, 64, 96), float("nan"), device="cuda")
         product_into(out, a, w, f32, bias, 0.5)
         assert err(out, 0.5 * (exact + bias.double())) <= bound, f32
@@ -135,13 +141,16 @@ def test_bf16_products_are_written_in_float32_by_the_gemm():
         accumulate_product(t, a, w, 0.75, -0.25, f32)
         assert err(t, want) <= bound, f32
     one = torch.full((64, 96), float("nan"), device="cuda")  # one layer (the feed-forward chain's [B, I] operands)
-    product_into(one, a[0], w[0], True, bias[0, 0], 0.5)
-    assert err(one, 0.5 * (exact[0] + bias[0].double())) <= 1e-6
+    product_into(one, a[0], w[0], f32_ok, bias[0, 0], 0.5)
+    assert err(one, 0.5 * (exact[0] + bias[0].double())) <= (1e-6 if f32_ok else 2.0 ** -8)
     out = torch.full((3, 64, 96), float("nan"), device="cuda")
-    accumulate_product(out, a, w, 0.0, 1.0, True)
+    accumulate_product(out, a, w, 0.0, 1.0, f32_ok)
     assert err(out, exact) <= 1e-6, "beta 0: the NaNs in the target are not read"
-    product_into(out, a, w, False)
-    assert err(out, exact) > 1e-6, "the bfloat16 product is rounded: the test can tell the two apart"
+    if gemm == "torch":
+        product_into(out, a, w, False)
+        assert err(out, exact) > 1e-6, "the bfloat16 product is rounded: the test can tell the two apart"
+    else:
+        assert any(k[5] == torch.bfloat16 and c is not None for k, c in products._CHOICE.items()), "Triton ran"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

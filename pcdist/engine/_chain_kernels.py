@@ -373,10 +373,26 @@ def conv_errors(a_ptr, u_ptr, h_ptr, e_ptr, d_ptr, idx_ptr, p_ptr, n, per, stepp
 
 
 @triton.jit
+def _low(x, EMULATE: tl.constexpr):
+    """x rounded to bfloat16 (to nearest even), a bfloat16 dot's operand; EMULATE (under the interpreter, whose
+    bfloat16 is broken): the same rounding kept in float32, whose dot of such values is then exact per product."""
+    if EMULATE:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
 def bmm(a_ptr, b_ptr, c_ptr, o_ptr, M, N, R, s_ak, s_am, s_ar, s_bk, s_br, s_bn, s_ck, s_cm, s_cn, s_ok, s_om, s_on,
-        alpha, beta, HAS_C: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        alpha, beta, HAS_C: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, EMULATE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One [BM, BN] tile of batch k of o = beta c + alpha (a @ b) (torch.baddbmm; HAS_C False: c not read, as a
-    beta of 0), every operand through its strides (a transposed operand, a broadcast bias: stride 0)."""
+    beta of 0), every operand through its strides (a transposed operand, a broadcast bias: stride 0). LOW: both
+    operands rounded to bfloat16 as they are read (a float32 node batch times bfloat16 weights, under
+    precision="bf16"), the products summed in float32."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     k = tl.program_id(2).to(tl.int64)
@@ -389,6 +405,9 @@ def bmm(a_ptr, b_ptr, c_ptr, o_ptr, M, N, R, s_ak, s_am, s_ar, s_bk, s_br, s_bn,
                     other=0.0)
         b = tl.load(b_ptr + k * s_bk + r[:, None] * s_br + rn[None, :] * s_bn, mask=mr[:, None] & mn[None, :],
                     other=0.0)
+        if LOW:
+            a = _low(a, EMULATE)
+            b = _low(b, EMULATE)
         acc += tl.dot(a, b, input_precision=PREC)
     acc = alpha * acc
     m = mm[:, None] & mn[None, :]

@@ -14,9 +14,12 @@ convolution algorithm), and kept for the process, so every trainer of a process 
     torch     cuBLAS (torch.baddbmm) always
     triton    the Triton kernel wherever it can run (the tests' setting under Triton's interpreter)
 
-set by the environment variable PCDIST_GEMM; PCDIST_TRITON=0 turns it off with the other kernels. Only float32
-operands (trainer.precision fp32 or tf32: the kernel's dot is TF32 where torch's float32 matmuls are); float64
-and bfloat16 products stay torch's. On a CPU, ``functions`` hands back torch's own functions: nothing changes.
+set by the environment variable PCDIST_GEMM; PCDIST_TRITON=0 turns it off with the other kernels. float32
+operands (trainer.precision fp32 or tf32: the kernel's dot is TF32 where torch's float32 matmuls are) through
+``functions``; under precision="bf16", float32 nodes times bfloat16 weights through ``low_product`` (the kernel
+rounds the nodes to bfloat16 as it reads them, where torch first casts them in a pass of its own, and sums in
+float32), timed against what runs otherwise (layers/base.py ``product_into``); float64 products stay torch's.
+On a CPU, ``functions`` hands back torch's own functions and ``low_product`` declines: nothing changes.
 A choice is made outside CUDA-graph capture (a step's first call is eager); a shape first seen while capturing
 runs cuBLAS. As with cuDNN's benchmark mode, two runs may time a shape differently and so differ by float32
 round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
@@ -31,7 +34,7 @@ from torch import Tensor
 
 from . import chain
 
-__all__ = ["functions", "baddbmm", "bmm", "CONFIGS"]
+__all__ = ["functions", "baddbmm", "bmm", "low_product", "CONFIGS"]
 
 CONFIGS = ((16, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8))
 """Tile candidates (rows BM, columns BN, reduction chunk BK, warps): narrow tiles for a batch of small GEMMs."""
@@ -61,9 +64,18 @@ def _launch(cfg, inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: f
     K, M, N = out.shape
     c = out if inp is None else inp.expand(out.shape)
     grid = (-(-M // BM), -(-N // BN), K)
+    low = _low(a, b)
+    if low and chain.interpreted():  # its bfloat16 loads are broken: the values in float32 (exact), rounded as read
+        a, b = a.float(), b.float()
     chain._triton().bmm[grid](a, b, c, out, M, N, a.shape[2], *a.stride(), *b.stride(), *c.stride(), *out.stride(),
                               float(alpha), float(beta), HAS_C=inp is not None and beta != 0.0,
-                              PREC=chain._precision(out), BM=BM, BN=BN, BK=BK, num_warps=warps)
+                              PREC="ieee" if low else chain._precision(out), LOW=low,
+                              EMULATE=low and chain.interpreted(), BM=BM, BN=BN, BK=BK, num_warps=warps)
+
+
+def _low(a: Tensor, b: Tensor) -> bool:
+    """A product on bfloat16 operands (precision="bf16": bfloat16 weights, float32 nodes)."""
+    return torch.bfloat16 in (a.dtype, b.dtype)
 
 
 def _timed(fn, reps: int = 20) -> float:
@@ -78,19 +90,23 @@ def _timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor):
-    """The Triton tiles for this product's shapes and strides (decided once, see the module docstring), or None."""
-    key = (a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), out.device,
+def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor, baseline=None):
+    """The Triton tiles for this product's shapes, strides and dtypes (decided once, see the module docstring), or
+    None. ``baseline(inp, out)``: what runs instead (default: torch.baddbmm / torch.bmm)."""
+    key = (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.shape, out.stride(), out.device,
            None if inp is None else inp.expand(out.shape).stride(), beta != 0.0, chain._precision(out))
     if key in _CHOICE:
         return _CHOICE[key]
     if out.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None  # no timing inside a capture: cuBLAS, decided on the next eager call
     scratch = out.clone()
-    src = None if inp is None else (inp.clone() if inp.data_ptr() == out.data_ptr() else inp)
+    in_place = inp is not None and inp.data_ptr() == out.data_ptr()
+    src = None if inp is None else (inp.clone() if in_place else inp)
 
     def torch_run():  # what baddbmm / bmm would run instead (inp None: bmm, whose alpha is 1)
-        if src is None:
+        if baseline is not None:
+            baseline(scratch if in_place else src, scratch)  # in place, as the caller's
+        elif src is None:
             torch.bmm(a, b, out=scratch)
         else:
             torch.baddbmm(src, a, b, beta=beta, alpha=alpha, out=scratch)
@@ -99,13 +115,17 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
         _launch(cfg, src, a, b, beta, alpha, scratch)
         return [scratch]
 
-    torch_run()
-    want = [scratch.clone()]
+    if _low(a, b):  # the arithmetic the kernel does: float32 sums of the bfloat16-rounded operands' products
+        exact = torch.bmm(a.to(torch.bfloat16).float(), b.to(torch.bfloat16).float())
+        want = [alpha * exact if src is None or beta == 0.0 else beta * src + alpha * exact]
+    else:
+        torch_run()
+        want = [scratch.clone()]
     timed = _mode() == "auto"
     base = _timed(torch_run) if timed else None
     best, choice = None, None
     for cfg in [INTERPRETED_CONFIG] if chain.interpreted() else CONFIGS:
-        # each candidate builds, runs and agrees with cuBLAS (else one warning and cuBLAS), then is timed
+        # each candidate builds, runs and agrees with torch (else one warning and torch), then is timed
         if not chain.checked(lambda: tiles(cfg), lambda: want, "a batched product", ("Triton GEMM", "cuBLAS")):
             best, choice = None, None
             break
@@ -116,6 +136,25 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
         choice = None
     _CHOICE[key] = choice
     return choice
+
+
+def low_product(inp: Tensor | None, a: Tensor, w: Tensor, beta: float, alpha: float, out: Tensor, fallback) -> bool:
+    """out = beta inp + alpha (a @ w) on bfloat16 operands (precision="bf16": a float32 node batch rounded to w's
+    bfloat16 as the kernel reads it, no cast of its own), summed and written in float32 by the Triton GEMM, where
+    it may run (``functions``' conditions) and was timed faster than ``fallback(inp, out)``, the torch ops that
+    otherwise compute it (given ``out`` itself as ``inp`` for an in-place product); False where it does not run,
+    and the caller runs ``fallback``."""
+    mode = _mode()
+    if out.dtype != torch.float32 or mode == "torch" or not chain.triton_allowed(out) or \
+            (out.device.type != "cuda" and mode != "triton"):
+        return False
+    if a.dim() != 3:  # one layer's product (the feed-forward chain): the fallback's
+        return False
+    cfg = _choose(inp, a, w, beta, alpha, out, fallback)
+    if cfg is None:
+        return False
+    _launch(cfg, inp, a, w, beta, alpha, out)
+    return True
 
 
 def baddbmm(input: Tensor, batch1: Tensor, batch2: Tensor, *, beta: float = 1.0, alpha: float = 1.0,

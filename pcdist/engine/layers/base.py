@@ -41,6 +41,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from .. import gemm
 from ..energies import OutputEnergy
 
 __all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "low",
@@ -270,8 +271,18 @@ def f32_products(like: Tensor) -> bool:
 
 
 def product_into(out: Tensor, a: Tensor, w: Tensor, f32: bool, bias: Tensor | None = None, scale: float = 1.0) -> None:
-    """out = scale (a @ w (+ bias)) in out's dtype, the product on bfloat16 operands (a cast to w's dtype): written
-    in float32 by the GEMM where ``f32`` (``f32_products``), else a bfloat16 product copied or added in."""
+    """out = scale (a @ w (+ bias)) in out's dtype, the product on bfloat16 operands (a cast to w's dtype): by the
+    Triton GEMM where it runs and is faster (it rounds a as it reads it: pcdist/engine/gemm.py ``low_product``),
+    else written in float32 by cuBLAS where ``f32`` (``f32_products``), else a bfloat16 product copied or added
+    in."""
+    def fallback(bias_, out_):
+        _product_into(out_, a, w, f32, bias_, scale)
+
+    if not gemm.low_product(bias, a, w, 0.0 if bias is None else scale, scale, out, fallback):
+        fallback(bias, out)
+
+
+def _product_into(out: Tensor, a: Tensor, w: Tensor, f32: bool, bias: Tensor | None, scale: float) -> None:
     if f32:
         if bias is not None:
             out.copy_(bias.expand_as(out))
@@ -287,12 +298,16 @@ def product_into(out: Tensor, a: Tensor, w: Tensor, f32: bool, bias: Tensor | No
 
 
 def accumulate_product(target: Tensor, a: Tensor, w: Tensor, beta: float, alpha: float, f32: bool) -> None:
-    """``accumulate`` of the product a @ w on bfloat16 operands: target <- beta target + alpha (a @ w), by the GEMM
-    itself where ``f32`` (``f32_products``)."""
-    if f32:
-        _aten.baddbmm.dtype_out(target, a.to(w.dtype), w, torch.float32, beta=beta, alpha=alpha, out=target)
-    else:
-        accumulate(target, low(a, w, target.dtype), beta, alpha)
+    """``accumulate`` of the product a @ w on bfloat16 operands: target <- beta target + alpha (a @ w), by the Triton
+    GEMM where it runs and is faster, else by cuBLAS itself where ``f32`` (``f32_products``)."""
+    def fallback(_, out: Tensor) -> None:  # in place: out is the target
+        if f32:
+            _aten.baddbmm.dtype_out(out, a.to(w.dtype), w, torch.float32, beta=beta, alpha=alpha, out=out)
+        else:
+            accumulate(out, low(a, w, out.dtype), beta, alpha)
+
+    if not gemm.low_product(target, a, w, beta, alpha, target, fallback):
+        fallback(target, target)
 
 
 def accumulate(target: Tensor, p: Tensor, beta: float, alpha: float) -> None:
