@@ -8,14 +8,16 @@ on the CPU with its own C kernel off (PCDIST_NATIVE=0, the GPU's code path), und
 (TRITON_INTERPRET=1, which this script sets for itself), each aten op that launches a kernel counted
 (``pcdist.engine.capture.HostReads``, views excluded) and each Triton launch counted once (the interpreter's own
 work inside it is not a GPU kernel, so it is not run while counting: the counted step is the fourth, whose
-kernels do not depend on the values). Per network: with the Triton kernels (``triton``) and with PCDIST_TRITON=0
-(``torch``). An aten op counts once: the torch ops' ``convolution.out`` is one here but on a GPU three kernels
+kernels do not depend on the values). Per network: with the Triton kernels (``triton``; the products on the Triton
+GEMM, PCDIST_GEMM=triton: on a GPU each product runs it or cuBLAS, one kernel either way, except under
+precision="bf16", where cuBLAS needs a cast of the nodes first) and with PCDIST_TRITON=0 (``torch``). An aten op
+counts once: the torch ops' ``convolution.out`` is one here but on a GPU three kernels
 (cuDNN's convolution, its bias add, the copy into the preallocated buffer), which the conv kernels' path does
 without (it adds the bias as it reads the convolution's own output), so for conv nets the saving counted is
 a lower bound.
 
-    python benchmarks/kernels.py               # A, B, C (MLPs, T = 20), a 32-layer μPC (T = 8), the small CNN
-                                               # and VGG-5 of benchmarks/gpu.py: ~8 min
+    python benchmarks/kernels.py               # A, B, C (MLPs, T = 20), a 32-layer μPC (T = 8), the small CNN,
+                                               # VGG-5 of benchmarks/gpu.py and B under bf16: ~10 min
     python benchmarks/kernels.py --shapes C    # one of them
 
 Writes benchmarks/results/kernels.json.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import os
 import subprocess
 import sys
@@ -34,7 +37,8 @@ OUT = Path(__file__).resolve().parent / "results"
 SHAPES = {"A": (64, [128] * 32, 10), "B": (784, [512] * 16, 10), "C": (784, [128] * 2, 10),
           "mupc32": (64, [128] * 31, 10),  # μPC of width 128, 32 layers, T = 8, as in the GPU table
           "cnn": ((1, 8, 8), [(32, 3, 1, "max"), (64, 3, 1, "max")], 10),  # its small CNN, T = 10, ce
-          "vgg5": ((3, 32, 32), "vgg5", 10)}  # PCX's VGG-5, T = 7, ce (counted at batch 8: counts do not depend on it)
+          "vgg5": ((3, 32, 32), "vgg5", 10),  # PCX's VGG-5, T = 7, ce (counted at batch 8: counts do not depend on it)
+          "B_bf16": (784, [512] * 16, 10)}  # B under precision="bf16" (the Triton GEMM rounds as it reads)
 
 
 def count(shape: str) -> dict:
@@ -42,7 +46,7 @@ def count(shape: str) -> dict:
     import torch
 
     import pcdist
-    from pcdist.engine import chain, errorpass
+    from pcdist.engine import chain, errorpass, gemm
     from pcdist.engine.capture import HostReads
 
     from pcdist.engine.models import conv_specs, vgg_specs
@@ -57,13 +61,30 @@ def count(shape: str) -> dict:
         net, B = pcdist.PCNetwork(vgg_specs(hidden, d_in, d_out, "relu"), energy="ce", seed=0), 8
     else:
         net = pcdist.PCNetwork.from_dims([d_in, *hidden, d_out], "tanh", seed=0)
-    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=0.05)
+    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True), T=T, x_lr=0.05,
+                          precision="bf16" if shape.endswith("bf16") else "fp32")
     g = torch.Generator().manual_seed(0)
     shape_in = d_in if isinstance(d_in, tuple) else (d_in,)
     x, y = torch.randn(B, *shape_in, generator=g), torch.eye(d_out)[torch.randint(0, d_out, (B,), generator=g)]
+    launches, counting = [], []
+
+    def product(cfg, inp, a, b, beta, alpha, out):
+        """The Triton GEMM's launch, counted; its values from torch (the interpreter would take minutes)."""
+        if counting:  # the counted step's values do not matter
+            launches.append("gemm")
+            return
+        if torch.bfloat16 in (a.dtype, b.dtype):  # the kernel's arithmetic: rounded operands, float32 sums
+            a, b = a.to(torch.bfloat16).float(), b.to(torch.bfloat16).float()
+        if inp is None or beta == 0.0:
+            torch.bmm(a, b, out=out).mul_(alpha)
+        else:
+            torch.baddbmm(inp.expand(out.shape), a, b, beta=beta, alpha=alpha, out=out)
+
+    gemm._choose = lambda *a, **k: gemm.INTERPRETED_CONFIG
+    gemm._launch = product
     for _ in range(3):
         tr.step(x, y, log=False)
-    launches = []
+    counting.append(True)
     errorpass.Kernel._call = lambda self, *a, **k: launches.append("errors")
     errorpass.ConvKernel._launch = lambda self, *a, **k: launches.append("conv")
     for name in ("activate", "errors", "backproject"):
@@ -71,7 +92,8 @@ def count(shape: str) -> dict:
     chain.dense_chain = chain.residual_chain = lambda *a, **k: launches.append("chain")
     with HostReads(strict=False) as reads:
         tr.step(x, y, log=False)
-    return {"aten": reads.kernels, "triton": len(launches), "total": reads.kernels + len(launches)}
+    return {"aten": reads.kernels, "triton": len(launches), "total": reads.kernels + len(launches),
+            "launches": dict(Counter(launches)), "products": reads.by_op["baddbmm"] + reads.by_op["bmm"]}
 
 
 def main() -> None:
@@ -86,7 +108,9 @@ def main() -> None:
     for shape in args.shapes:
         rows[shape] = {}
         for name, on in (("torch", "0"), ("triton", "1")):
-            env = dict(os.environ, TRITON_INTERPRET="1", PCDIST_TRITON=on, PCDIST_NATIVE="0", OMP_NUM_THREADS="1")
+            env = dict(os.environ, TRITON_INTERPRET="1", PCDIST_TRITON=on, PCDIST_NATIVE="0", OMP_NUM_THREADS="1",
+                       PCDIST_GEMM="triton",  # every product the Triton GEMM can run counted as one launch
+                       PCDIST_CHANNELS_LAST="0")  # a GPU's default layout (a CPU's is channels-last)
             out = subprocess.run([sys.executable, __file__, "--count", shape], env=env, capture_output=True,
                                  text=True, check=True)
             rows[shape][name] = json.loads(out.stdout.strip().splitlines()[-1])

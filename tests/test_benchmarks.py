@@ -264,10 +264,12 @@ def test_solvers_benchmark_traces_times_and_trains_every_method(tmp_path):
 def test_kernels_counts_the_triton_launches_of_a_gpu_step(tmp_path):
     """benchmarks/kernels.py on shape C (two hidden dense groups of K = 1, T = 20): with pcdist's Triton kernels the
     step's error passes are one launch per hidden group and pass (2 x 21: T steps and the final evaluation; no
-    group of K >= 2 for the chain), and fewer kernels in all than with the torch ops they replace."""
+    group of K >= 2 for the chain), each batched product one launch of the Triton GEMM where the torch ops run
+    one baddbmm or bmm, and fewer kernels in all than with the torch ops they replace."""
     pytest.importorskip("triton")
     stdout = run("kernels.py", "--shapes", "C", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "kernels.json").read_text())["C"]
-    assert rows["torch"]["triton"] == 0 and rows["triton"]["triton"] == 42, rows
+    assert rows["torch"]["triton"] == 0 and rows["triton"]["launches"]["errors"] == 42, rows
+    assert rows["triton"]["launches"]["gemm"] == rows["torch"]["products"] > 0 == rows["triton"]["products"], rows
     assert rows["triton"]["total"] < rows["torch"]["total"], rows
     assert f"kernels per step {rows['torch']['total']} with torch ops, {rows['triton']['total']}" in stdout
