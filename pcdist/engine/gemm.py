@@ -53,10 +53,15 @@ def _mode() -> str:
 def functions(like: Tensor):
     """(baddbmm, bmm) for a group whose products are like ``like``: this module's where the Triton kernel may run
     (float32 on a CUDA device, or under the interpreter with PCDIST_GEMM=triton), else torch's own."""
+    return (baddbmm, bmm) if _allowed(like) else (torch.baddbmm, torch.bmm)
+
+
+def _allowed(out: Tensor) -> bool:
+    """The Triton kernel may write products like ``out``: float32 on a CUDA device (or under the interpreter with
+    PCDIST_GEMM=triton), PCDIST_GEMM not torch, Triton allowed (chain.triton_allowed)."""
     mode = _mode()
-    ok = like.dtype == torch.float32 and mode != "torch" and chain.triton_allowed(like) \
-        and (like.device.type == "cuda" or mode == "triton")
-    return (baddbmm, bmm) if ok else (torch.baddbmm, torch.bmm)
+    return out.dtype == torch.float32 and mode != "torch" and chain.triton_allowed(out) \
+        and (out.device.type == "cuda" or mode == "triton")
 
 
 def _launch(cfg, inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor) -> None:
@@ -144,11 +149,7 @@ def low_product(inp: Tensor | None, a: Tensor, w: Tensor, beta: float, alpha: fl
     it may run (``functions``' conditions) and was timed faster than ``fallback(inp, out)``, the torch ops that
     otherwise compute it (given ``out`` itself as ``inp`` for an in-place product); False where it does not run,
     and the caller runs ``fallback``."""
-    mode = _mode()
-    if out.dtype != torch.float32 or mode == "torch" or not chain.triton_allowed(out) or \
-            (out.device.type != "cuda" and mode != "triton"):
-        return False
-    if a.dim() != 3:  # one layer's product (the feed-forward chain): the fallback's
+    if not _allowed(out) or a.dim() != 3:  # one layer's product (the feed-forward chain): the fallback's
         return False
     cfg = _choose(inp, a, w, beta, alpha, out, fallback)
     if cfg is None:
