@@ -7,7 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 if [[ -z "${NPROC:-}" ]]; then
-  NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [[ -e /dev/kfd || -e /dev/dxg ]]; then
+    NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+  else
+    NPROC=2  # no GPU device file (NVIDIA, ROCm, WSL): torch would find no GPU, and its import costs seconds
+  fi
 fi
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
