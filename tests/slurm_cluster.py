@@ -18,8 +18,10 @@ that two jobs of two CPU processes each fit on a small CI machine, and with two 
 only (each "device" an empty file: CUDA never sees one), so that a job asking for GPUs gets SLURM's GPU
 variables. Two partitions: ``debug`` (the default) and ``high``, whose jobs pre-empt debug's
 (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime``). ``cred_expire`` is lowered from
-120 s to 5 s (how long SLURM holds a requeued job before it may start again), and the scheduler's
-periodic pass from every 60 s to every 2 s (it starts a requeued job once the hold is over).
+120 s to 5 s (how long SLURM holds a requeued job before it may start again), the scheduler's periodic
+pass from every 60 s to every second (it starts a requeued job once the hold is over), and
+``batch_sched_delay`` from 3 s to 0: slurmctld's background loop ticks once a second and schedules a newly
+submitted batch job at its next tick, so a job starts within a second of its submission.
 
 By hand: ``python tests/slurm_cluster.py /tmp/slurm [cgroup|linuxproc]`` starts a cluster and prints
 the ``SLURM_CONF`` to export; Ctrl-C stops it.
@@ -257,7 +259,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=2
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none

@@ -33,10 +33,16 @@ from slurm_cluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "slurm.sbatch"
-STEPS = 300
+# Where a stop signal lands does not depend on how long SLURM takes to deliver it: the test stops the workers
+# (SIGSTOP) as soon as the first step is logged and continues them once the signal is pending (Job.wait_training,
+# release), so that it lands a few steps in (step 8 to 10 on a 2-core machine, idle or loaded). Under SLURM's own
+# pre-emption it was once seen at step 22 (SLURM may continue the step's processes itself before its SIGTERM
+# reaches them through launch/slurm_node.sh): the run is several times longer than that.
+STEPS = 100
 # ckpt_every beyond the run: the only checkpoints are the pre-emption's and the last.
-RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", "trainer.eval_every=150", "trainer.ckpt_every=1000",
-       "logger=none", "trainer.progress=off", "parallel.timeout_s=120", "pc.T=5"]  # T=5: half a step's cost
+RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", f"trainer.eval_every={STEPS // 2}",
+       "trainer.ckpt_every=1000", "logger=none", "trainer.progress=off", "parallel.timeout_s=120",
+       "pc.T=5"]  # T=5: half a step's cost
 TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
 NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError", "nanobind")
 
@@ -104,6 +110,24 @@ def job_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # ended meanwhile
+        pass
+
+
+def _pending_or_running(pid: int, signum: int) -> bool:
+    """``signum`` is pending in process ``pid`` (sent while it is stopped), or it is not stopped (or gone)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except OSError:
+        return True
+    pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+    return not status["State"].strip().startswith("T") or bool(pending >> (signum - 1) & 1)
+
+
 class Job:
     """A job submitted from ``folder`` (not the checkout): its id, log and run directory."""
 
@@ -134,15 +158,49 @@ class Job:
         return self.wait(lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
                          "a final state", timeout)
 
-    def wait_training(self, timeout: float = 900) -> None:
-        """Until the run has logged its first step (so a stop signal now lands in its training loop)."""
+    def wait_training(self, hold: bool = False, timeout: float = 900) -> list[int]:
+        """Until the run has logged its first step (so a stop signal now lands in its training loop). With
+        ``hold``, its workers are then stopped (SIGSTOP) at once, and returned: ``release`` continues them once
+        the stop signal is pending in each, so that it lands a few steps into the run however fast the machine
+        trains and however long SLURM takes to deliver it."""
         metrics = self.run_dir / "metrics.jsonl"
         deadline = time.monotonic() + timeout
+        pids: list[int] = []
+        next_look = 0.0
         while not (metrics.is_file() and metrics.stat().st_size > 0):
-            state = self.fields().get("JobState")
-            assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job ended ({state}) before training:\n{self.log}"
-            assert time.monotonic() < deadline, f"no training step logged within {timeout} s:\n{self.log}"
-            time.sleep(0.1)
+            if time.monotonic() >= next_look:  # the job's state and workers every 0.25 s, the log every 0.01 s
+                state = self.fields().get("JobState")
+                assert state in ("PENDING", "RUNNING", "CONFIGURING"), \
+                    f"job ended ({state}) before training:\n{self.log}"
+                assert time.monotonic() < deadline, f"no training step logged within {timeout} s:\n{self.log}"
+                if hold:
+                    pids = workers(self.id)
+                next_look = time.monotonic() + 0.25
+            time.sleep(0.01)
+        if not hold:
+            return []
+        for pid in pids:  # the workers found already first: the fewer steps before the stop, the better
+            _signal(pid, signal.SIGSTOP)
+        pids = sorted(set(pids) | set(workers(self.id)))
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        assert pids, self.log
+        return pids
+
+    def release(self, pids: list[int], signum: int, timeout: float = 100) -> None:
+        """Continue the workers ``wait_training(hold=True)`` stopped once ``signum`` is pending in each (or
+        something else continued it, or it ended). Within parallel.timeout_s (120 s): a rank that waits
+        for a stopped one longer than that fails."""
+        deadline = time.monotonic() + timeout
+        while not all(_pending_or_running(pid, signum) for pid in pids):
+            if time.monotonic() > deadline:
+                for pid in pids:
+                    _signal(pid, signal.SIGCONT)
+                raise AssertionError(f"{signal.Signals(signum).name} not passed on to the workers {pids} within "
+                                     f"{timeout} s:\n{self.log[-6000:]}")
+            time.sleep(0.02)
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
 
     def assert_clean_log(self) -> None:
         for noise in NOISE:
@@ -257,8 +315,9 @@ def test_scancel_usr1_checkpoints_requeues_and_the_next_attempt_ends_as_an_unint
     checkpoints it, the script requeues the job (same id, same run directory), the next attempt resumes
     there, and the log of both attempts is kept (--open-mode=append), with no traceback or C++ trace."""
     job = Job(cluster, tmp_path, TWO_CPUS, RUN)
-    job.wait_training()
+    held = job.wait_training(hold=True)
     cluster.run("scancel", "--signal=USR1", job.id)
+    job.release(held, signal.SIGUSR1)
     fields = job.wait(lambda f: f["JobState"] == "COMPLETED" or f["JobState"] in ("FAILED", "CANCELLED"),
                       "the end of the requeued job")
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
@@ -276,8 +335,9 @@ def test_slurm_preemption_sigterm_with_grace_time_requeues_and_resumes(cluster, 
     job's step gets SIGTERM and the partition's GraceTime (60 s) before SIGKILL. The run checkpoints and
     requeues itself, the pre-empting job runs, then the run resumes and ends as the uninterrupted one."""
     job = Job(cluster, tmp_path / "low", TWO_CPUS, RUN)
-    job.wait_training()
+    held = job.wait_training(hold=True)
     high = cluster.sbatch(["--partition=high", "--cpus-per-task=4", "--wrap", "sleep 1"], cwd=tmp_path)
+    job.release(held, signal.SIGTERM)
     fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the run")
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
     assert cluster.job(high)["JobState"] == "COMPLETED"
@@ -288,12 +348,15 @@ def test_slurm_preemption_sigterm_with_grace_time_requeues_and_resumes(cluster, 
 
 
 def test_the_time_limit_warning_preempts_and_requeues(cluster, tmp_path):
-    """--time=1 (a minute): the script's --signal=USR1@120 is due at once; SLURM sends it within its
-    periodic check, the run checkpoints and the job is requeued. (Its next attempt gets the same warning:
-    the test cancels it.)"""
+    """A time limit of a minute (scontrol update TimeLimit=1 once the run trains): the script's
+    --signal=USR1@120 is due at once; SLURM sends it within its periodic check, the run checkpoints and the
+    job is requeued. (Its next attempt gets the same warning: the test cancels it.) The limit is lowered only
+    once the job's step runs: SLURM sends the warning to the steps that exist when its check comes, so a
+    check between the job's start and its step's (``--time=1`` at submission) would lose it."""
     # One process: it trains flat out until SLURM's periodic check sends the warning (up to half a minute), niced
     # (every thread) so that it does not slow the tests beside it: what it waits for is SLURM's clock.
-    job = Job(cluster, tmp_path, ["--time=1"], ["trainer.max_steps=100000", *RUN[1:]])
+    overrides = [o for o in RUN if not o.startswith(("trainer.max_steps", "trainer.eval_every"))]
+    job = Job(cluster, tmp_path, [], ["trainer.max_steps=100000", "trainer.eval_every=150", *overrides])
     job.wait_training()
     pids = workers(job.id)
     assert pids, job.log
@@ -303,6 +366,7 @@ def test_the_time_limit_warning_preempts_and_requeues(cluster, tmp_path):
                 os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
             except OSError:  # ended meanwhile
                 pass
+    cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=1")
     job.wait(lambda f: "requeued job" in job.log or f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
              "a requeue", 300)
     cluster.run("scancel", job.id)
@@ -317,8 +381,9 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
     checkpoints, but a cancelled job is not requeued. Submitting again with the same RUN_NAME (a new job
     id) resumes runs/<RUN_NAME> and ends as the uninterrupted run."""
     job = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
-    job.wait_training()
+    held = job.wait_training(hold=True)
     cluster.run("scancel", job.id)
+    job.release(held, signal.SIGTERM)
     fields = job.wait_finished()
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
     step = preempted_step(job)
@@ -351,12 +416,15 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
     """MAX_RESTARTS=1: a SIGKILLed worker makes torchrun restart the node's group, which resumes from the
     newest checkpoint; a second crash, with no restart left, fails the job (non-zero exit, not requeued:
     a crash is not a pre-emption), promptly, without hanging."""
-    # T=20: the slower steps leave the second kill time to land before the run's end on a busy machine.
+    # 300 steps of T=20: the slower steps leave the second kill time to land before the run's end on a busy
+    # machine (the run ends at the second kill). A checkpoint every 10 steps: the first kill after the first.
     # parallel.timeout_s=15: how long a neighbour of a killed rank may wait before the restart (docs/service.md).
-    overrides = [o for o in RUN if not o.startswith(("trainer.ckpt_every", "parallel.timeout_s", "pc.T"))]
-    job = Job(cluster, tmp_path, TWO_CPUS, [*overrides, "trainer.ckpt_every=50", "parallel.timeout_s=15", "pc.T=20"],
+    overrides = [o for o in RUN if not o.startswith(("trainer.max_steps", "trainer.eval_every", "trainer.ckpt_every",
+                                                     "parallel.timeout_s", "pc.T"))]
+    job = Job(cluster, tmp_path, TWO_CPUS, [*overrides, "trainer.max_steps=300", "trainer.eval_every=150",
+                                            "trainer.ckpt_every=10", "parallel.timeout_s=15", "pc.T=20"],
               MAX_RESTARTS="1")
-    job.wait(lambda f: (job.run_dir / "checkpoints" / "step-00000050" / "manifest.json").is_file()
+    job.wait(lambda f: (job.run_dir / "checkpoints" / "step-00000010" / "manifest.json").is_file()
              or f["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"), "the first checkpoint", 300)
     crashed = workers(job.id)
     assert len(crashed) == 2, crashed
@@ -422,8 +490,9 @@ def test_usr1_preemption_under_proctrack_linuxproc(cluster, reference, tmp_path)
             pytest.fail(why)
     try:
         job = Job(linuxproc, tmp_path / "run", TWO_CPUS, RUN)
-        job.wait_training()
+        held = job.wait_training(hold=True)
         linuxproc.run("scancel", "--signal=USR1", job.id)
+        job.release(held, signal.SIGUSR1)
         fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the run")
         assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
         assert_resumed(job, preempted_step(job))
