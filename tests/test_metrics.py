@@ -89,6 +89,26 @@ def test_the_accuracy_axis_spans_zero_to_one_and_the_title_names_the_result():
     assert list(ax.get_lines()[0].get_ydata()) == [0.96, 0.975]
 
 
+@pytest.mark.parametrize("energies", [[2.0, 0.5, 0.02, 0.004], [0.3050, 0.3031, 0.3012, 0.3003]],
+                         ids=["decades", "a narrow range"])
+def test_log_axes_are_labelled_with_plain_numbers_at_their_ticks(energies):
+    """The log energy axis of the training plot and the symlog axis of the inference plot carry labels without
+    mathtext (no ``$``: its parser costs every run a quarter of a second), each the number at its tick; a
+    training energy spanning less than a decade still gets several (the symlog axis labels its decades)."""
+    rows = [{"step": 10 * (i + 1), "train/energy": e} for i, e in enumerate(energies)]
+    trace = [[e, e / 10] for e in energies]
+    training, inference = plot_training(rows, "x"), plot_inference(trace, "x")
+    for fig, ax, least in ((training, training.axes[1], 2), (inference, inference.axes[0], 1)):
+        fig.draw_without_rendering()
+        shown = [(tick.get_loc(), tick.label1.get_text() or tick.label2.get_text())
+                 for tick in [*ax.yaxis.get_major_ticks(), *ax.yaxis.get_minor_ticks()]
+                 if ax.get_ylim()[0] <= tick.get_loc() <= ax.get_ylim()[1]]
+        labels = [(loc, text) for loc, text in shown if text]
+        assert len(labels) >= least, shown
+        for loc, text in labels:
+            assert "$" not in text and float(text.replace("\u2212", "-")) == pytest.approx(loc, rel=5e-3), (loc, text)
+
+
 def test_metrics_hold_validation_energy_and_training_accuracy_that_the_weights_give(tmp_path):
     """Every logged step has train/accuracy (the step's batch, after its update) and every evaluation
     val/energy beside val/accuracy. At the end both validation numbers are recomputed here from the last
