@@ -83,6 +83,15 @@ def _low(a: Tensor, b: Tensor) -> bool:
     return torch.bfloat16 in (a.dtype, b.dtype)
 
 
+def reference(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+    """What the kernel computes, in torch ops: float32 sums of the operands' products (bfloat16-rounded operands
+    where either is bfloat16), times ``alpha``, plus ``beta * inp``."""
+    if _low(a, b):
+        a, b = a.to(torch.bfloat16).float(), b.to(torch.bfloat16).float()
+    exact = torch.bmm(a, b)
+    return alpha * exact if inp is None or beta == 0.0 else beta * inp + alpha * exact
+
+
 def _timed(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -121,8 +130,7 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
         return [scratch]
 
     if _low(a, b):  # the arithmetic the kernel does: float32 sums of the bfloat16-rounded operands' products
-        exact = torch.bmm(a.to(torch.bfloat16).float(), b.to(torch.bfloat16).float())
-        want = [alpha * exact if src is None or beta == 0.0 else beta * src + alpha * exact]
+        want = [reference(src, a, b, beta, alpha)]
     else:
         torch_run()
         want = [scratch.clone()]
