@@ -49,6 +49,23 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_TAKES: dict[str, frozenset] = {}  # kernel name: its argument names
+
+
+def launch(name: str, grid: tuple, *args, **consts) -> None:
+    """Triton kernel ``name`` (pcdist/engine/_chain_kernels.py) over ``grid``; ACCURATE (libdevice's tanh and
+    exp, which the interpreter lacks) is passed where the kernel takes it. A keyword the kernel does not take
+    raises TypeError here, on every device: Triton's interpreter, which the CPU tests run, drops it silently,
+    while a compiled launch fails with it."""
+    kernel = getattr(_triton(), name)
+    takes = _TAKES.get(name) or _TAKES.setdefault(name, frozenset(kernel.arg_names))
+    if "ACCURATE" in takes:
+        consts["ACCURATE"] = not interpreted()
+    if unknown := [k for k in consts if k not in takes and k not in ("num_warps", "num_stages")]:
+        raise TypeError(f"Triton kernel {name} takes no argument {', '.join(unknown)}")
+    kernel[grid](*args, **consts)
+
+
 def triton_allowed(like: Tensor) -> bool:
     """Triton kernels for tensors like ``like``: on a CUDA device (or any device under the Triton interpreter),
     Triton importable, PCDIST_TRITON not 0 (this chain and the error pass, pcdist/engine/errorpass.py)."""
@@ -56,11 +73,19 @@ def triton_allowed(like: Tensor) -> bool:
             and _triton() is not None)
 
 
+MAX_WIDTH = 256  # the widest layers the chain kernel runs on a GPU (see usable)
+
+
 def usable(like: Tensor, act, K: int, I: int, O: int) -> bool:
     """True if the chain kernel can run this group: K >= 2 square layers, float32 or bfloat16, on a CUDA
-    device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0."""
+    device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0, and
+    layers at most MAX_WIDTH wide on a GPU. Its programs own 16 rows of the batch each and run every layer's
+    product in turn, so a program's work grows as K D^2 while the torch chain spreads each product over the
+    whole GPU: on an H200 the kernel made MLP A's replayed step (width 128) faster and MLP B's (width 512)
+    slower than the torch chain (docs/gpu.md)."""
     return (K >= 2 and I == O and act is not None and act.name in ACT_CODES
-            and like.dtype in (torch.float32, torch.bfloat16) and triton_allowed(like))
+            and like.dtype in (torch.float32, torch.bfloat16) and triton_allowed(like)
+            and (I <= MAX_WIDTH or interpreted()))
 
 
 def act_args(act) -> dict:
@@ -87,29 +112,24 @@ def dense_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor, a: Tensor, u: Tensor, h
                 rows: slice | None = None) -> None:
     """The dense chain from h0 [B, D] (rows ``rows`` of the batch): a [K, B, D] (the pre-activations,
     unless u is a), u and h_out [K, B, D]."""
-    k = _triton()
     K, B, D = u.shape
     lo, hi = (0, B) if rows is None else (rows.start or 0, B if rows.stop is None else rows.stop)
     BB, BN, BK = _blocks(D)
-    grid = (-(-(hi - lo) // BB),)
-    k.dense_chain[grid](h0, w_KIO, b_KO, a, u, h_out, lo, hi - lo, B, D, K, **act_args(act),
-                        KEEP_A=a.data_ptr() != u.data_ptr(), ACCURATE=not interpreted(), PREC=_precision(u),
-                        BB=BB, BN=BN, BK=BK)
+    launch("dense_chain", (-(-(hi - lo) // BB),), h0, w_KIO, b_KO, a, u, h_out, lo, hi - lo, B, D, K,
+           **act_args(act), KEEP_A=a.data_ptr() != u.data_ptr(), PREC=_precision(u), BB=BB, BN=BN, BK=BK)
 
 
 def residual_chain(h0: Tensor, w_KIO: Tensor, b_KO: Tensor | None, s: Tensor | None, x: Tensor | None, u: Tensor,
                    h_out: Tensor, act, scale: float, skip: bool, rows: slice | None = None) -> None:
     """The μPC chain from h0 [B, D]: s [K, B, D] = phi of each layer's input (None: phi is the identity),
     x [K, B, D] a copy of each input (or None), u and h_out [K, B, D]."""
-    k = _triton()
     K, B, D = u.shape
     lo, hi = (0, B) if rows is None else (rows.start or 0, B if rows.stop is None else rows.stop)
     BB, BN, BK = _blocks(D)
-    grid = (-(-(hi - lo) // BB),)
-    k.residual_chain[grid](h0, w_KIO, u if b_KO is None else b_KO, u if s is None else s, u if x is None else x,
-                           u, h_out, lo, hi - lo, B, D, K, float(scale), **act_args(act),
-                           HAS_B=b_KO is not None, STORE_S=s is not None, STORE_X=x is not None, SKIP=skip,
-                           ACCURATE=not interpreted(), PREC=_precision(u), BB=BB, BN=BN, BK=BK)
+    launch("residual_chain", (-(-(hi - lo) // BB),), h0, w_KIO, u if b_KO is None else b_KO, u if s is None else s,
+           u if x is None else x, u, h_out, lo, hi - lo, B, D, K, float(scale), **act_args(act),
+           HAS_B=b_KO is not None, STORE_S=s is not None, STORE_X=x is not None, SKIP=skip, PREC=_precision(u),
+           BB=BB, BN=BN, BK=BK)
 
 
 CHAIN = ("feed-forward kernel", "the torch chain")

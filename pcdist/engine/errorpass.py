@@ -45,8 +45,7 @@ def usable(act, like: Tensor) -> bool:
 def _launch(name: str, n: int, *args, **consts) -> None:
     """The elementwise kernel ``name`` over n elements, BLOCK a program (nothing for n = 0)."""
     if n:
-        getattr(chain._triton(), name)[(-(-n // BLOCK),)](*args, ACCURATE=not chain.interpreted(), BLOCK=BLOCK,
-                                                           **consts)
+        chain.launch(name, (-(-n // BLOCK),), *args, BLOCK=BLOCK, **consts)
 
 
 def conv_usable(act, pool: str | None, window: list[int], stride: list[int], padding: list[int], conv_size: int,
@@ -73,11 +72,10 @@ class Kernel(ErrorPass):
             return
         au, u, h, e, d, bias, prec = bufs or (self.au, self.u, self.h, self.e, self.d, self.bias, self.prec)
         n = (k1 - k0) * self.B * self.O
-        chain._triton().dense_errors[(-(-n // BLOCK),)](
-            au[k0:k1], u[k0:k1], h[k0:k1], e[k0:k1], d[k0:k1], bias[k0:k1], h if prec is None else prec[k0:k1],
-            n, self.B, self.O, 0.0 if lr is None else float(lr), **chain.act_args(self.act), FRESH=fresh,
-            HAS_D=with_d, UPDATE=lr is not None, HAS_P=prec is not None, ACCURATE=not chain.interpreted(),
-            BLOCK=BLOCK)
+        chain.launch("dense_errors", (-(-n // BLOCK),), au[k0:k1], u[k0:k1], h[k0:k1], e[k0:k1], d[k0:k1],
+                     bias[k0:k1], h if prec is None else prec[k0:k1], n, self.B, self.O,
+                     0.0 if lr is None else float(lr), **chain.act_args(self.act), FRESH=fresh, HAS_D=with_d,
+                     UPDATE=lr is not None, HAS_P=prec is not None, BLOCK=BLOCK)
 
     def agrees(self, what: str) -> bool:
         """The kernel on a probe of this group's shape (two layers at most, random values) against the torch ops,

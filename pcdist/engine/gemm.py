@@ -72,10 +72,10 @@ def _launch(cfg, inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: f
     low = _low(a, b)
     if low and chain.interpreted():  # its bfloat16 loads are broken: the values in float32 (exact), rounded as read
         a, b = a.float(), b.float()
-    chain._triton().bmm[grid](a, b, c, out, M, N, a.shape[2], *a.stride(), *b.stride(), *c.stride(), *out.stride(),
-                              float(alpha), float(beta), HAS_C=inp is not None and beta != 0.0,
-                              PREC="ieee" if low else chain._precision(out), LOW=low,
-                              EMULATE=low and chain.interpreted(), BM=BM, BN=BN, BK=BK, num_warps=warps)
+    chain.launch("bmm", grid, a, b, c, out, M, N, a.shape[2], *a.stride(), *b.stride(), *c.stride(), *out.stride(),
+                 float(alpha), float(beta), HAS_C=inp is not None and beta != 0.0,
+                 PREC="ieee" if low else chain._precision(out), LOW=low, EMULATE=low and chain.interpreted(),
+                 BM=BM, BN=BN, BK=BK, num_warps=warps)
 
 
 def _low(a: Tensor, b: Tensor) -> bool:
