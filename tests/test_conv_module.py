@@ -303,6 +303,40 @@ def test_a_bad_channels_last_setting_is_refused_naming_the_allowed_ones(monkeypa
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2).stage(3)
 
 
+def test_auto_stores_channels_last_on_a_gpu_only_where_its_convolutions_run_on_tensor_cores(monkeypatch):
+    """PCDIST_CHANNELS_LAST=auto on a CUDA device (the rule alone: no GPU needed): channels-last for bfloat16
+    convolutions and for float32 ones in TF32, row-major in IEEE float32 (where an H200 measured NHWC slower);
+    on a CPU with oneDNN channels-last whatever TF32 says; 1 and 0 force it."""
+    from pcdist.engine.layers.conv import channels_last_nodes
+    from pcdist.engine.models import conv_specs
+    from pcdist.engine.precision import set_tf32, tf32_convolutions
+
+    specs = conv_specs((3, 8, 8), [(4, 3, 1, "max"), (5, 3, 1, None)], [], 3, "relu")
+    L, gpu, f32, bf16 = len(specs), torch.device("cuda"), torch.float32, torch.bfloat16
+    conv_nodes = frozenset({0, 1, 2})  # the image nodes the two convolutions read, and the dense layer's input
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    before = [f.fp32_precision for f in flags]  # process-wide: restored after the test
+    try:
+        set_tf32(False)
+        assert not tf32_convolutions()
+        assert channels_last_nodes(specs, 1, L + 1, f32, gpu) == frozenset()
+        assert channels_last_nodes(specs, 1, L + 1, f32, gpu, bf16) == conv_nodes  # precision="bf16"
+        if torch.backends.mkldnn.is_available():
+            assert channels_last_nodes(specs, 1, L + 1, f32, torch.device("cpu")) == conv_nodes
+        monkeypatch.setenv("PCDIST_CHANNELS_LAST", "1")
+        assert channels_last_nodes(specs, 1, L + 1, f32, gpu) == conv_nodes
+        monkeypatch.setenv("PCDIST_CHANNELS_LAST", "auto")
+        set_tf32(True)
+        assert tf32_convolutions()
+        assert channels_last_nodes(specs, 1, L + 1, f32, gpu) == conv_nodes
+        assert channels_last_nodes(specs, 2, L + 1, f32, gpu) == frozenset()  # a layer slice: as sent
+        monkeypatch.setenv("PCDIST_CHANNELS_LAST", "0")
+        assert channels_last_nodes(specs, 1, L + 1, f32, gpu, bf16) == frozenset()
+    finally:
+        for f, v in zip(flags, before):
+            f.fp32_precision = v
+
+
 CL_OPTS = {"newton": dict(init="newton"), "backward-adam": dict(init="backward", value_optimizer="adam"),
            "ipc-heun": dict(algorithm="ipc", solver="heun"), "noise": dict(value_noise=0.02)}
 

@@ -25,7 +25,7 @@ import copy
 
 import torch
 
-__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32"]
+__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_convolutions"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -39,6 +39,14 @@ def set_tf32(on: bool) -> None:
     else:  # torch < 2.9
         torch.backends.cuda.matmul.allow_tf32 = on
         torch.backends.cudnn.allow_tf32 = on
+
+
+def tf32_convolutions() -> bool:
+    """True if cuDNN runs float32 convolutions in TF32 (torch's default; off under trainer.precision=fp32)."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return conv.fp32_precision == "tf32"
+    return bool(torch.backends.cudnn.allow_tf32)
 
 
 class MixedPrecision:

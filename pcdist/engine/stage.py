@@ -73,8 +73,9 @@ class Stage:
         rule = x_momentum if isinstance(x_momentum, ValueRule) else ValueRule("sgd", float(x_momentum))
         # v and e are one tensor unless heavy-ball momentum keeps v, or a kind's back-projection reads e.
         separate = rule.plain and rule.momentum != 0.0 or any(g.reads_errors for g in net.groups)
+        lowp = next((q.dtype for q in net.parameters() if q.dtype in (torch.bfloat16, torch.float16)), None)
         self.nodes = ValueNodes(net.node_shapes, first, stop, batch_size, separate, free_bottom, free_top,
-                                channels_last_nodes(net.specs, first, stop, dtype, p.device), dtype=dtype,
+                                channels_last_nodes(net.specs, first, stop, dtype, p.device, lowp), dtype=dtype,
                                 device=p.device)
         # pi_first .. pi_{stop-1}; None when all are 1 and no schedule changes them (no extra pass).
         pis = net.precision or (1.0,) * L

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from .. import errorpass
 from ..activations import Activation
 from ..nodes import is_channels_last, stacked_zeros
+from ..precision import tf32_convolutions
 from .base import Binding, BoundGroup, DerivedWeight, LayerGroup, LayerKind, accumulate
 from .dense import Dense
 
@@ -58,22 +59,31 @@ def pooled(z: Tensor, pool: str | None, window: list[int]) -> Tensor:
     return (F.max_pool2d if pool == "max" else F.avg_pool2d)(z, window, window)
 
 
-def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device: torch.device) -> frozenset[int]:
+def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device: torch.device,
+                        conv_dtype: torch.dtype | None = None) -> frozenset[int]:
     """The nodes a Stage of layers [first, stop) stores channels-last: every node that a 2-D conv layer reads (node
     n, read by layer n + 1), and one that a 2-D conv layer writes for a dense layer (which reads it in that order:
     pcdist/engine/layers/dense.py), on a network not split into layer slices (a layer-parallel boundary is sent as
     it is stored). A run of equal nodes is one tensor, so it is channels-last only if all of its nodes are; any
-    other reader (a module layer: any code) keeps its node row-major.
+    other reader (a module layer: any code) keeps its node row-major. ``dtype``: the nodes', ``conv_dtype``: the
+    convolutions' operands' (bfloat16 under precision="bf16"; default ``dtype``).
 
-    PCDIST_CHANNELS_LAST: ``auto`` (default) where it was measured faster: CPUs with oneDNN, float32 or bfloat16
-    nodes (a conv step 1.06-1.24x faster on 2 cores, ``python benchmarks/conv.py``); not yet on GPUs, where
-    ``benchmarks/gpu.py`` measures it; ``1`` always, ``0`` never."""
+    PCDIST_CHANNELS_LAST: ``auto`` (default) where it was measured faster: on CPUs with oneDNN, float32 or
+    bfloat16 nodes (a conv step 1.06-1.24x faster on 2 cores, ``python benchmarks/conv.py``); on GPUs where
+    cuDNN's convolutions run on tensor cores, bfloat16 operands or float32 ones in TF32 (precision bf16 or tf32:
+    VGG-5's replayed step 1.39x and 1.40x faster on an H200, the small CNN 1.07x, the 17-conv stack 1.00x;
+    ``benchmarks/gpu.py``), not in IEEE float32 (VGG-5 0.98x, the small CNN 0.82x); ``1`` always, ``0`` never."""
     mode = os.environ.get("PCDIST_CHANNELS_LAST", "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed auto, 0, 1")
     if mode == "auto":
-        mode = "1" if (device.type == "cpu" and torch.backends.mkldnn.is_available()
-                       and dtype in (torch.float32, torch.bfloat16)) else "0"
+        conv_dtype = conv_dtype or dtype
+        if device.type == "cpu":
+            on = torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+        else:
+            on = device.type == "cuda" and (conv_dtype in (torch.bfloat16, torch.float16) or (
+                conv_dtype == torch.float32 and tf32_convolutions()))
+        mode = "1" if on else "0"
     if mode == "0" or first != 1 or stop != len(specs) + 1:
         return frozenset()
     conv2d = [isinstance(s, Conv) and len(s.spatial) == 2 for s in specs]
