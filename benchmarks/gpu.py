@@ -10,8 +10,9 @@ Per training step (float32 unless said, AdamW, ms):
   graph_cublas (GPU) the same with every product on cuBLAS (PCDIST_GEMM=torch): what the Triton GEMM
              gains where it was timed faster (pcdist/engine/gemm.py)
   graph_cl   (GPU, conv nets) the same with channels-last image nodes (PCDIST_CHANNELS_LAST=1: cuDNN's NHWC
-             convolutions, pcdist/engine/layers/conv.py), so graph/graph_cl is what that layout gains;
-             limit_cl its convolutions alone, channels-last
+             convolutions, pcdist/engine/layers/conv.py), graph_rm with row-major ones (=0), so graph_rm/graph_cl
+             is what that layout gains (``graph`` is one of them: auto picks channels-last where the
+             convolutions run on tensor cores, TF32 or bfloat16); limit_cl its convolutions alone, channels-last
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -103,7 +104,9 @@ def sync(device) -> None:
 
 
 def graphed(fn, device, warmup: int = 3):
-    """fn captured as one CUDA graph after ``warmup`` eager calls on a side stream; returns its replay."""
+    """fn captured as one CUDA graph after ``warmup`` eager calls on a side stream; returns its replay, which
+    holds fn (and so its object's buffers, which the graph reads and writes: freed, a replay would write into
+    memory reused by others, what crashed VGG-5's limit_cl on an H200)."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
@@ -113,7 +116,11 @@ def graphed(fn, device, warmup: int = 3):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g.replay
+
+    def replay(fn=fn):
+        g.replay()
+
+    return replay
 
 
 class Backprop:
@@ -166,8 +173,9 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
         out["graph_torch"] = lambda: plain.step(x, y, log=False)
         out["graph_cublas"] = lambda: cublas.step(x, y, log=False)
         if any(g.kind.kind == "conv" for g in net.groups):
-            nhwc = built_under({"PCDIST_CHANNELS_LAST": "1"})
+            nhwc, nchw = built_under({"PCDIST_CHANNELS_LAST": "1"}), built_under({"PCDIST_CHANNELS_LAST": "0"})
             out["graph_cl"] = lambda: nhwc.step(x, y, log=False)
+            out["graph_rm"] = lambda: nchw.step(x, y, log=False)
             out["limit_cl"] = graphed(ConvLimit(net, B, T, device, torch.bfloat16 if precision == "bf16" else dtype,
                                                 channels_last=True).step, device)
     if loop:
@@ -222,14 +230,15 @@ def ratio(samples: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
-RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph", "graph_cl"),
+RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph_rm", "graph_cl"),
           ("graph", "limit"), ("graph_cl", "limit_cl"),
           ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
 
 
-def measure(name: str, spec, device, rounds: int, min_time: float, loop: bool, **kw) -> dict:
+def measure(name: str, spec, device, rounds: int, min_time: float, loop: bool, without=(), **kw) -> dict:
     layers, in_shape, B, T, energy = spec
     fns, work = variants(layers, in_shape, B, T, energy, device, loop, **kw)
+    fns = {k: f for k, f in fns.items() if k not in without}
     samples = time_interleaved(fns, rounds, min_time, device)
     med = {k: statistics.median(v) for k, v in samples.items()}
     res = {"batch": B, "T": T, "layers": len(layers), "ms": {k: v * 1e3 for k, v in med.items()}, "host": work,
@@ -252,6 +261,7 @@ def main() -> None:
     ap.add_argument("--networks", help="comma-separated table networks to run (default: all)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"),
                     help="trainer.precision of the table and depth sweeps (the wide section runs all three)")
+    ap.add_argument("--without", default="", help="comma-separated variants not to time (e.g. loop,graph_cl)")
     ap.add_argument("--depths", help="comma-separated hidden-layer counts of the depth sweep (default 4 ... 512)")
     ap.add_argument("--profile", metavar="NETWORK", help="print where the eager PC step of one table network spends "
                     "its device time (torch.profiler, by kernel), then stop")
@@ -284,7 +294,7 @@ def main() -> None:
             if not cuda and not args.tiny and name in ("vgg5", "mupc-512", "mupc-128"):
                 continue  # minutes per step on a CPU
             result["table"][name] = measure(name, spec, device, rounds, min_time, loop=len(spec[0]) <= 40,
-                                            precision=args.precision)
+                                            without=args.without.split(","), precision=args.precision)
             save()
     if want("depth"):
         result["depth"] = {}
