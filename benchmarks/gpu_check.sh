@@ -2,8 +2,8 @@
 # The GPU checks of docs/gpu.md in one run, for a machine with a CUDA device and PyTorch (no checkout install
 # needed): the CUDA tests, the capture tests, the fused-chain tests, then benchmarks/gpu.py. Results go to
 # ${OUT:-benchmarks/results} (gpu_cuda.json, its pictures, the pytest log).
-#   bash benchmarks/gpu_check.sh            # everything (the tests alone took 7 minutes on an H200, 2026-11-27:
-#                                           # test_chain's compiled checks about 3, Triton compiling every variant)
+#   bash benchmarks/gpu_check.sh            # everything (the tests took 7 minutes in one process on an H200,
+#                                           # 2026-11-27, test_chain's compiled checks about 3: now 4 processes)
 #   QUICK=1 bash benchmarks/gpu_check.sh    # the tests and gpu.py --quick (its table alone: about 2 minutes)
 # Where hydra-core / omegaconf are missing, install them first (or put their wheels on PYTHONPATH).
 set -uo pipefail
@@ -12,8 +12,12 @@ out=$(realpath -m "${OUT:-benchmarks/results}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/gpu_check.log"
-python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_capture.py tests/test_chain.py 2>&1 \
-  | tee -a "$out/gpu_check.log"
+# The tests in 4 processes where pytest-xdist is installed (they share the GPU; none is timed): most of their
+# time is Triton compiling kernel variants on the CPU, 7 minutes in one process on an H200.
+workers=()
+python -c 'import xdist' 2>/dev/null && workers=(-n 4)
+python -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_cuda.py tests/test_capture.py tests/test_chain.py \
+  2>&1 | tee -a "$out/gpu_check.log"
 status=${PIPESTATUS[0]}
 args=()
 [[ -n "${QUICK:-}" ]] && args+=(--quick)
