@@ -117,15 +117,18 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _pending_or_running(pid: int, signum: int) -> bool:
-    """``signum`` is pending in process ``pid`` (sent while it is stopped), or it is not stopped (or gone)."""
+def _state(pid: int, signum: int) -> str:
+    """"gone", "pending" (``signum`` waits in process ``pid``), "stopped" or "running"."""
     try:
         status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                       if ":" in line)
     except OSError:
-        return True
-    pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
-    return not status["State"].strip().startswith("T") or bool(pending >> (signum - 1) & 1)
+        return "gone"
+    if status["State"].strip().startswith(("Z", "X")):
+        return "gone"
+    if (int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)) >> (signum - 1) & 1:
+        return "pending"
+    return "stopped" if status["State"].strip().startswith(("T", "t")) else "running"
 
 
 class Job:
@@ -188,17 +191,28 @@ class Job:
         return pids
 
     def release(self, pids: list[int], signum: int, timeout: float = 100) -> None:
-        """Continue the workers ``wait_training(hold=True)`` stopped once ``signum`` is pending in each (or
-        something else continued it, or it ended). Within parallel.timeout_s (120 s): a rank that waits
-        for a stopped one longer than that fails."""
+        """Continue the workers ``wait_training(hold=True)`` stopped once ``signum`` is pending in each (or it
+        ended). A worker found not stopped before its signal waits is stopped again: a SIGSTOP lands only when
+        the process leaves the kernel (one in a disk write shows "D" meanwhile; continued then, the SIGCONT
+        would cancel the pending stop and let the run train on before SLURM's signal comes), and scancel sends
+        SIGCONT before SIGTERM. If its signal had landed already, launch/slurm_node.sh sends it again within
+        RESEND_S (5 s). Within parallel.timeout_s (120 s): a rank that waits for a stopped one longer than
+        that fails."""
         deadline = time.monotonic() + timeout
-        while not all(_pending_or_running(pid, signum) for pid in pids):
+        ready: set[int] = set()
+        while len(ready) < len(pids):
+            for pid in set(pids) - ready:
+                state = _state(pid, signum)
+                if state in ("gone", "pending"):
+                    ready.add(pid)
+                elif state == "running":
+                    _signal(pid, signal.SIGSTOP)
             if time.monotonic() > deadline:
                 for pid in pids:
                     _signal(pid, signal.SIGCONT)
                 raise AssertionError(f"{signal.Signals(signum).name} not passed on to the workers {pids} within "
                                      f"{timeout} s:\n{self.log[-6000:]}")
-            time.sleep(0.02)
+            time.sleep(0.002)
         for pid in pids:
             _signal(pid, signal.SIGCONT)
 
