@@ -29,7 +29,7 @@ from spawn import run as spawn_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = {"trainer": {"max_steps": 40, "eval_every": 20, "log_every": 10, "ckpt_every": 20, "progress": "off"},
-         "logger": "none"}
+         "logger": "none", "logger.plots": False}
 
 
 def cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:

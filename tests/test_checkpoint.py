@@ -59,7 +59,7 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tm
 
 
 CLI = ["model.dims=[64,32,10]", "pc.T=4", "trainer.max_steps=8", "trainer.ckpt_every=4", "trainer.log_every=1",
-       "trainer.eval_every=4", "logger=none", "trainer.progress=off"]
+       "trainer.eval_every=4", "logger=none", "logger.plots=false", "trainer.progress=off"]
 
 
 def train_py(cwd: Path, *args: str) -> subprocess.CompletedProcess:

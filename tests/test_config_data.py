@@ -17,7 +17,8 @@ from datafiles import make_cifar10, make_cifar100, make_mnist, write_idx
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 SMALL = ["trainer.max_steps=3", "trainer.epochs=null", "trainer.eval_every=2", "trainer.log_every=1",
-         "trainer.ckpt_every=2", "logger=none", "trainer.progress=off"]
+         "trainer.ckpt_every=2", "logger=none", "logger.plots=false",
+         "trainer.progress=off"]
 
 
 def composed(*overrides: str):

@@ -302,7 +302,7 @@ def small_cfg(run_dir, **extra):
 
 SMALL_CLI = ["model.dims=[64,16,16,16,10]", "trainer.max_steps=8", "trainer.eval_every=8", "trainer.log_every=4",
              "trainer.ckpt_every=8", "trainer.dtype=float64", "trainer.batch_size=32", "pc.T=4", "logger=none",
-             "trainer.progress=off"]
+             "logger.plots=false", "trainer.progress=off"]
 
 
 def digits_dataset():

@@ -156,7 +156,7 @@ def test_the_unstable_warning_needs_the_energy_to_grow_beyond_round_off(tmp_path
     from pcdist.service.diagnostics import check_trace
     from pcdist.service.metrics import RunLogger
 
-    log = RunLogger(tmp_path, {}, SimpleNamespace(name="none", mode="disabled"), 1, "off")
+    log = RunLogger(tmp_path, {}, SimpleNamespace(name="none", mode="disabled", plots=True), 1, "off")
     flat = [[9.623e-05 * 0.5, 9.623e-05 * 0.5]] * 5 + [[9.623e-05 * 0.5 * (1 + 3e-7), 9.623e-05 * 0.5]]
     assert not check_trace(flat, 0.1, 5, log)
     grows = [[1.0, 1.0], [1.1, 1.0], [1.5, 1.2], [2.5, 1.5]]

@@ -17,7 +17,8 @@ from test_service import ROOT, _train_worker, layer_state, torchrun
 # parallel.timeout_s=15: how long a neighbour of the killed rank may wait before the restart (docs/service.md).
 COMMON = ["parallel.layer=2", "parallel.timeout_s=15", "trainer.max_steps=400", "trainer.ckpt_every=50",
           "trainer.eval_every=200", "trainer.log_every=50", "trainer.dtype=float64", "logger=none",
-          "trainer.progress=off", "pc.T=10"]  # T=10: cheaper steps, still 300 of them left when the worker is killed
+          "logger.plots=false", "trainer.progress=off",
+          "pc.T=10"]  # T=10: cheaper steps, still 300 of them left when the worker is killed
 
 
 def children(pid: int) -> list[int]:

@@ -8,7 +8,7 @@ from pcdist.service.evaluate import evaluate
 from pcdist.service.evaluators import EVALUATORS
 
 QUICK = {"trainer.max_steps": 6, "trainer.eval_every": 3, "trainer.log_every": 3, "trainer.ckpt_every": 3,
-         "trainer.progress": "off", "logger": "none"}
+         "trainer.progress": "off", "logger": "none", "logger.plots": False}
 
 
 def test_every_mode_has_one_evaluator():

@@ -9,7 +9,7 @@ import torch
 import pcdist
 from pcdist.service.metrics import RunLogger, plot_heatmap, plot_inference, plot_training
 
-NO_WANDB = SimpleNamespace(name="none", mode="disabled")
+NO_WANDB = SimpleNamespace(name="none", mode="disabled", plots=True)
 
 
 def logger(tmp_path, progress):
@@ -184,3 +184,17 @@ def test_plot_titles_describe_the_network_that_trained(tmp_path, preset, says):
     for name in ("accuracy_energy.png", "inference_energy.png", "inference_heatmap.png"):
         title = png_title(run_dir / name)
         assert says in title and "64-128-128-10 gelu (3 layers)" not in title, (name, title)
+
+
+def test_plots_false_draws_no_pictures_and_a_resume_with_plots_draws_them(tmp_path):
+    """logger.plots=false: the run writes its logs and checkpoints but no picture (pc.diagnostics' neither);
+    resumed with logger.plots=true (a logger setting, applied on resume), it draws every one of them."""
+    run = ["model.dims=[64,16,10]", "pc.T=2", "trainer.log_every=1", "trainer.eval_every=2", "logger=none",
+           "trainer.progress=off", "pc.diagnostics=true", "pc.diagnostics_every=2", f"run_dir={tmp_path}"]
+    pcdist.train([*run, "trainer.max_steps=2", "logger.plots=false"])
+    assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "diagnostics.jsonl").is_file()
+    assert list(tmp_path.glob("*.png")) == []
+    pcdist.train([*run, "trainer.max_steps=4", "logger.plots=true"])
+    assert {p.name for p in tmp_path.glob("*.png")} == {"accuracy_energy.png", "inference_energy.png",
+                                                      "inference_heatmap.png", "diagnostics_energy.png",
+                                                      "diagnostics_cosine.png"}

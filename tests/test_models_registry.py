@@ -15,7 +15,7 @@ from pcdist.service.config import ModelConfig, compose, load_config
 from pcdist.service.models import MODELS, Model, model_specs, register_model
 
 QUICK = {"trainer.max_steps": 4, "trainer.eval_every": 2, "trainer.log_every": 1, "trainer.ckpt_every": 2,
-         "trainer.progress": "off", "logger": "none"}
+         "trainer.progress": "off", "logger": "none", "logger.plots": False}
 
 
 class Funnel(Model):

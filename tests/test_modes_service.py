@@ -41,6 +41,14 @@ def test_generative_run_classifies_by_inference_and_draws_samples(tmp_path):
     assert all((files / h["images/samples/path"]).read_bytes()[:8] == PNG for h in images)
 
 
+
+def test_plots_false_leaves_out_the_samples_and_still_evaluates(tmp_path):
+    """logger.plots=false in the generative mode: the evaluation runs and is logged, no picture is drawn."""
+    _, run_dir = train(tmp_path, experiment="generative_digits", **{"logger.plots": False, "trainer.max_steps": 2,
+                                                                    "trainer.eval_every": 2, "pc.eval_T": 5})
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r] == [2]
+    assert list(run_dir.glob("*.png")) == []
+
 def test_unsupervised_run_logs_the_prior_draws_reconstructions_and_resumes(tmp_path):
     """pc.mode=unsupervised with a learned prior mean and value noise: the checkpoint holds layers.0.mean, and a
     run stopped at step 12 and resumed ends exactly where the uninterrupted run ends (the noise of each

@@ -16,7 +16,7 @@ from test_elastic import children
 from test_service import ROOT
 
 LONG = ["trainer.max_steps=5000", "trainer.ckpt_every=4000", "trainer.log_every=20", "trainer.eval_every=4000",
-        "logger=none", "trainer.progress=off", "parallel.timeout_s=60"]
+        "logger=none", "logger.plots=false", "trainer.progress=off", "parallel.timeout_s=60"]
 
 
 def start(cmd, run_dir, session=False):

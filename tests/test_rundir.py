@@ -21,7 +21,7 @@ from spawn import free_port
 from test_service import ROOT
 
 TINY = ["model.dims=[64,16,10]", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1", "pc.T=2",
-        "logger=none", "trainer.progress=off"]
+        "logger=none", "logger.plots=false", "trainer.progress=off"]
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -188,7 +188,7 @@ def test_the_policy_table_covers_what_a_resume_cannot_change():
 # nothing in the directory changes unless the run continues
 
 CLI_RUN = ["model.dims=[64,16,10]", "pc.T=2", "trainer.log_every=2", "trainer.eval_every=4", "trainer.ckpt_every=4",
-           "logger=none", "trainer.progress=off"]
+           "logger=none", "logger.plots=false", "trainer.progress=off"]
 
 
 def train_py(cwd: Path, *args: str) -> subprocess.CompletedProcess:

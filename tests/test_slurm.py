@@ -41,8 +41,8 @@ SCRIPT = ROOT / "launch" / "slurm.sbatch"
 STEPS = 100
 # ckpt_every beyond the run: the only checkpoints are the pre-emption's and the last.
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=5", f"trainer.eval_every={STEPS // 2}",
-       "trainer.ckpt_every=1000", "logger=none", "trainer.progress=off", "parallel.timeout_s=120",
-       "pc.T=5"]  # T=5: half a step's cost
+       "trainer.ckpt_every=1000", "logger=none", "logger.plots=false", "trainer.progress=off",
+       "parallel.timeout_s=120", "pc.T=5"]  # T=5: half a step's cost
 TWO_CPUS = ["--cpus-per-task=2"]  # two CPU processes: two layer slices
 NOISE = ("Traceback", "TCPStore", "Exception raised from", "frame #", "ChildFailedError", "nanobind")
 

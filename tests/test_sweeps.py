@@ -13,7 +13,7 @@ from pcdist.service.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.log_every=6", "trainer.ckpt_every=12",
-         "logger=none", "trainer.progress=off"]
+         "logger=none", "logger.plots=false", "trainer.progress=off"]
 
 
 def train_py(*args, cwd) -> subprocess.CompletedProcess:

@@ -105,6 +105,7 @@ class RunLogger(NullLogger):
 
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         self.config = config
+        self.plots = logger_cfg.plots  # draw the pictures at close (logger.plots)
         self.max_steps = max_steps
         self.history: list[dict] = []
         self.trace: list[list[float]] | None = None
@@ -175,7 +176,8 @@ class RunLogger(NullLogger):
         self._file.close()
         self._train_log.close()
         try:
-            self.plot()
+            if self.plots:
+                self.plot()
         finally:
             if self._wandb is not None:
                 self._wandb.finish()

@@ -405,7 +405,12 @@ class LoggerConfig:
     """wandb entity (team or user); None: your default."""
     run_name: Optional[str] = None
     """wandb run name; None: wandb picks one."""
-
+    plots: bool = True
+    """Draw the run's pictures: accuracy_energy.png, inference_energy.png and inference_heatmap.png when it
+    ends or stops, pc.diagnostics' diagnostics_energy.png and diagnostics_cosine.png, and the generative and
+    unsupervised modes' samples.png / reconstructions.png at each evaluation. false: none (metrics.jsonl holds
+    the numbers); for many short runs, such as a sweep's jobs, where each costs a tenth of a CPU-second and
+    a process half a second more to load matplotlib."""
 
     def check(self) -> None:
         """Refuse a value out of its key's range."""

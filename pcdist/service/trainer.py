@@ -213,7 +213,7 @@ class ServiceTrainer:
         finally:
             restore_sigint(before)
         c = self.config
-        if c.pc.diagnostics and self.parallel.is_logging:
+        if c.pc.diagnostics and c.logger.plots and self.parallel.is_logging:
             Diagnostics(c, self.run_dir, self.logger).plot()
         if until is not None:
             return Result(self.result, run_dir=str(self.run_dir), finished=False)

@@ -34,9 +34,10 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
 
 def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_dir: Path) -> dict[str, Path]:
     """samples.png (generative) or reconstructions.png (unsupervised) of image data, drawn on the logging rank
-    (every rank takes part); {name: path} there, {} elsewhere and for data that are not images."""
+    (every rank takes part); {name: path} there, {} elsewhere, for data that are not images and with
+    logger.plots=false (the same config on every rank: all skip the collective inference together)."""
     mode, par = c.pc.mode, trainer.parallel
-    if mode == "supervised" or len(image_shape) != 3 or image_shape[0] not in (1, 3):
+    if mode == "supervised" or not c.logger.plots or len(image_shape) != 3 or image_shape[0] not in (1, 3):
         return {}
     out: dict[str, Path] = {}
     dev, dt = x_val.device, x_val.dtype
