@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh            # everything (the tests took 7 minutes in one process on an H200,
 #                                           # 2026-11-27, test_chain's compiled checks about 3: now 4 processes)
 #   QUICK=1 bash benchmarks/gpu_check.sh    # the tests and gpu.py --quick (its table alone: about 2 minutes)
+#   GPU_ARGS="--depths 4,128,512" QUICK=1 bash benchmarks/gpu_check.sh   # more gpu.py arguments
 # Where hydra-core / omegaconf are missing, install them first (or put their wheels on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -21,5 +22,7 @@ python -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_cuda.py tests
 status=${PIPESTATUS[0]}
 args=()
 [[ -n "${QUICK:-}" ]] && args+=(--quick)
+read -ra extra <<< "${GPU_ARGS:-}"
+args+=("${extra[@]}")
 (cd benchmarks && python gpu.py "${args[@]}" --out "$out") 2>&1 | tee -a "$out/gpu_check.log"
 exit "$status"
