@@ -22,7 +22,7 @@ TANH = {"dims": [64, 128, 128, 10], "activation": "tanh", "energy": "se"}
 
 
 def train_two_checkpoints(run_dir: Path) -> None:
-    pcdist.train({"logger": {"name": "none"}, "run_dir": str(run_dir), "model": TANH,
+    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run_dir), "model": TANH,
                   "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8, "log_every": 4, "progress": "off"}})
 
 
@@ -162,7 +162,7 @@ def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
 def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
     """A learning rate that blows the weights up: the run stops with the step, the layer and the value,
     and the checkpoint written before the divergence is intact and loadable."""
-    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "model": TANH,
+    cfg = {"logger": {"name": "none", "plots": False}, "run_dir": str(tmp_path), "model": TANH,
            "optim": {"name": "sgd", "lr": 2.0, "momentum": 0.9, "warmup_steps": 0},
            "trainer": {"max_steps": 200, "ckpt_every": 2, "log_every": 2, "eval_every": 100,
                        "progress": "off", "max_energy": 1e4}}
@@ -179,7 +179,7 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
 def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
     """on_divergence=skip with a value learning rate that blows inference up: no weight update is ever
     applied (the weights stay at their seeded init) and every batch is counted as skipped."""
-    cfg = {"logger": {"name": "none"}, "run_dir": str(tmp_path), "model": TANH, "pc": {"x_lr": 1e6},
+    cfg = {"logger": {"name": "none", "plots": False}, "run_dir": str(tmp_path), "model": TANH, "pc": {"x_lr": 1e6},
            "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3, "eval_every": 6, "progress": "off",
                        "on_divergence": "skip", "max_energy": 1e3}}
     result = pcdist.train(cfg)
@@ -193,8 +193,8 @@ def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
 
 def test_skip_mode_changes_nothing_when_training_is_healthy(tmp_path):
     """With healthy training, skip mode takes exactly the updates stop mode takes."""
-    base = {"logger": {"name": "none"}, "model": TANH, "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3,
-                                                      "eval_every": 6, "progress": "off"}}
+    base = {"logger": {"name": "none", "plots": False}, "model": TANH,
+            "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3, "eval_every": 6, "progress": "off"}}
     results = {}
     for mode in ("stop", "skip"):
         cfg = {**base, "run_dir": str(tmp_path / mode), "trainer": {**base["trainer"], "on_divergence": mode}}

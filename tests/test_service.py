@@ -82,7 +82,7 @@ def test_torchrun_two_layer_ranks_writes_a_complete_run_directory(tmp_path):
 def base_cfg(run_dir, **trainer):
     t = {"max_steps": 24, "eval_every": 12, "log_every": 6, "ckpt_every": 12, "dtype": "float64", "progress": "off"}
     t.update(trainer)
-    return {"logger": {"name": "none", "mode": "disabled"}, "trainer": t, "run_dir": str(run_dir),
+    return {"logger": {"name": "none", "mode": "disabled", "plots": False}, "trainer": t, "run_dir": str(run_dir),
             "optim": {"warmup_steps": 4}, "pc": {"T": 8}}
 
 
@@ -141,7 +141,7 @@ MUPC = {"model": {"name": "mupc", "depth": 128, "width": 32, "activation": "relu
         "optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0, "warmup_steps": 0, "schedule": "constant"},
         "trainer": {"dtype": "float64", "batch_size": 16, "max_steps": 3, "eval_every": 3, "log_every": 1,
                     "ckpt_every": 3, "progress": "off"},
-        "logger": {"name": "none", "mode": "disabled"}}
+        "logger": {"name": "none", "mode": "disabled", "plots": False}}
 
 
 def test_torchrun_mupc_128_layers_on_four_layer_ranks_equals_one_process(tmp_path):
