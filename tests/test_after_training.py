@@ -7,6 +7,8 @@ import pcdist for the exported program.
 """
 
 import contextlib
+import csv
+import hashlib
 import io
 import json
 import math
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import pcdist
@@ -366,6 +369,11 @@ Path(__file__).with_name("RAN").write_text("the run folder's code ran")
 def layers():
     raise SystemExit(9)
 """
+SHADOW = """from pathlib import Path
+Path(__file__).with_name("SHADOWED").write_text(__name__)
+raise SystemExit(7)
+"""
+"""A module named as one of pcdist's dependencies, lying in the folder one stands in."""
 
 
 def snapshot(d: Path) -> dict:
@@ -377,7 +385,9 @@ def test_a_strangers_run_folder_never_runs_its_code(tmp_path):
     was sent, naming "evil:layers" with an evil.py beside it and in the folder one stands in, must not get
     that code run by evaluate, predict, export or pcdist.load: each refuses in one line naming the factory
     and the opt-in, and nothing is imported or written. Passing the modules (layers=) needs no code of the
-    folder; --trust-code is the explicit opt-in, and then the code runs, as asked."""
+    folder; --trust-code is the explicit opt-in, and then the code runs, as asked. A yaml.py or numpy.py in
+    the folder never stands in for the real package (`python -m` puts the current folder first on sys.path;
+    pcdist takes it off before it imports anything, and --trust-code puts it last)."""
     shared = tmp_path / "shared"
     run_dir = shared / "run"
     pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 10}},
@@ -388,6 +398,8 @@ def test_a_strangers_run_folder_never_runs_its_code(tmp_path):
     (run_dir / "model.json").write_text(json.dumps(model))
     (shared / "evil.py").write_text(EVIL)
     (run_dir / "evil.py").write_text(EVIL)
+    for name in ("yaml", "numpy"):
+        (shared / f"{name}.py").write_text(SHADOW)
     np.savez(tmp_path / "x.npz", x=load_dataset("digits").x_val[:5].numpy())
     before = snapshot(shared)
     for args in (("evaluate", "run"), ("predict", "run", tmp_path / "x.npz", "--out", tmp_path / "p.npz"),
@@ -404,6 +416,119 @@ def test_a_strangers_run_folder_never_runs_its_code(tmp_path):
     assert not (shared / "RAN").exists()
     out = cli("evaluate", "run", "--trust-code", cwd=shared, check=False)
     assert out.returncode == 9 and (shared / "RAN").is_file(), "--trust-code runs the named code, as asked"
+    assert not (shared / "SHADOWED").exists(), "and no module of the folder stands in for a package"
+
+
+# -- a run folder one was sent: what it holds is data ---------------------------------------------------
+
+def _sent(run_dir: Path, to: Path) -> Path:
+    """A copy of a trained run: a folder one was sent, to change as its sender could."""
+    shutil.copytree(run_dir, to)
+    return to
+
+
+def _rewrite_meta(run_dir: Path, meta_bytes: bytes) -> Path:
+    """The newest checkpoint's meta.pt replaced, and its digest in the manifest with it (a sender can)."""
+    ck = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    (ck / "meta.pt").write_bytes(meta_bytes)
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256(meta_bytes).hexdigest()
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    return ck
+
+
+class _System:
+    """A pickle that calls os.system when it is loaded without weights_only."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_run_folder_with_links_out_of_it_is_never_written_through(digits_run, tmp_path):
+    """A run folder one was sent may hold links to one's own files (eval.json -> ~/.bashrc, a hard link to it):
+    evaluate and a resume would write through them. Each refuses in one line naming the link, and nothing
+    changes, in the folder or behind the link; links below wandb/ are wandb's own. compare replaces a link
+    where its picture goes instead of writing through it. Without the links, evaluate runs."""
+    run = _sent(digits_run[0], tmp_path / "sent" / "run")
+    for name in ("eval.json", "confusion.png"):  # written by an earlier evaluate of the module's run
+        (run / name).unlink(missing_ok=True)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my own file\n")
+    (run / "eval.json").symlink_to(mine)
+    (run / "wandb").mkdir()
+    (run / "wandb" / "debug.log").symlink_to(mine)  # wandb's own kind of link: not refused
+    before = snapshot(run)
+    out = cli("evaluate", run, check=False)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"holds links that lead out of it (eval.json -> {mine})" in out.stderr, out.stderr
+    with pytest.raises(pcdist.ConfigError, match="holds links that lead out of it .eval.json -> "):
+        pcdist.train({"run_dir": str(run), "trainer.max_steps": 60, "logger.plots": False})
+    assert snapshot(run) == before and mine.read_text() == "my own file\n", "nothing changed, nothing behind a link"
+    (run / "eval.json").unlink()
+    os.link(mine, run / "confusion.png")
+    with pytest.raises(pcdist.RunError, match=r"\(confusion.png \(a hard link\)\)"):
+        pcdist.evaluate(run)
+    assert mine.read_text() == "my own file\n" and not (run / "eval.json").exists()
+    (run / "confusion.png").unlink()
+    assert pcdist.evaluate(run)["step"] == 40 and json.loads((run / "eval.json").read_text())["step"] == 40
+    (run.parent / "compare.png").symlink_to(mine)
+    cli("compare", run.parent)
+    assert mine.read_text() == "my own file\n" and not (run.parent / "compare.png").is_symlink()
+    assert (run.parent / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_path, monkeypatch):
+    """A ${oc.env:...} or ${pcdist.new_run_dir:...} in a run's config is that string to pcdist.load, to evaluate
+    with overrides and to a resume: nothing is read from the environment, no folder is made. A folder in
+    checkpoints/ not named step-<8 digits> (step-00000040-$(touch x)) is no checkpoint. A meta.pt whose pickle
+    names a function (os.system) is refused in one line; nothing runs."""
+    monkeypatch.setenv("PCDIST_TEST_SECRET", "s3cret-value")
+    made = tmp_path / "made"
+    asked = {"project": "${oc.env:PCDIST_TEST_SECRET}", "run_name": f"${{pcdist.new_run_dir:{made}}}"}
+    run = _sent(digits_run[0], tmp_path / "run")
+    meta = torch.load(sorted((run / "checkpoints").glob("step-*"))[-1] / "meta.pt", weights_only=True)
+    meta["config"]["logger"].update(asked)
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    _rewrite_meta(run, buffer.getvalue())
+    logger = pcdist.load(run).config.logger
+    assert {"project": logger.project, "run_name": logger.run_name} == asked
+    assert pcdist.evaluate(run, ["pc.T=5"], write=False)["step"] == 40
+    pcdist.train({"run_dir": str(run), "trainer.max_steps": 60, "logger.plots": False})  # resumed with its own
+    resumed = pcdist.load(run)
+    assert resumed.step == 60 and resumed.config.logger.project == asked["project"]
+    assert not made.exists() and not any(b"s3cret-value" in data for data in snapshot(run).values())
+
+    named = _sent(digits_run[0], tmp_path / "named")
+    (named / "checkpoints" / "step-00000040").rename(named / "checkpoints" / "step-00000040-$(touch x)")
+    assert pcdist.load(named).step == 20 and pcdist.evaluate(named, write=False)["checkpoint"] == "step-00000020"
+
+    pickled = _sent(digits_run[0], tmp_path / "pickled")
+    marker = tmp_path / "RAN"
+    buffer = io.BytesIO()
+    torch.save({"step": 40, "x": _System(marker)}, buffer)
+    ck = _rewrite_meta(pickled, buffer.getvalue())
+    out = cli("evaluate", pickled, check=False)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"{ck / 'meta.pt'} cannot be read as a checkpoint file pcdist wrote" in out.stderr, out.stderr
+    assert not marker.exists()
+
+
+def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_path):
+    """compare prints what run folders hold and writes it as CSV: a control character (a terminal escape) is
+    shown escaped, and a value a spreadsheet would take for a formula starts with a '."""
+    runs = [_sent(digits_run[0], tmp_path / "sweep" / name) for name in ("0", "1")]
+    for run, name in zip(runs, ("=HYPERLINK(\"http://x\")", "\x1b[31mred")):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["logger"]["run_name"] = name
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    out = cli("compare", tmp_path / "sweep", "--csv", tmp_path / "c.csv")
+    assert "\x1b" not in out.stdout and "\\x1b[31mred" in out.stdout, out.stdout
+    rows = list(csv.DictReader(open(tmp_path / "c.csv")))
+    assert [r["logger.run_name"] for r in rows] == ["'=HYPERLINK(\"http://x\")", "\x1b[31mred"]
 
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------

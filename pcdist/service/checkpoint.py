@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -94,6 +95,10 @@ def _load_layer_optimizer_state(net: PCNetwork, optimizer: torch.optim.Optimizer
     optimizer.load_state_dict(sd)
 
 
+STEP_DIR = re.compile(r"step-\d{8,}")
+"""A checkpoint's folder name (``step-{step:08d}``); nothing else in checkpoints/ is read as one."""
+
+
 def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: torch.optim.Optimizer,
                     meta: dict, keep: int, writer: bool, leader: bool, group=None) -> Path:
     """Write checkpoint ``step`` collectively; ``writer``: this rank writes its layers;
@@ -131,8 +136,7 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
 def _checkpoints(ckdir: Path) -> list[Path]:
     if not ckdir.is_dir():
         return []
-    return sorted(p for p in ckdir.iterdir()
-                  if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+    return sorted(p for p in ckdir.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
 
 
 def _verify(path: Path) -> None:
@@ -188,10 +192,23 @@ def _describe(signature) -> str:
                      for n, s in runs)
 
 
+def read_pt(path: Path) -> dict:
+    """One file of a checkpoint, read with torch.load's ``weights_only`` (tensors, numbers, strings: it refuses
+    any code a pickle names); a file it cannot read is a CheckpointError naming the file, in one line."""
+    try:
+        found = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        why = " ".join(str(e).split()[:40]) or type(e).__name__
+        raise CheckpointError(f"{path} cannot be read as a checkpoint file pcdist wrote ({why})") from e
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path} holds a {type(found).__name__}, not a checkpoint file pcdist wrote")
+    return found
+
+
 def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load the owned layers (and their optimizer state) from any split; returns the meta dict."""
     path = Path(path)
-    meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+    meta = read_pt(path / "meta.pt")
     saved = meta.get("model")
     saved = legacy_signature(saved) or saved  # checkpoints from before layer kinds: [dims, activations]
     if saved != net.signature():
@@ -199,7 +216,7 @@ def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Opt
                               f"this run has {_describe(net.signature())}")
     layers, opt_state = {}, {}
     for f in sorted(path.glob("layers-*.pt")):
-        part = torch.load(f, weights_only=True, map_location="cpu")
+        part = read_pt(f)
         layers.update(part["layers"])
         opt_state.update(part["optimizer"])
     net.load_layer_state_dict(layers)

@@ -17,7 +17,6 @@ taken off it first, so that no module of the folder one stands in is imported im
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 __all__ = ["COMMANDS", "main"]
@@ -102,14 +101,6 @@ def _run(args) -> None:
             print(f"wrote {', '.join(map(str, written))}")
 
 
-def _leave_current_folder_off_the_path() -> None:
-    """``python -m`` puts the current folder first on sys.path: take it off, so that a module lying there
-    (beside a run directory one was sent, say) is never imported by a name the run names."""
-    here = os.getcwd()
-    if sys.path and sys.path[0] in ("", ".", here):
-        del sys.path[0]
-
-
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
     from ..errors import ConfigError
@@ -118,8 +109,6 @@ def main(argv: list[str]) -> int:
     from .load import RunError
 
     args = _parser().parse_args(argv)
-    if not getattr(args, "trust_code", False):
-        _leave_current_folder_off_the_path()
     try:
         _run(args)
     except (RunError, CheckpointError, ConfigError, DataError) as e:

@@ -12,6 +12,7 @@ write the same figures for other programs.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from .load import RunError
-from .metrics import _save, subplots, read_metrics
+from .metrics import _save, replace_file, subplots, read_metrics
 from .config import flat
 
 __all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv", "write_json", "SEED", "METRICS"]
@@ -102,9 +103,9 @@ def over_seeds(rows: list[dict], differing: list[str]) -> list[dict]:
 
 
 def _label(row: dict, differing: list[str]) -> str:
-    parts = [f"{k.split('.')[-1]}={row[k]:.3g}" if isinstance(row[k], float) else f"{k.split('.')[-1]}={row[k]}"
+    parts = [f"{k.split('.')[-1]}={row[k]:.3g}" if isinstance(row[k], float) else f"{k.split('.')[-1]}={_cell(row[k])}"
              for k in differing[:4]]
-    return ", ".join(parts) or Path(row["run"]).name
+    return ", ".join(parts) or _cell(Path(row["run"]).name)
 
 
 def _plot(runs, histories, rows, differing, path: Path) -> None:
@@ -125,11 +126,23 @@ def _plot(runs, histories, rows, differing, path: Path) -> None:
 
 
 def _cell(v) -> str:
+    """A value as the terminal table shows it: what a run folder holds is text, so a control character in it
+    (an escape sequence, say) is shown escaped, never sent to the terminal."""
     if v is None:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
-    return str(v)
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(v))
+
+
+def _csv_value(v):
+    """A value as a CSV cell: a string that a spreadsheet would take for a formula (=, +, -, @ first) starts
+    with a ' (a run folder's text is data), None is empty."""
+    if v is None:
+        return ""
+    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + v
+    return v
 
 
 def _columns(result: dict) -> list[str]:
@@ -183,17 +196,16 @@ def write_csv(result: dict, path: str | Path) -> list[Path]:
 
 
 def _csv(path: Path, cols: list[str], rows: list[dict]) -> Path:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for row in rows:
-            w.writerow(["" if row.get(c) is None else row.get(c) for c in cols])
-    return path
+    out = io.StringIO(newline="")
+    w = csv.writer(out)
+    w.writerow(cols)
+    for row in rows:
+        w.writerow([_csv_value(row.get(c)) for c in cols])
+    return replace_file(path, out.getvalue())
 
 
 def write_json(result: dict, path: str | Path) -> Path:
     """The whole comparison (runs, differing settings, per-run rows, groups over seeds) as JSON at ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return path
+    return replace_file(path, json.dumps(result, indent=1))

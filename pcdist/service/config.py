@@ -200,6 +200,19 @@ def _defaults() -> dict:
     return flat(OmegaConf.to_container(compose([]), resolve=True))
 
 
+def literal(tree: Any) -> Any:
+    """A config read from a run directory (or a Config's own values), as data: every ``${`` in its strings
+    escaped, so that OmegaConf gives back the same strings and never resolves them (``${oc.env:TOKEN}`` in a
+    folder one was sent would read one's environment). pcdist writes configs resolved, so its own hold none."""
+    if isinstance(tree, str):
+        return re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", tree)
+    if isinstance(tree, dict):
+        return {k: literal(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [literal(v) for v in tree]
+    return tree
+
+
 def load_config(cfg: Any) -> Config:
     """A validated Config from a DictConfig/dict (unknown keys and wrong types name the key)."""
     base = OmegaConf.structured(Config)

@@ -22,12 +22,14 @@ import torch
 
 from ..engine.energies import energy_of
 from ..engine.trainer import PCTrainer
-from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, load_config
+from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, literal, load_config
 from .data import Dataset, StreamedData, load_dataset
 from .autostep import method_options, resolve_x_lr
 from .evaluators import EVALUATORS
 from .load import Run, RunError, load
+from .metrics import replace_file
 from .models import model_of
+from .rundir import links_in, links_refusal
 
 __all__ = ["evaluate", "predict", "EVALUATORS", "held_out_test", "read_inputs"]
 
@@ -38,7 +40,7 @@ def _with_overrides(c: Config, overrides) -> Config:
 
     from omegaconf import OmegaConf
 
-    base = OmegaConf.create(asdict(c))
+    base = OmegaConf.create(literal(asdict(c)))  # the run's values as they are: no ${...} is resolved
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -98,6 +100,9 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
     ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python.
     ``layers``, ``trust_code``: as for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
     run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
+    found = links_in(run.run_dir) if write else []
+    if found:
+        raise RunError(links_refusal(run.run_dir, found, "eval.json and confusion.png"))
     c = _with_overrides(run.config, overrides)
     mode = getattr(c.pc, "mode", "supervised")
     if mode not in EVALUATORS:
@@ -106,7 +111,7 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
     result = {"run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step, "split": "val",
               **held_out_test(run, c, x, labels, mode)}
     if write:
-        (run.run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+        replace_file(run.run_dir / "eval.json", json.dumps(result, indent=1))
         if "confusion" in result:
             plot_confusion(result["confusion"], run.run_dir / "confusion.png",
                            f"{run.run_dir.name} step {run.step}: accuracy {result['accuracy']:.4f}")

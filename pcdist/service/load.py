@@ -27,8 +27,8 @@ import yaml
 from torch import Tensor
 
 from ..engine.network import PCNetwork, legacy_signature
-from .checkpoint import CheckpointError, _checkpoints, _verify, latest_checkpoint, load_checkpoint
-from .config import Config, load_config, network_options
+from .checkpoint import CheckpointError, _checkpoints, _verify, latest_checkpoint, load_checkpoint, read_pt
+from .config import Config, literal, load_config, network_options
 from .data import as_float
 from .metrics import read_metrics
 from .modelfile import Inputs, kind_from_description, kind_from_signature, read_model_file
@@ -147,7 +147,7 @@ def _config(p: Path, meta: dict) -> Config:
         saved = yaml.safe_load((p / "config.yaml").read_text())
     if saved is None:
         raise RunError(f"{p}: neither its checkpoint nor config.yaml holds the run's config")
-    return load_config(saved)
+    return load_config(literal(saved))  # the folder's text is data: no ${...} is resolved
 
 
 def _specs(p: Path, model: dict | None, signature: list) -> list:
@@ -170,18 +170,22 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     """
     p = _run_dir(run_dir)
     path = find_checkpoint(p, checkpoint)
-    meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+    meta = read_pt(path / "meta.pt")
     signature = legacy_signature(meta.get("model")) or meta.get("model")
     if not isinstance(signature, list):
         raise CheckpointError(f"{path}: its meta.pt holds no layer signatures")
     c = _config(p, meta)
-    model = read_model_file(p)
-    specs = _specs(p, model, signature)
-    energy = model["energy"] if model else c.model.energy
+    try:
+        model = read_model_file(p)
+        specs = _specs(p, model, signature)
+        inputs = Inputs.from_json(model["inputs"]) if model is not None else None
+        energy = model["energy"] if model else c.model.energy
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, RunError):
+            raise
+        raise RunError(f"{p / 'model.json'} is damaged or was not written by pcdist ({type(e).__name__}: {e})") from e
     dtype = getattr(torch, c.trainer.dtype)
-    if model is not None:
-        inputs = Inputs.from_json(model["inputs"])
-    else:
+    if model is None:
         if c.data.normalize:
             raise RunError(f"{p} was trained with data.normalize=true before runs saved their normalisation "
                            f"statistics (model.json): its inputs cannot be prepared as in training")

@@ -273,10 +273,32 @@ def plain_log_labels(axis) -> None:
         axis.set_minor_formatter(Plain(labelOnlyBase=False))
 
 
+def replace_file(path: str | Path, content) -> Path:
+    """Write ``path`` anew: ``content`` (str, bytes, or a function given the open binary file) goes into a file
+    of a fresh name beside it, which is then renamed into place. So a reader never sees half a file, and a link
+    that stood at ``path`` (a run folder one was sent, with ``compare.png -> ~/.bashrc``) is replaced, never
+    written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # O_EXCL: never through a link, never shared
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def _save(fig, path: Path) -> None:
     """The figure as a PNG, its axes' titles also kept as the file's Title (readable without looking)."""
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
-    fig.savefig(path, dpi=110, metadata={"Title": " | ".join(titles)} if titles else None)
+    replace_file(path, lambda f: fig.savefig(f, format="png", dpi=110,
+                                             metadata={"Title": " | ".join(titles)} if titles else None))
 
 
 def plot_training(rows: list[dict], what: str = ""):

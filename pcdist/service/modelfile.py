@@ -31,6 +31,7 @@ import torch
 
 from ..engine.activations import Activation, get_activation
 from ..engine.layers import Conv, Dense, LayerKind, Residual
+from .metrics import replace_file
 
 __all__ = ["FILE", "describe_kind", "kind_from_description", "kind_from_signature", "write_model_file",
            "read_model_file", "Inputs"]
@@ -117,6 +118,8 @@ class Inputs:
     @classmethod
     def from_json(cls, d: dict) -> "Inputs":
         norm = d.get("normalize")
+        if d.get("dtype", "float32") not in ("float32", "float64"):  # a name, never looked up in torch unchecked
+            raise ValueError(f"model.json: inputs dtype {d.get('dtype')!r} is not float32 or float64")
         dtype = getattr(torch, d.get("dtype", "float32"))
         return cls(tuple(d["sample_shape"]), bool(d["flatten"]), d.get("dtype", "float32"), d.get("num_classes"),
                    None if norm is None else torch.tensor(norm["mean"], dtype=dtype),
@@ -128,11 +131,7 @@ def write_model_file(run_dir: str | Path, specs, energy: str, structure: dict[in
     """run_dir/model.json (written to a temporary name, then renamed)."""
     body = {"format": FORMAT, "energy": energy, "layers": [describe_kind(s) for s in specs],
             "structure": {str(l): v for l, v in structure.items()}, "factory": factory, "inputs": inputs.to_json()}
-    path = Path(run_dir) / FILE
-    tmp = path.with_name(FILE + ".part")
-    tmp.write_text(json.dumps(body, indent=1))
-    tmp.replace(path)
-    return path
+    return replace_file(Path(run_dir) / FILE, json.dumps(body, indent=1))
 
 
 def read_model_file(run_dir: str | Path) -> dict | None:

@@ -36,12 +36,13 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from .checkpoint import newest_valid
-from .config import Config, command, flat, load_config, passed_settings
+from .checkpoint import newest_valid, read_pt
+from .config import Config, command, flat, literal, load_config, passed_settings
 from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
-           "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides"]
+           "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
+           "links_refusal"]
 
 _calls = itertools.count(1)
 
@@ -231,6 +232,37 @@ def run_files(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (Path(run_dir) / name).exists()]
 
 
+def links_in(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` is a symbolic link, or a file with another hard link: pcdist would write through it
+    into a file outside the run (a run folder one was sent, with ``eval.json -> ~/.bashrc``). Below wandb/
+    (itself a real folder) the files are wandb's, with its own links."""
+    found: list[str] = []
+
+    def walk(folder: str) -> None:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                rel = os.path.relpath(e.path, run_dir)
+                if e.is_symlink():
+                    found.append(f"{rel} -> {os.readlink(e.path)}")
+                elif e.is_dir(follow_symlinks=False):
+                    if rel != "wandb":
+                        walk(e.path)
+                elif e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_nlink > 1:
+                    found.append(f"{rel} (a hard link)")
+
+    if Path(run_dir).is_dir():
+        walk(str(run_dir))
+    return sorted(found)
+
+
+def links_refusal(run_dir: Path, found: list[str], writes: str) -> str:
+    """The one-line refusal of a run directory that holds links (``links_in``); ``writes``: what would be written."""
+    named = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"{run_dir} holds links that lead out of it ({named}): {writes} would write through them into other "
+            f"files, so pcdist writes into no run directory that holds links; nothing was changed: if you trust the "
+            f"folder, remove the links, or copy the run without them (cp -rL {run_dir} <new folder>)")
+
+
 def _elsewhere(sweep: bool) -> str:
     """The way out of a refused directory: another one."""
     if sweep:
@@ -248,8 +280,12 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     only a run of its own settings. Raises ConfigError (one line) when ``resume=`` forbids what the
     directory holds, when a refused setting changed (all of them named, with the override to drop, or
     to add back), when the directory holds a run's files but no valid checkpoint, or (``sweep``) a run
-    of other settings. Reads only: nothing in the directory changes.
+    of other settings, or when it holds links out of it (``links_in``). Reads only: nothing in the directory
+    changes.
     """
+    found = links_in(run_dir)
+    if found:
+        raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
                skipped=skipped)
@@ -261,7 +297,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     if c.resume == "never" and not restarted:
         raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); choose another "
                           f"directory, or resume=auto to continue it")
-    r.meta = torch.load(r.checkpoint / "meta.pt", weights_only=True, map_location="cpu")
+    r.meta = read_pt(r.checkpoint / "meta.pt")
     old = r.meta.get("config")
     if old is None and (r.run_dir / "config.yaml").is_file():  # checkpoints written before configs were kept in them
         old = yaml.safe_load((r.run_dir / "config.yaml").read_text())
@@ -273,7 +309,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     before, after = flat(old), flat(asdict(c))
     if passed is not None:  # the run's own settings, but for what the user passes now and the launch's
         kept = {k: before[k] for k in after if k in before and k not in passed and not _of_launch(k)}
-        r.config = c = load_config(_nested({**after, **kept}))
+        r.config = c = load_config(literal(_nested({**after, **kept})))  # the run's text is data: no ${...}
         after = flat(asdict(c))
     for key, new in after.items():
         shown = passed is None or key in passed or not _of_launch(key)
