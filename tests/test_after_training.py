@@ -463,8 +463,9 @@ def test_a_run_folder_with_links_out_of_it_is_never_written_through(digits_run, 
     before = snapshot(run)
     out = cli("evaluate", run, check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert f"holds links that lead out of it (eval.json -> {mine})" in out.stderr, out.stderr
-    with pytest.raises(pcdist.ConfigError, match="holds links that lead out of it .eval.json -> "):
+    assert f"holds links (eval.json -> {mine}): eval.json and confusion.png would write through" in out.stderr, \
+        out.stderr
+    with pytest.raises(pcdist.ConfigError, match="holds links .eval.json -> .*: a run continued there would write"):
         pcdist.train({"run_dir": str(run), "trainer.max_steps": 60, "logger.plots": False})
     assert snapshot(run) == before and mine.read_text() == "my own file\n", "nothing changed, nothing behind a link"
     (run / "eval.json").unlink()

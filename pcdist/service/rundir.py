@@ -258,8 +258,8 @@ def links_in(run_dir: Path) -> list[str]:
 def links_refusal(run_dir: Path, found: list[str], writes: str) -> str:
     """The one-line refusal of a run directory that holds links (``links_in``); ``writes``: what would be written."""
     named = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-    return (f"{run_dir} holds links that lead out of it ({named}): {writes} would write through them into other "
-            f"files, so pcdist writes into no run directory that holds links; nothing was changed: if you trust the "
+    return (f"{run_dir} holds links ({named}): {writes} would write through them into the files they lead to, "
+            f"so pcdist writes into no run directory that holds links; nothing was changed: if you trust the "
             f"folder, remove the links, or copy the run without them (cp -rL {run_dir} <new folder>)")
 
 
