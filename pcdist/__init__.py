@@ -12,11 +12,11 @@ The package has three parts: ``pcdist.engine`` (the single-device PC engine),
 import os as _os
 import sys as _sys
 
-if _sys.argv[:1] == ["-m"] and _sys.path[:1] in ([""], ["."], [_os.getcwd()]):
-    # `python -m pcdist` put the current folder first on sys.path, and nothing else is imported yet: take it
-    # off, so that a module lying there (a yaml.py or torch.py in a run folder one was sent) is never imported
-    # in place of a dependency. With --trust-code it goes last: the run's own code may live there, as the user
-    # says, but it still never stands in for an installed package.
+if _sys.argv[:1] == ["-m"] and not getattr(_sys.flags, "safe_path", False) and _sys.path:
+    # `python -m pcdist` put the current folder first on sys.path (not under -P), and nothing else is imported
+    # yet: take it off, so that a module lying there (a yaml.py or torch.py in a run folder one was sent) is never
+    # imported in place of a dependency. With --trust-code it goes last: the run's own code may live there, as the
+    # user says, but it still never stands in for an installed package.
     _here = _sys.path.pop(0)
     if "--trust-code" in _sys.argv:
         _sys.path.append(_here)
