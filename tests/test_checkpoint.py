@@ -101,6 +101,21 @@ def test_resume_after_a_damaged_checkpoint_says_so_and_redoes_the_lost_steps(tmp
         assert b["train/energy"] == pytest.approx(a["train/energy"], rel=1e-5), a["step"]
 
 
+def test_pruning_after_a_skipped_damaged_checkpoint_keeps_what_the_run_wrote(two_checkpoints, tmp_path):
+    """A resume from step 4 that skipped a damaged step 8 and stops at step 6 with ckpt_keep=1: pruning keeps the
+    newest checkpoint up to the step just written (step 6), never the damaged later one in its place; the next
+    resume starts from step 6 and writes step 8 anew over the damaged one."""
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    truncate(next((run / "checkpoints" / "step-00000008").glob("layers-*.pt")))
+    settings = {"run_dir": str(run), "trainer.ckpt_every": 2, "logger.plots": False}
+    pcdist.train({**settings, "trainer.stop_at": 6, "trainer.ckpt_keep": 1})
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000006", "step-00000008"]
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint .*step-00000008"):
+        assert latest_checkpoint(run) == run / "checkpoints" / "step-00000006"
+    pcdist.train(settings)
+    assert pcdist.load(run).step == 8 and latest_checkpoint(run) == run / "checkpoints" / "step-00000008"
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_untouched(tmp_path):
     """With its only checkpoint truncated, a rerun neither restarts the run from step 0 in the same folder nor
     changes anything: one line naming the checkpoint and why, exit status 2; pcdist.train refuses alike."""

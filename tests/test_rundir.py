@@ -2,7 +2,9 @@
 choice, changed settings on resume decided per key, and the config of every attempt kept."""
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import yaml
 
 import pcdist
 from pcdist.service.metrics import read_metrics
-from pcdist.service.rundir import ON_RESUME, new_run_dir
+from pcdist.service.rundir import LOCK, ON_RESUME, new_run_dir
 from pcdist.engine.trainer import warmup_cosine
 from spawn import free_port
 from test_service import ROOT
@@ -303,6 +305,7 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_p
         proc.wait()
     assert not list((run_dir / "checkpoints").glob("step-*"))
     before = snapshot(run_dir)
+    assert before.pop(".lock").startswith(b"pid "), "the killed run's lock file stays (the kernel let its lock go)"
     out = train_py(tmp_path, *CLI_RUN, f"hydra.run.dir={run_dir}")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert out.stderr == (f"error: {run_dir} holds a run's files (metrics.jsonl, train.log, config.yaml, configs) "
@@ -311,7 +314,34 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_p
                           f"or remove {run_dir} to start it over\n")
     with pytest.raises(pcdist.ConfigError, match="holds a run's files"):
         pcdist.train(cfg(run_dir))
-    assert snapshot(run_dir) == before, "nothing overwritten, appended or added"
+    assert snapshot(run_dir) == before, "nothing overwritten, appended or added (the stale lock file removed)"
+
+
+def test_a_launch_into_a_directory_another_run_trains_in_is_refused(tmp_path):
+    """Two launches into one run directory at once (started together, or a resume while the run still trains)
+    would mix their steps, logs and checkpoints. The first rank of a run holds its directory (a lock the kernel
+    lets go when the process ends): another launch is refused in one line naming the holder, and writes nothing.
+    Once the run has stopped (SIGTERM: it checkpoints), its lock file is gone and the same call resumes it."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *CLI_RUN, "trainer.max_steps=1000000",
+                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: list((run_dir / "checkpoints").glob("step-*")), proc, "the first checkpoint")
+        held = f"^{re.escape(str(run_dir))} is in use by another run \\(pid {proc.pid} on "
+        with pytest.raises(pcdist.ConfigError, match=held):
+            pcdist.train(cfg(run_dir, trainer={"max_steps": 1000000}))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=300)[0]
+    assert "new run in" in out and "pre-empted" in out, out[-2000:]
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
+    assert steps == sorted(set(steps)), "one run's steps, each once: the refused launch wrote nothing"
+    assert not (run_dir / LOCK).exists(), "a run that ends lets its directory go"
+    stopped = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+    pcdist.train({"run_dir": str(run_dir), "trainer.max_steps": stopped + 4})
+    assert pcdist.load(run_dir).step == stopped + 4 and not (run_dir / LOCK).exists()
 
 
 def wait_for(ready, proc, what: str, timeout: float = 300) -> None:

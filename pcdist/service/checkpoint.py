@@ -125,7 +125,9 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in _checkpoints(ckdir)[:-keep]:
+        # keep the newest `keep` up to this step; those after it (damaged ones a resume skipped) stay until
+        # the run writes their steps again: pruning never removes what it has just written
+        for old in [k for k in _checkpoints(ckdir) if _step_of(k) <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if distributed:
         with collective("the checkpoint barrier", group):
@@ -133,10 +135,14 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
     return final
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
 def _checkpoints(ckdir: Path) -> list[Path]:
     if not ckdir.is_dir():
         return []
-    return sorted(p for p in ckdir.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
+    return sorted((p for p in ckdir.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)), key=_step_of)
 
 
 def _verify(path: Path) -> None:

@@ -204,6 +204,9 @@ _new_dirs: list[Path] = []
 
 def _remove_new_dirs() -> None:
     """Remove the directories this launch created while they are empty (a launch that failed before training)."""
+    from .rundir import unlock_run_dir
+
+    unlock_run_dir()  # its lock file, where a signal came while this launch held the directory
     for d in _new_dirs:
         try:
             d.rmdir()

@@ -27,7 +27,7 @@ import yaml
 from torch import Tensor
 
 from ..engine.network import PCNetwork, legacy_signature
-from .checkpoint import CheckpointError, _checkpoints, _verify, latest_checkpoint, load_checkpoint, read_pt
+from .checkpoint import CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint, read_pt
 from .config import Config, literal, load_config, network_options
 from .data import as_float
 from .metrics import read_metrics
@@ -115,7 +115,7 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
     if not kept:
         raise RunError(f"{p} holds no checkpoint (checkpoints/ is empty or missing): the run stopped before its "
                        f"first checkpoint")
-    steps = ", ".join(str(int(k.name.split("-")[1])) for k in kept)
+    steps = ", ".join(str(_step_of(k)) for k in kept)
     if checkpoint == "last":
         found = latest_checkpoint(p)
         if found is None:
@@ -124,7 +124,7 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
     if checkpoint == "best":
         rows = read_metrics(p / "metrics.jsonl") if (p / "metrics.jsonl").is_file() else []
         acc = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
-        scored = [(acc[int(k.name.split("-")[1])], k) for k in kept if int(k.name.split("-")[1]) in acc]
+        scored = [(acc[_step_of(k)], k) for k in kept if _step_of(k) in acc]
         if not scored:
             raise RunError(f"{p}: no kept checkpoint (steps {steps}) has a logged val/accuracy; use checkpoint='last' "
                            f"or a step")

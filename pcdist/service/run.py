@@ -24,7 +24,7 @@ from .data import Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
 from .models import check_model_keys
 from .preemption import Preempted
-from .rundir import find_resume, next_run_dir
+from .rundir import find_resume, lock_run_dir, next_run_dir, unlock_run_dir
 from .trainer import Result, ServiceTrainer
 from .userlayers import UserLayers
 
@@ -68,6 +68,17 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
             passed["data.name"] = "data=... (pcdist.train's argument)"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
+    first = int(os.environ.get("RANK", "0")) == 0  # holds the directory for the launch (the others share it)
+    if first:
+        lock_run_dir(Path(c.run_dir))
+    try:
+        return _run(c, passed, data, user, world, sweep)
+    finally:
+        if first:
+            unlock_run_dir()
+
+
+def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None, world: int, sweep: bool) -> Result:
     resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
     check_length(c, passed)

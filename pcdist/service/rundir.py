@@ -28,6 +28,7 @@ import json
 import os
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from ..errors import ConfigError
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
            "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
-           "links_refusal"]
+           "links_refusal", "LOCK", "lock_run_dir", "unlock_run_dir"]
 
 _calls = itertools.count(1)
 
@@ -263,6 +264,80 @@ def links_refusal(run_dir: Path, found: list[str], writes: str) -> str:
             f"folder, remove the links, or copy the run without them (cp -rL {run_dir} <new folder>)")
 
 
+def _restarted() -> bool:
+    """This is the same launch restarted by torchrun, or requeued by SLURM."""
+    return any(int(os.environ.get(k, "0") or 0) > 0 for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+LOCK = ".lock"
+"""The file a launch's first rank holds a lock on while it uses the run directory (removed when it is done)."""
+
+_held: list = []  # [fd, lock path, the directory if this launch made it]
+
+
+def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
+    """Hold the run directory for this launch (its first rank; the other ranks share it), or refuse in one line
+    naming the launch that holds it: two launches into one directory at once (started together, or a resume
+    while the run still trains) would mix their steps, logs and checkpoints. A POSIX lock (``lockf``): the
+    kernel releases it when its process ends, however it ends, and a forked child (a DataLoader worker) does
+    not hold it. ``wait_s``: how long to wait for a process that is still ending (default: 5 s where this is a
+    restarted launch, whose earlier attempt may still be ending; none for a new one)."""
+    import fcntl
+    import socket
+
+    run_dir = Path(run_dir)
+    made = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    deadline = time.monotonic() + (wait_s if wait_s is not None else 5.0 if _restarted() else 0.0)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another launch"
+            os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            raise ConfigError(f"{run_dir} is in use by another run ({holder}; its lock: {path}): two launches into "
+                              f"one run directory would mix their steps; wait for it to end, or choose another "
+                              f"directory (hydra.run.dir=..., or the config key run_dir)") from None
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            os.close(fd)
+            warnings.warn(f"cannot lock {path} on this filesystem ({e.strerror}): a second launch into {run_dir} "
+                          f"while this one runs would not be refused")
+            return
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            same = False
+        if same:  # not unlinked by a launch that just finished with it
+            break
+        os.close(fd)
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
+    _held[:] = [fd, path, run_dir if made else None]
+
+
+def unlock_run_dir() -> None:
+    """Let the run directory go: its lock file removed (while still held, so no launch waits on a removed
+    file), and the directory too where this launch made it and nothing else was written there."""
+    if not _held:
+        return
+    fd, path, made = _held
+    _held.clear()
+    try:
+        path.unlink(missing_ok=True)
+        if made is not None:
+            made.rmdir()
+    except OSError:  # the run wrote its files: the directory stays
+        pass
+    finally:
+        os.close(fd)
+
+
 def _elsewhere(sweep: bool) -> str:
     """The way out of a refused directory: another one."""
     if sweep:
@@ -289,8 +364,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
                skipped=skipped)
-    restarted = any(int(os.environ.get(k, "0") or 0) > 0  # the same launch restarted by torchrun, or requeued by SLURM
-                    for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    restarted = _restarted()
     if r.checkpoint is None:
         _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
         return r
