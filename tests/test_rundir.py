@@ -317,6 +317,27 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_p
     assert snapshot(run_dir) == before, "nothing overwritten, appended or added (the stale lock file removed)"
 
 
+def test_a_launch_stopped_before_it_logged_anything_is_started_over(tmp_path):
+    """Ctrl-C or SIGTERM during a launch's start can land after it made its files and before it logged a step
+    (it leaves an empty train.log and metrics.jsonl, and model.json): nothing there can mix with a new run, so a
+    rerun starts the run over there, saying so in one line. A half-written first checkpoint (checkpoints/ with
+    a step-*.tmp) is something the run saved, and still refused."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("train.log", "metrics.jsonl"):
+        (run_dir / name).write_text("")
+    pcdist.train(cfg(run_dir))
+    said = (run_dir / "train.log").read_text().splitlines()
+    assert said[0].endswith(f"start: {run_dir} holds the files of a launch that stopped before it logged a step "
+                            f"(metrics.jsonl, train.log): the run starts over there"), said[:2]
+    assert "new run in" in said[1] and pcdist.load(run_dir).step == 24
+    again = tmp_path / "again"
+    (again / "checkpoints" / "step-00000012.tmp").mkdir(parents=True)
+    (again / "train.log").write_text("")
+    with pytest.raises(pcdist.ConfigError, match="holds a run's files .checkpoints, train.log. but no checkpoint"):
+        pcdist.train(cfg(again))
+
+
 def test_a_launch_into_a_directory_another_run_trains_in_is_refused(tmp_path):
     """Two launches into one run directory at once (started together, or a resume while the run still trains)
     would mix their steps, logs and checkpoints. The first rank of a run holds its directory (a lock the kernel

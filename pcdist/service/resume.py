@@ -41,6 +41,9 @@ def announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped:
     attempt = write_attempt(run_dir, c, resume, start).relative_to(run_dir)
     gone = f"dropped the {dropped} metrics.jsonl rows of the steps after {start}, which are trained again"
     if resume.checkpoint is None:
+        if resume.unstarted:
+            logger.say(f"start: {run_dir} holds the files of a launch that stopped before it logged a step "
+                       f"({', '.join(resume.unstarted)}): the run starts over there")
         logger.say(f"new run in {run_dir} (config: {attempt})")
         if dropped:  # a torchrun restart before the first checkpoint
             logger.say(f"restart: {gone}")

@@ -199,6 +199,8 @@ class Resume:
     """The overrides this attempt was given (kept in configs/attempt-<n>.yaml)."""
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     """Newer checkpoints skipped as damaged, each with why."""
+    unstarted: list[str] = field(default_factory=list)
+    """The files of an earlier launch that stopped before it logged or checkpointed anything (started over)."""
 
     @property
     def step(self) -> int:
@@ -366,7 +368,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
                skipped=skipped)
     restarted = _restarted()
     if r.checkpoint is None:
-        _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
+        r.unstarted = _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
         return r
     if c.resume == "never" and not restarted:
         raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); choose another "
@@ -397,15 +399,30 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     return r
 
 
-def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarted: bool, sweep: bool) -> None:
+def _logged(run_dir: Path) -> bool:
+    """The directory holds something a run logged or saved: metrics or diagnosis rows, anything in checkpoints/
+    (a first checkpoint half written), a pre-emption mark."""
+    def rows(name: str) -> bool:
+        path = run_dir / name
+        return path.is_file() and path.stat().st_size > 0 and bool(path.read_text().strip())
+
+    ckdir = run_dir / "checkpoints"
+    return rows("metrics.jsonl") or rows("diagnostics.jsonl") or (run_dir / "PREEMPTED").exists() or \
+        (ckdir.is_dir() and any(ckdir.iterdir()))
+
+
+def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarted: bool, sweep: bool) -> list[str]:
     """Refuse a directory that holds no valid checkpoint but a run's files (or damaged checkpoints): a new
     run there would mix with them (a restart of the same torchrun launch, or a SLURM requeue of the same job,
-    starts over in its own directory)."""
+    starts over in its own directory). Files of a launch stopped before it logged or saved anything (Ctrl-C
+    during its start) hold nothing to mix with: returns their names, and the run starts over there."""
     if skipped:
         named = "; ".join(f"{p.name} ({why})" for p, why in skipped)
         raise ConfigError(f"cannot resume {run_dir}: every checkpoint in it is damaged ({named}); nothing in it was "
                           f"changed: restore its checkpoints, or {_elsewhere(sweep)}")
     found = run_files(run_dir)
+    if found and not restarted and not _logged(run_dir):
+        return found
     if found and not restarted:
         raise ConfigError(f"{run_dir} holds a run's files ({', '.join(found)}) but no checkpoint to resume (it "
                           f"stopped before its first one), and a new run there would mix with them; "
@@ -413,6 +430,7 @@ def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarte
     if c.resume == "require":
         raise ConfigError(f"resume=require but {run_dir} holds no checkpoint to resume; check the directory "
                           f"(hydra.run.dir, or the config key run_dir) or drop resume=require to start a new run")
+    return []
 
 
 def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
