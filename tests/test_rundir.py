@@ -270,6 +270,8 @@ def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc
         f"{run_dir} is already finished: its newest checkpoint is step 4 and trainer.max_steps=4; nothing to train "
         f"(raise trainer.max_steps to train on, or leave out the run directory for a new run)\n")
     assert snapshot(run_dir) == after
+    pcdist.train({"run_dir": str(run_dir), "trainer.dtype": "float64"})  # a changed setting, and nothing to train
+    assert snapshot(run_dir) == after, "not even model.json is written again (it would record float64)"
     assert not (run_dir / ".hydra").exists() and not (run_dir / "pcdist.log").exists(), "Hydra writes nothing there"
 
 

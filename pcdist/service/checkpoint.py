@@ -122,7 +122,10 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         _atomic_save(meta, tmp / "meta.pt")
         files = sorted(p.name for p in tmp.iterdir() if not p.name.endswith(".part"))
         manifest = {"step": step, "files": {n: _sha256(tmp / n) for n in files}}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        try:
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        except OSError as e:
+            raise CheckpointError(f"writing {tmp / 'manifest.json'} failed (disk full?): {e}") from e
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         # keep the newest `keep` up to this step; those after it (damaged ones a resume skipped) stay until

@@ -94,8 +94,6 @@ class ServiceTrainer:
         self.step, self.end = self.resume.step, min(t.max_steps, t.stop_at or t.max_steps)
         self.network = self._make_network()
         self.is_rank0 = not distributed or dist.get_rank() == 0
-        if self.is_rank0:
-            record_model(config, self.run_dir, self.specs, self.network, self.inputs, user)
         self.finished = self.resume.checkpoint is not None and self.step >= self.end  # nothing left to train
         self.optimizer = self.scheduler = self.engine = self.logger = None
         self.dropped = 0  # metrics.jsonl rows of the steps trained again, dropped (never a step twice)
@@ -105,6 +103,8 @@ class ServiceTrainer:
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
+            if self.is_rank0:  # once the run will train: a finished or refused launch writes nothing
+                record_model(config, self.run_dir, self.specs, self.network, self.inputs, user)
             restore_checkpoint(self.resume, self.network, self.optimizer, self.scheduler)
             if self.parallel.is_logging:
                 self.dropped = forget_lost_steps(self.run_dir, self.step)
