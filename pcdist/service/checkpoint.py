@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import collective
+from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
 
@@ -37,16 +38,16 @@ class CheckpointError(RuntimeError):
 
 
 def _atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary name, fsync, rename; a failed write (disk full) leaves nothing behind."""
-    tmp = path.with_name(path.name + ".part")
+    """torch.save to a temporary name, fsync, rename (``replace_file``); a failed write (disk full) leaves
+    nothing behind."""
+    def save(f) -> None:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, save)
     except Exception as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"writing {path} failed (disk full?): {e}") from e
 
 

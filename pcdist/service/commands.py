@@ -10,8 +10,9 @@ checkpoint of another architecture) is one line on stderr and exit status 2.
 
 A run directory may come from someone else: these commands read it as data only. The function a
 run of one's own layers recorded (model.json's factory) is imported and called only with
-``--trust-code``, and the current folder, which ``python -m`` puts first on the module path, is
-taken off it first, so that no module of the folder one stands in is imported implicitly.
+``--trust-code``; the current folder, which ``python -m`` puts first on the module path, is taken
+off it before anything is imported (pcdist/__init__.py; ``--trust-code`` puts it last), so that no module
+of the folder one stands in is imported implicitly.
 """
 
 from __future__ import annotations

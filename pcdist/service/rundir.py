@@ -357,8 +357,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     only a run of its own settings. Raises ConfigError (one line) when ``resume=`` forbids what the
     directory holds, when a refused setting changed (all of them named, with the override to drop, or
     to add back), when the directory holds a run's files but no valid checkpoint, or (``sweep``) a run
-    of other settings, or when it holds links out of it (``links_in``). Reads only: nothing in the directory
-    changes.
+    of other settings, or when it holds links (``links_in``). Reads only: nothing in the directory changes.
     """
     found = links_in(run_dir)
     if found:
