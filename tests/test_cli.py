@@ -221,6 +221,23 @@ end_process({status!r})
         "written, never closed", "joined", "ran"]
 
 
+def test_a_ctrl_c_while_the_program_ends_ends_it_at_once_in_one_line(tmp_path):
+    """A Ctrl-C that arrives while the process ends (an atexit function still running: wandb finishing its run,
+    torch's own) ends it at once with status 130 and one line, not an exit function's KeyboardInterrupt
+    traceback; what was to run after it does not."""
+    script = f"""
+import atexit, os, signal, time
+from pathlib import Path
+from pcdist.service.cli import end_process
+atexit.register(lambda: Path({str(tmp_path / "after.txt")!r}).write_text("ran"))  # runs last: never reached
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)))
+end_process(0)
+"""
+    r = run([sys.executable, "-c", script])
+    assert (r.returncode, r.stderr) == (130, "Ctrl-C while the process was ending: ended at once\n"), r.stderr[-2000:]
+    assert not (tmp_path / "after.txt").exists()
+
+
 def test_the_collector_is_left_as_it_was_and_a_crash_reports_no_leaks():
     """pcdist's import turns the garbage collector off while it imports, then on again; an exception ends the
     process by Python's own exit: the traceback, and no leak report of triton's objects (nanobind lists the

@@ -277,11 +277,17 @@ def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc
 
 def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
     """A bad value, bad data, resume=require on a mistyped directory: one line each and nothing under runs/."""
+    (tmp_path / "a-file").write_text("not a directory")
     for args in (["trainer.max_steps=0"], ["data=arrays", "data.path=missing.npz"],
-                 ["resume=require", "hydra.run.dir=runs/2026-01-01/typo"]):
+                 ["resume=require", "hydra.run.dir=runs/2026-01-01/typo"], ["hydra.run.dir=a-file"]):
         out = train_py(tmp_path, *args, "logger=none")
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr[-3000:])
         assert not (tmp_path / "runs").exists(), f"{args} left {sorted(tmp_path.rglob('*'))}"
+    assert "cannot make the run directory" in out.stderr and "a file is there" in out.stderr, out.stderr
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / LOCK).mkdir()  # what opening the lock meets in a read-only directory: an OSError
+    with pytest.raises(pcdist.ConfigError, match=f"^cannot write in the run directory {re.escape(str(tmp_path))}"):
+        pcdist.train({"run_dir": str(tmp_path / "locked"), "trainer.max_steps": 2})
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(ROOT / "train.py"), "trainer.max_steps=0", "logger=none"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -243,6 +243,13 @@ def main() -> None:
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 
+def _end_at_once(signum, frame) -> NoReturn:
+    """Ctrl-C while the process ends (its run's checkpoint and files are written by then; wandb or torch may
+    still be finishing): end now, status 130, without the KeyboardInterrupt traceback of an exit function."""
+    print("Ctrl-C while the process was ending: ended at once", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def end_process(status: int | str | None) -> NoReturn:
     """End the process as Python's own exit does, less the teardown of the interpreter.
 
@@ -258,6 +265,8 @@ def end_process(status: int | str | None) -> NoReturn:
     elif not isinstance(status, int):
         print(status, file=sys.stderr)
         status = 1
+    if threading.current_thread() is threading.main_thread():  # a Ctrl-C while it ends: one line, not a traceback
+        signal.signal(signal.SIGINT, _end_at_once)
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
             t.join()
@@ -305,6 +314,12 @@ def _main() -> None:
         if ours and path not in _new_dirs:  # another rank of this launch made it first: it is this launch's still
             _new_dirs.insert(0, path)
         _remove_new_dirs_on_sigterm()
+        try:  # what Hydra would do next, with a traceback where it fails
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in its place, a read-only or full disk
+            _remove_new_dirs()
+            why = "a file is there" if path.is_file() else e.strerror or e
+            fail(f"cannot make the run directory {path}: {why} (choose another: hydra.run.dir=...)")
     try:
         hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind

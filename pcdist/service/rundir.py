@@ -289,11 +289,15 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
 
     run_dir = Path(run_dir)
     made = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     deadline = time.monotonic() + (wait_s if wait_s is not None else 5.0 if _restarted() else 0.0)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # read-only, a file in its place, a full disk
+            raise ConfigError(f"cannot write in the run directory {run_dir} ({e.strerror or e}: {e.filename}); "
+                              f"choose another (hydra.run.dir=..., or the config key run_dir)") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
