@@ -247,8 +247,9 @@ def trainer(model):
     the gradients, so round-off stays round-off; AdamW's sign-like step would amplify it where v is tiny)."""
     def trained(fused: bool):
         # cnn_cl: the kernels on channels-last nodes and images (PCDIST_CHANNELS_LAST), against the torch ops on
-        # row-major ones
-        os.environ["PCDIST_CHANNELS_LAST"] = "1" if fused and model == "cnn_cl" else "0"
+        # row-major ones; cnn_grouped: so too, with the group of two's convolutions as one (PCDIST_CONV_GROUPED)
+        os.environ["PCDIST_CHANNELS_LAST"] = "1" if fused and model in ("cnn_cl", "cnn_grouped") else "0"
+        os.environ["PCDIST_CONV_GROUPED"] = "1" if fused and model == "cnn_grouped" else "0"
         os.environ["PCDIST_TRITON"] = "1" if fused else "0"
         os.environ["PCDIST_NATIVE"] = "0"  # the CPU's own error kernel off: the Triton one, or torch ops
         os.environ["PCDIST_GEMM"] = "triton" if fused and "cnn" not in model else "torch"  # the Triton products too
@@ -277,8 +278,10 @@ def trainer(model):
         # channels-last: the convolutions' images but the first's, whose input has one channel, and the output nodes
         # but the last, whose images are 1 x 1 (row-major and channels-last at once, both taken as row-major)
         layouts = [(gr.kernel.src_cl, gr.kernel.node_cl) for gr in hidden]
-        want = [(False, True), (True, True), (True, False)] if model == "cnn_cl" else [(False, False)] * 3
+        want = [(False, True), (True, True), (True, False)] if model != "cnn" else [(False, False)] * 3
         assert layouts == want, layouts
+        grouped = [gr.K for gr in hidden if gr.grouped is not None]
+        assert grouped == ([2] if model == "cnn_grouped" else []), grouped
     else:
         from pcdist.engine import gemm
         assert all(gr.baddbmm is gemm.baddbmm for gr in hidden), "the products ran through the Triton GEMM"
@@ -353,7 +356,7 @@ def main(what: str) -> int:
              + [(conv, (act, pool, (i + j) % 2 == 1, (i // 2 + j) % 4 >= 2, (i // 2 + j) % 2 == 1))
                 for i, act in enumerate(ACTS) for j, pool in enumerate((None, "max", "avg"))]
              + [(gemm_products, (case,)) for case in ("predict", "backproject", "weights", "bf16")],
-             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn", "cnn_cl")]
+             "trainer": [(trainer, (m,)) for m in ("mlp", "mupc", "cnn", "cnn_cl", "cnn_grouped")]
              + [(bf16_trainer, (m,)) for m in ("mlp", "mupc")]}[what]
     for fn, args in cases:
         try:

@@ -67,6 +67,11 @@ def conv_net(name):
                             nn.Conv2d(4, 4, 3, padding="same", groups=2), nn.LeakyReLU(0.1), nn.MaxPool2d(3, 2, 1),
                             nn.Flatten(), nn.Linear(4 * 3 * 3, 4))
         shape = (2, 6, 6)
+    elif name == "2d-grouped-stack":  # three equal layers with grouped, bias-free convolutions and a 3 / 1 pooling
+        same = [nn.Conv2d(4, 4, 3, padding=1, groups=2, bias=False), nn.Tanh(), nn.AvgPool2d(3, 1, 1)]
+        seq = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), *[copy.deepcopy(m) for m in same * 3],
+                            nn.Flatten(), nn.Linear(4 * 5 * 5, 4))
+        shape = (2, 5, 5)
     else:  # "1d": two stacked 1-D layers, max pooling, then a dense output
         seq = nn.Sequential(nn.Conv1d(2, 4, 5, padding=2), nn.Tanh(), nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(),
                             nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(), nn.Conv1d(4, 4, 3, padding=1), nn.Tanh(),
@@ -133,6 +138,23 @@ def test_conv_kind_equals_the_reference(name, algorithm, x_momentum, energy, opt
     assert "conv" in kinds and "module" not in kinds, kinds
     if name in ("2d-maxpool-fused", "1d"):
         assert any(g.kind.kind == "conv" and g.K == 2 for g in net.groups), "equal conv layers form one group"
+
+
+@pytest.mark.parametrize("channels_last", ["0", "1"])
+@pytest.mark.parametrize("algorithm,x_momentum,energy,optimizer", MODES[::2],
+                         ids=["-".join(map(str, m)) for m in MODES[::2]])
+@pytest.mark.parametrize("name", ["2d-maxpool-fused", "2d-grouped-stack", "1d"])
+def test_a_groups_convolutions_as_one_grouped_convolution_equal_the_reference(name, algorithm, x_momentum, energy,
+                                                                             optimizer, channels_last, monkeypatch):
+    """PCDIST_CONV_GROUPED=1: a group's K convolutions run as one, K times the groups (GPUs choose it where faster):
+    every step equals the layer-by-layer reference, row-major and channels-last, and the groups do run grouped."""
+    monkeypatch.setenv("PCDIST_CONV_GROUPED", "1")
+    monkeypatch.setenv("PCDIST_CHANNELS_LAST", channels_last)
+    layers, shape = conv_net(name)
+    net = compare(layers, shape, energy, algorithm, x_momentum, optimizer)
+    st = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1).stage(4)
+    assert [g.K for g in st.groups if getattr(g, "grouped", None) is not None] == \
+        [g.K for g in net.groups if g.kind.kind == "conv" and g.K > 1] == ([3] if name == "2d-grouped-stack" else [2])
 
 
 CL_CASES = [(name, *m) for name in CONV[:3] for m in MODES] + [("mixed", *MODES[0])]  # mixed: a module reads node 1

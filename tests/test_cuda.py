@@ -11,7 +11,7 @@ CPU can: no host reads, device-side schedules and skips equal to host ones). Her
   under a captured step continues exactly;
 * precision="bf16": its products written in float32 by cuBLAS equal float64 arithmetic on their bfloat16
   operands to float32 rounding; a float32 or bf16 step replayed equals the eager step; the batched GEMM is
-  chosen once per shape (cuBLAS or Triton) and agrees with cuBLAS.
+  chosen once per shape (cuBLAS or Triton) and agrees with cuBLAS; so is a conv group's grouped convolution.
 
 The learning rates are chosen exactly representable in float32 (the fused kernels read a captured
 step's rate as a float32 tensor); a cosine schedule's rates are not, so there the runs agree to the
@@ -224,6 +224,40 @@ def test_the_gemm_is_chosen_once_per_shape_and_agrees_with_cublas(monkeypatch):
     bmm(h, w, out=out)
     assert gemm._CHOICE == decided and len(decided) >= 1
     torch.testing.assert_close(out, torch.bmm(h, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_conv_groups_grouped_convolution_is_chosen_once_and_replays_as_the_layer_by_layer_step(precision,
+                                                                                               monkeypatch):
+    """PCDIST_CONV_GROUPED on a GPU: ``auto`` times a deep conv stack's group (15 equal 16-channel layers) grouped
+    against layer by layer once per shape (two batch sizes: two) and keeps its choice; forced grouped (``1``), the
+    step replayed equals its eager step and follows the layer-by-layer run to the convolutions' round-off."""
+    from pcdist.engine.layers import conv
+    from pcdist.engine.models import conv_specs
+
+    def run(mode: str, compile: str):
+        monkeypatch.setenv("PCDIST_CONV_GROUPED", mode)
+        net = pcdist.PCNetwork(conv_specs((3, 12, 12), [(16, 3, 1, None)] * 16, [], 4, "relu"), energy="ce", seed=1,
+                               device="cuda")
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=LR), T=4, x_lr=0.05, precision=precision,
+                              compile=compile)
+        out = []
+        for s in range(6):
+            x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
+            out.append(tr.step(x.cuda(), y.cuda())["energy"])
+        torch.cuda.synchronize()
+        return out, [g.grouped is not None for g in tr.stage(10).groups if g.K > 1]
+
+    conv._GROUPED.clear()
+    _, chosen = run("auto", "graph")
+    decided = dict(conv._GROUPED)  # one choice per shape: batches of 6 and 10
+    assert len(decided) == 2 and chosen[0] in decided.values(), (decided, chosen)
+    run("auto", "none")
+    assert conv._GROUPED == decided, "a shape seen before is not timed again"
+    (graph, on), (eager, _), (layers, off) = run("1", "graph"), run("1", "none"), run("0", "graph")
+    assert on == [True] and off == [False]
+    assert graph == pytest.approx(eager, rel=1e-3)
+    assert graph == pytest.approx(layers, rel=1e-3 if precision == "fp32" else 2e-2)
 
 
 def test_the_service_trains_alike_captured_and_eager(tmp_path):

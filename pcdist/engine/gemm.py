@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import chain
 
-__all__ = ["functions", "baddbmm", "bmm", "low_product", "CONFIGS"]
+__all__ = ["functions", "baddbmm", "bmm", "low_product", "timed", "CONFIGS"]
 
 CONFIGS = ((16, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8))
 """Tile candidates (rows BM, columns BN, reduction chunk BK, warps): narrow tiles for a batch of small GEMMs."""
@@ -92,7 +92,8 @@ def reference(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: floa
     return alpha * exact if inp is None or beta == 0.0 else beta * inp + alpha * exact
 
 
-def _timed(fn, reps: int = 20) -> float:
+def timed(fn, reps: int = 20) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream (3 calls' warm-up, then ``reps`` timed)."""
     for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,18 +135,18 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
     else:
         torch_run()
         want = [scratch.clone()]
-    timed = _mode() == "auto"
-    base = _timed(torch_run) if timed else None
+    timing = _mode() == "auto"
+    base = timed(torch_run) if timing else None
     best, choice = None, None
     for cfg in [INTERPRETED_CONFIG] if chain.interpreted() else CONFIGS:
         # each candidate builds, runs and agrees with torch (else one warning and torch), then is timed
         if not chain.checked(lambda: tiles(cfg), lambda: want, "a batched product", ("Triton GEMM", "cuBLAS")):
             best, choice = None, None
             break
-        t = _timed(lambda: tiles(cfg)) if timed else 0.0
+        t = timed(lambda: tiles(cfg)) if timing else 0.0
         if best is None or t < best:
             best, choice = t, cfg
-    if timed and choice is not None and not best < 0.9 * base:
+    if timing and choice is not None and not best < 0.9 * base:
         choice = None
     _CHOICE[key] = choice
     return choice

@@ -12,7 +12,9 @@ run as 2-D with H = 1, so every op below is the 2-D one).
 The value node of a conv layer is [B, C, H, W] ([B, C, L] for 1-D). Activation and pooling
 run on all K layers of a group at once (the K x B images are one batch); the convolutions
 themselves run layer by layer into the group's preallocated buffers (aten's ``convolution``
-and ``convolution_backward``, which pick the best algorithm per shape). On CUDA devices with
+and ``convolution_backward``, which pick the best algorithm per shape), or as one grouped
+convolution of all K layers (``GroupedConv``: K times the groups, the layers side by side in
+the channels), where that is faster (PCDIST_CONV_GROUPED). On CUDA devices with
 Triton the bias, f and pooling are one kernel a layer, and the error, the value step and d one a
 group (pcdist/engine/errorpass.py ``ConvKernel``, checked against these torch ops when the group
 is built).
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 
 from .. import errorpass
 from ..activations import Activation
+from ..gemm import timed
 from ..nodes import is_channels_last, stacked_zeros
 from ..precision import tf32_convolutions
 from .base import Binding, BoundGroup, DerivedWeight, LayerGroup, LayerKind, accumulate
@@ -184,6 +187,80 @@ class Conv(LayerKind):
         return [fill, *t] if len(self.spatial) == 1 else list(t)
 
 
+_GROUPED: dict[tuple, bool] = {}
+
+
+def grouped_mode() -> str:
+    """PCDIST_CONV_GROUPED: ``auto`` (default: on CUDA devices where timed faster, see ``GroupedConv``), ``1`` (always,
+    where a group has two layers or more), ``0`` (never: layer by layer)."""
+    mode = os.environ.get("PCDIST_CONV_GROUPED", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"PCDIST_CONV_GROUPED={mode!r}: allowed auto, 0, 1")
+    return mode
+
+
+class GroupedConv:
+    """A conv group's K convolutions as one: the K layers' images side by side in the channels ([B, K C, H, W]),
+    their weights stacked ([K D, C / groups, kh, kw]: a view of [K, D, ...]) and K times the groups. A narrow deep
+    stack's convolutions are small kernels that leave most of a GPU idle (the 17-conv stack: about 10 us each,
+    some 500 a step); grouped, a phase is one kernel K times as large, for two copies between the group's
+    [K, B, ...] nodes and the grouped layout. ``auto`` times both ways on the group's own operands the first time a
+    shape is seen (a convolution and its input gradient, as cuDNN's benchmark mode chooses an algorithm) and keeps
+    the choice for the process; grouped where it is at least 10% faster. The results equal the layer-by-layer
+    ones to round-off (the same products, summed by another algorithm)."""
+
+    def __init__(self, x2: Tensor, conv_shape: tuple[int, ...], w_conv: DerivedWeight, conv_args: tuple, cl: bool,
+                 dtype: torch.dtype):
+        K, B, C = x2.shape[:3]
+        D = conv_shape[2]
+        self.K, self.C, self.D, self.w_conv = K, C, D, w_conv
+        *args, groups = conv_args
+        self.args = (*args, K * groups)
+        kw = dict(dtype=dtype, device=x2.device)
+        self.x = stacked_zeros((B, K * C, *x2.shape[3:]), cl, **kw)  # the input, the conv's dtype (bf16: cast here)
+        self.d = stacked_zeros((B, K * D, *conv_shape[3:]), cl, **kw)  # the signal at the convolutions' output
+        self.x_K = self.x.unflatten(1, (K, C)).transpose(0, 1)  # [K, B, C, H, W] views of the grouped buffers
+        self.d_K = self.d.unflatten(1, (K, D)).transpose(0, 1)
+
+    def weight(self) -> Tensor:
+        return self.w_conv.get().flatten(0, 1)
+
+    def forward(self, x2: Tensor, bias: Tensor | None = None) -> Tensor:
+        """The K layers' convolutions of x2 [K, B, C, H, W] (plus ``bias`` [K, D]): a [K, B, D, H', W'] view."""
+        self.x_K.copy_(x2)
+        out = _aten.convolution(self.x, self.weight(), None if bias is None else bias.flatten(), *self.args)
+        return out.unflatten(1, (self.K, self.D)).transpose(0, 1)
+
+    def input_grad(self, d: Tensor) -> Tensor:
+        """The gradient at the K layers' inputs of the signal d [K, B, D, H', W']: a [K, B, C, H, W] view."""
+        self.d_K.copy_(d)
+        gin = _aten.convolution_backward(self.d, self.x, self.weight(), None, *self.args, [True, False, False])[0]
+        return gin.unflatten(1, (self.K, self.C)).transpose(0, 1)
+
+    def weight_grads(self, x2: Tensor, d: Tensor, bias: bool) -> tuple[Tensor, Tensor | None]:
+        """The gradients of the K layers' weights [K, D, C / groups, kh, kw] (and biases [K, D]) at x2 and d."""
+        self.x_K.copy_(x2)
+        self.d_K.copy_(d)
+        _, gw, gb = _aten.convolution_backward(self.d, self.x, self.weight(), [self.K * self.D] if bias else None,
+                                               *self.args, [False, True, bias])
+        return gw.unflatten(0, (self.K, self.D)), None if gb is None else gb.view(self.K, self.D)
+
+    def faster(self, x2: Tensor, d: Tensor, conv_args: tuple) -> bool:
+        """``auto``'s choice for this shape (decided once per process): a forward and an input gradient of all K
+        layers, grouped against layer by layer, timed on the current CUDA stream."""
+        w = self.w_conv.get()
+        key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), w.dtype, self.d.shape, conv_args, x2.device)
+        if key not in _GROUPED:
+            def layer_by_layer():
+                for k in range(self.K):
+                    x = x2[k].to(w.dtype)
+                    _aten.convolution(x, w[k], None, *conv_args)
+                    _aten.convolution_backward(d[k].to(w.dtype), x, w[k], None, *conv_args, [True, False, False])
+
+            _GROUPED[key] = timed(lambda: (self.forward(x2), self.input_grad(d)), 10) < 0.9 * timed(layer_by_layer, 10)
+        return _GROUPED[key]
+
+
 class ConvGroup(LayerGroup):
     """K equal conv layers: weight [K, C_out, C_in / groups, *kernel] (nn.Conv's layout), bias [K, C_out]."""
 
@@ -287,6 +364,9 @@ class ConvBound(BoundGroup):
                 self.kernel = kernel
         self.a = stacked_zeros(conv_shape, cl_in, **kw)  # the pre-activation (the kernel computes f' from it)
         self.d = torch.zeros_like(self.a)  # zero where no pooling window reaches (the kernel never writes there)
+        self.grouped = self._grouped(conv_shape, cl_in)
+        if self.grouped is not None and self.kernel is not None:  # the grouped convolution's output, per layer
+            self.src = stacked_zeros(conv_shape, cl_in, dtype=g.weight.dtype, device=kw["device"])
         if self.kernel is not None:
             self.u = stacked_zeros(node_shape, cl_out, **kw)
             self.idx = stacked_zeros(node_shape, cl_out, dtype=torch.int8, device=kw["device"]) \
@@ -300,6 +380,15 @@ class ConvBound(BoundGroup):
             self.u = stacked_zeros(node_shape, cl_out, **kw)
             self.idx = torch.empty_like(self.u, dtype=torch.int64) if self.pool == "max" else None
             self.dz = torch.empty_like(self.a)  # dE/dz: the error routed back through the pooling
+
+    def _grouped(self, conv_shape: tuple[int, ...], cl: bool) -> GroupedConv | None:
+        """The group's convolutions as one grouped convolution (PCDIST_CONV_GROUPED), or None: layer by layer."""
+        mode = grouped_mode()
+        if self.K < 2 or mode == "0" or (mode == "auto" and (self.x2.device.type != "cuda"
+                                                             or torch.cuda.is_current_stream_capturing())):
+            return None
+        grouped = GroupedConv(self.x2, conv_shape, self.w_conv, self.conv_args, cl, self.g.weight.dtype)
+        return grouped if mode == "1" or grouped.faster(self.x2, self.d, self.conv_args) else None
 
     @staticmethod
     def _flat(t: Tensor) -> Tensor:
@@ -353,12 +442,23 @@ class ConvBound(BoundGroup):
 
     def predict(self) -> None:
         if self.kernel is not None:
-            for k in range(self.K):
-                self._layer(k, self.x2[k])
+            if self.grouped is not None:  # the convolutions at once, then the kernel's bias, f and pooling per layer
+                self.src.copy_(self.grouped.forward(self.x2))
+                for k in range(self.K):
+                    self.kernel.activate(self.src[k], None if self.bias is None else self.bias[k], self.a[k],
+                                         self.u[k], None if self.idx is None else self.idx[k])
+            else:
+                for k in range(self.K):
+                    self._layer(k, self.x2[k])
             self.cached = True
             return
-        for k in range(self.K):
-            self._conv(k, self.x2[k], self.a[k])
+        if self.grouped is not None:
+            self.a.copy_(self.grouped.forward(self.x2, None if self.lowp else self.bias))
+            if self.lowp and self.bias is not None:  # the bias added in the nodes' dtype, as _conv does
+                self.a.add_(self.bias.view(*self.bias.shape, *[1] * (self.a.dim() - 3)).unsqueeze(1))
+        else:
+            for k in range(self.K):
+                self._conv(k, self.x2[k], self.a[k])
         f = self._flat
         self._activate_and_pool(f(self.a), f(self.z), f(self.u), None if self.pool != "max" else f(self.idx))
         self.cached = True
@@ -389,6 +489,9 @@ class ConvBound(BoundGroup):
 
     def backproject(self, target: Tensor, beta: float, alpha: float) -> None:
         t2 = target.unsqueeze(-2) if self.one_d else target
+        if self.grouped is not None:
+            accumulate(t2, self.grouped.input_grad(self.d), beta, alpha)
+            return
         for k in range(self.K):
             accumulate(t2[k], self._grads(k, [True, False, False])[0], beta, alpha)
 
@@ -396,6 +499,12 @@ class ConvBound(BoundGroup):
         g = self.g
         wg2 = g.weight.grad.unsqueeze(-2) if self.one_d else g.weight.grad
         bias_sizes = None if g.bias is None else [g.bias.shape[1]]
+        if self.grouped is not None:
+            gw, gb = self.grouped.weight_grads(self.x2, self.d, g.bias is not None and not self.lowp)
+            torch.mul(gw, scale, out=wg2)
+            if g.bias is not None:  # under bf16 the bias's gradient sums the signal in the nodes' dtype
+                torch.mul(gb if gb is not None else self.d.sum((1, 3, 4)), scale, out=g.bias.grad)
+            return
         for k in range(self.K):
             _, gw, gb = self._grads(k, [False, True, g.bias is not None and not self.lowp], bias_sizes)
             torch.mul(gw, scale, out=wg2[k])
