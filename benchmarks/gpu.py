@@ -13,6 +13,9 @@ Per training step (float32 unless said, AdamW, ms):
              convolutions, pcdist/engine/layers/conv.py), graph_rm with row-major ones (=0), so graph_rm/graph_cl
              is what that layout gains (``graph`` is one of them: auto picks channels-last where the
              convolutions run on tensor cores, TF32 or bfloat16); limit_cl its convolutions alone, channels-last
+  graph_grouped (GPU, conv nets with a group of two or more equal layers) the same with each group's
+             convolutions as one grouped convolution (PCDIST_CONV_GROUPED=1), graph_layers layer by layer (=0);
+             ``graph`` is one of them per shape (auto: timed once)
   loop       the per-layer PC loop researchers write (autograd through a Python loop; fusion.py's LoopPC)
   limit      the batched matmuls (and convolutions) of one pcdist step alone, into preallocated buffers,
              replayed as a CUDA graph on a GPU: the arithmetic floor of the step
@@ -178,6 +181,10 @@ def variants(layers, in_shape, B: int, T: int, energy: str, device, loop: bool, 
             out["graph_rm"] = lambda: nchw.step(x, y, log=False)
             out["limit_cl"] = graphed(ConvLimit(net, B, T, device, torch.bfloat16 if precision == "bf16" else dtype,
                                                 channels_last=True).step, device)
+        if any(g.kind.kind == "conv" and g.K > 1 for g in net.groups):  # a conv group's convolutions as one, or not
+            grouped, layers = built_under({"PCDIST_CONV_GROUPED": "1"}), built_under({"PCDIST_CONV_GROUPED": "0"})
+            out["graph_grouped"] = lambda: grouped.step(x, y, log=False)
+            out["graph_layers"] = lambda: layers.step(x, y, log=False)
     if loop:
         ref = LoopPC([m.to(device=device, dtype=dtype) for m in copy.deepcopy(net).to_layers()], T, 0.05)
         out["loop"] = lambda: ref.step(x, y)
@@ -231,6 +238,7 @@ def ratio(samples: dict, num: str, den: str) -> float:
 
 
 RATIOS = (("eager", "graph"), ("graph_torch", "graph"), ("graph_cublas", "graph"), ("graph_rm", "graph_cl"),
+          ("graph_layers", "graph_grouped"),
           ("graph", "limit"), ("graph_cl", "limit_cl"),
           ("loop", "graph"), ("bp_graph", "graph"), ("bp_eager", "graph"))
 
