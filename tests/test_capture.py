@@ -178,26 +178,29 @@ def test_the_capturable_core_equals_the_eager_step(name):
         assert st_e.keys() == st_g.keys() and st_e.get("layer_energies") == st_g.get("layer_energies"), s
 
 
+@pytest.mark.parametrize("grouped", ["0", "1"])
 @pytest.mark.parametrize("algorithm", ["pc", "ipc"])
-def test_channels_last_conv_steps_read_nothing_on_the_host_and_capture_as_eager(algorithm, monkeypatch):
+def test_channels_last_conv_steps_read_nothing_on_the_host_and_capture_as_eager(algorithm, grouped, monkeypatch):
     """PCDIST_CHANNELS_LAST=1 (channels-last image nodes, weight copies refreshed at every weight change: iPC's
-    at each inference step): steps with log=False read nothing on the host, and compile="graph" trains bit for
-    bit as compile="none"."""
+    at each inference step), with a group of two's convolutions layer by layer or as one (PCDIST_CONV_GROUPED):
+    steps with log=False read nothing on the host, and compile="graph" trains bit for bit as compile="none"."""
     from pcdist.engine.models import conv_specs
     from pcdist.engine.nodes import is_channels_last
 
     monkeypatch.setenv("PCDIST_CHANNELS_LAST", "1")
+    monkeypatch.setenv("PCDIST_CONV_GROUPED", grouped)
 
     def trained(compile: str):
-        net = pcdist.PCNetwork(conv_specs((3, 8, 8), [(4, 3, 1, "max"), (4, 3, 1, "max")], [], 4, "relu"),
-                               energy="ce", seed=1, dtype=DT)
+        net = pcdist.PCNetwork(conv_specs((3, 8, 8), [(4, 3, 1, "max"), (4, 3, 1, None), (4, 3, 1, None)], [], 4,
+                                          "relu"), energy="ce", seed=1, dtype=DT)
         tr, notes = trainer_for(net, compile, dict(algorithm=algorithm, value_noise=0.02, lr_schedule=True))
         tr.step(*batch(net, "xy", 6, 0), log=True)
         with HostReads() as reads:
             for s in range(3):
                 tr.step(*batch(net, "xy", 6, 1 + s), log=False)
         assert reads.reads == [] and notes == [], (reads.reads, notes)
-        assert [is_channels_last(tr.stage(6).node(n)) for n in range(4)] == [True, True, True, False]
+        assert [is_channels_last(tr.stage(6).node(n)) for n in range(5)] == [True, True, True, True, False]
+        assert [g.grouped is not None for g in tr.stage(6).groups if g.K == 2] == [grouped == "1"]
         return [p.detach().clone() for p in net.parameters()], tr.value_nodes()
 
     (w_e, h_e), (w_g, h_g) = trained("none"), trained("graph")
