@@ -306,17 +306,20 @@ def test_bfloat16_products_on_a_cpu_are_rounded_to_bfloat16_then_summed_in_float
     assert torch.equal(t, want)
 
 
-@pytest.mark.parametrize("kind, algorithm", [("mlp", "pc"), ("mlp", "ipc"), ("mupc", "pc"), ("conv", "pc")])
-def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(kind, algorithm):
+@pytest.mark.parametrize("kind, algorithm, init", [("mlp", "pc", "ff"), ("mlp", "ipc", "ff"), ("mupc", "pc", "ff"),
+                                                   ("conv", "pc", "ff"), ("mlp", "pc", "newton"),
+                                                   ("mupc", "pc", "backward"), ("conv", "pc", "newton_cr")])
+def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(kind, algorithm, init):
     """precision="bf16": the matmuls on bfloat16 operands, value nodes and errors in float32, the optimizer on
     float32 master weights. From the same weights, the energies of each step agree with float32's to
     bfloat16's rounding (relative 2^-8 per operand; 5% over a step), SGD moves the weights the same way (its
     step is linear in the gradients, so their direction and size agree to that rounding), the products did
     run in bfloat16 (the compute copy's weights), the step reads nothing on the host, and the master weights
-    and optimizer state stay float32."""
+    and optimizer state stay float32. The inits near equilibrium compute in float32 with the bfloat16 weights."""
     nets = {p: network(kind, dtype=torch.float32) for p in ("fp32", "bf16")}
     trs = {p: pcdist.PCTrainer(n, torch.optim.SGD(n.parameters(), lr=0.05, momentum=0.5, fused=True), T=8,
-                               x_lr=0.1, algorithm=algorithm, precision=p, compile="graph") for p, n in nets.items()}
+                               x_lr=0.1, algorithm=algorithm, precision=p, compile="graph", init=init)
+           for p, n in nets.items()}
     w0 = [p.detach().clone() for p in nets["fp32"].parameters()]
     for s in range(5):
         x, y = batch(nets["fp32"], "xy", 32, s, torch.float32)

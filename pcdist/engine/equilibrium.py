@@ -72,14 +72,16 @@ class Linearised:
         act = getattr(g.kind, "activation", None)
         if kind == "dense":
             x = h.flatten(1) if g.kind.input_shape is not None else h
-            a = torch.addmm(g.b_KO[k], x, g.weight[k])
+            w = g.weight[k].to(h.dtype)  # bf16's bfloat16 weights: float32 products here
+            a = torch.addmm(g.b_KO[k], x, w)
             self.u = a if act is None else act(a)
             self.fp = None if act is None else act.grad(torch.ones_like(a), a, self.u, out=torch.empty_like(a))
-            self.w, self.mode = g.weight[k], "dense"
+            self.w, self.mode = w, "dense"
         elif kind == "residual":
             s = act(h)
             self.fp = act.grad(torch.ones_like(h), h, s, out=torch.empty_like(h))
-            self.w, self.scale, self.skip, self.mode = g.weight[k], float(g.kind.scale), g.kind.skip, "residual"
+            self.w, self.scale, self.skip = g.weight[k].to(h.dtype), float(g.kind.scale), g.kind.skip
+            self.mode = "residual"
             self._fn, self._h = (lambda x: g.layer(k, x)), h
         else:
             with torch.enable_grad():  # torch.func's own transforms; nothing is recorded on the parameters

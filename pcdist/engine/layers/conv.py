@@ -313,7 +313,8 @@ class ConvGroup(LayerGroup):
         s = self.kind
         conv = F.conv1d if len(s.spatial) == 1 else F.conv2d
         b = None if self.bias is None else self.bias[k]
-        h = s.activation(conv(h, self.weight[k], b, s.stride, s.padding, s.dilation, s.groups))
+        w = self.weight[k].to(h.dtype)  # bf16's weights: float32 convolutions (the inits near equilibrium)
+        h = s.activation(conv(h, w, b, s.stride, s.padding, s.dilation, s.groups))
         if s.pool is not None:
             one = len(s.spatial) == 1
             pool = {"max": F.max_pool1d if one else F.max_pool2d, "avg": F.avg_pool1d if one else F.avg_pool2d}[s.pool]

@@ -169,7 +169,8 @@ class DenseGroup(LayerGroup):
 
     def layer(self, k: int, h: Tensor) -> Tensor:
         act = self.kind.activation
-        a = torch.addmm(self.b_KO[k], h.flatten(1) if self.kind.input_shape is not None else h, self.weight[k])
+        a = torch.addmm(self.b_KO[k], h.flatten(1) if self.kind.input_shape is not None else h,
+                      self.weight[k].to(h.dtype))  # bf16's weights: float32 products (the inits near equilibrium)
         return a if act is None else act(a)
 
     def bind(self, h_in, h_out, e_out, b: Binding) -> "DenseBound":

@@ -176,7 +176,8 @@ class ResidualGroup(LayerGroup):
     def layer(self, k: int, h: Tensor) -> Tensor:
         """Layer k of the group on h: skip * h + scale * (phi(h) W_k + b_k)."""
         s = self.kind
-        u = s.scale * F.linear(s.activation(h), self.weight[k].T, None if self.bias is None else self.bias[k])
+        w = self.weight[k].to(h.dtype)  # bf16's weights: float32 products (the inits near equilibrium)
+        u = s.scale * F.linear(s.activation(h), w.T, None if self.bias is None else self.bias[k])
         return u + h if s.skip else u
 
     def bind(self, h_in, h_out, e_out, b: Binding) -> "ResidualBound":
