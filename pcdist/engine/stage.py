@@ -230,5 +230,5 @@ class Stage:
 
 
 def energy_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Energies are summed in float32 at least (bfloat16 value nodes, float32 sums)."""
+    """Energies are summed in float32 at least (a network built in bfloat16: float32 sums)."""
     return torch.promote_types(dtype, torch.float32)

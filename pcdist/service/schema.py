@@ -362,8 +362,8 @@ class TrainerConfig:
     dtype: str = "float32"
     """float32 or float64 (the master weights under precision=bf16: float32)."""
     precision: str = "fp32"
-    """fp32, tf32 (TF32 matmuls and convolutions on GPUs) or bf16 (bfloat16 value nodes, errors and
-    matmuls, float32 master weights and optimizer state): docs/gpu.md."""
+    """fp32, tf32 (TF32 matmuls and convolutions on GPUs) or bf16 (matmuls and convolutions on bfloat16
+    operands; float32 value nodes, errors, master weights and optimizer state): docs/gpu.md."""
     compile: str = "auto"
     """auto (graph on CUDA devices, none on CPUs), graph (each stage's step captured once as CUDA
     graphs and replayed; on a CPU the same core runs eagerly) or none (eager): docs/gpu.md."""
