@@ -137,6 +137,10 @@ BAD_CONFIGS = [
                              "pc.eval_solver only)"),
     (["pc.solver=heun", "pc.x_momentum=0.5"], "config pc.solver='heun' is invalid: allowed euler with "
                                               "pc.value_optimizer=sgd pc.x_momentum=0.5"),
+    (["pc.value_optimizer=adam", "pc.eval_solver=adaptive"], "config pc.eval_solver='adaptive' is invalid: allowed "
+                                                            "euler with pc.value_optimizer=adam pc.x_momentum=0.0"),
+    (["pc.value_noise=0.01", "pc.eval_solver=heun"], "config pc.eval_solver='heun' is invalid: allowed euler with "
+                                                     "pc.value_noise > 0"),
     (["pc.init=newton", "pc.mode=generative"], "config pc.init='newton' is invalid: allowed ff or deeppcr with "
                                                "pc.mode=generative"),
     (["pc.x_momentum=1"], "config pc.x_momentum=1.0 is invalid: allowed a number in [0, 1)"),

@@ -60,7 +60,8 @@ def test_the_adaptive_solver_reaches_the_flow_at_its_time():
     to far below these tolerances) its error is of the order of its tolerance, shrinks with it, and a looser
     tolerance takes fewer evaluations. Euler's own T steps of x_lr land much further from the flow, and the
     weights are left alone (numbers seen: errors 7.5e-3, 8.5e-5 and
-    9.4e-7 at tolerances 1e-2, 1e-4, 1e-6, in 18, 112 and 1030 evaluations)."""
+    9.4e-7 at tolerances 1e-2, 1e-4, 1e-6, in 18, 112 and 1030 evaluations). A tolerance its budget of 100 T
+    steps cannot reach stops short of t with a warning saying so."""
     net, x, y = _classifier()
     before = [p.detach().clone() for p in net.parameters()]
     T, x_lr = 10, 0.4
@@ -82,6 +83,10 @@ def test_the_adaptive_solver_reaches_the_flow_at_its_time():
     assert evals[1e-2] < evals[1e-4] < evals[1e-6]
     euler, _ = nodes("euler", T, x_lr)
     assert (euler - exact).abs().max() > 10 * errs[1e-4], "Euler's T steps are a coarse solution of the flow"
+    with pytest.warns(UserWarning, match=r"the adaptive solver stopped at t = \S+ of 4 after 1000 steps: its "
+                                         r"tolerance 1e-10 asks for more"):  # its budget (100 T) spent before t
+        _, info = nodes("adaptive", T, x_lr, 1e-10)
+    assert info["accepted"] + info["rejected"] == 1000 and info["t"] < T * x_lr
     assert all(torch.equal(p.detach(), q) for p, q in zip(net.parameters(), before))
 
 

@@ -34,6 +34,7 @@ Nothing here reads a device value on the host: the routine is part of a step's c
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable
 
 import torch
@@ -89,7 +90,8 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     Each step's local error is Heun's against Euler's, dt/2 (k_1 - k_0), per entry over tol (1 + |h|), and
     its root mean square over every node of every rank (one all-reduce) decides: at most 1 the step is
     taken, else the nodes are put back. Either way the next dt is dt min(5, max(0.2, 0.9 / sqrt(err))),
-    starting from x_lr and never past the end. Returns {"accepted", "rejected", "evaluations", "t"}."""
+    starting from x_lr and never past the end; after ``max_steps`` tries (default 100 T) it stops where it is,
+    with a warning saying how far it got. Returns {"accepted", "rejected", "evaluations", "t"}."""
     if not (tol > 0 and math.isfinite(tol)):
         raise ValueError(f"the adaptive solver's tolerance must be a finite number > 0, got {tol!r}")
     vo = st.values
@@ -124,6 +126,10 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     finally:
         vo.estimate = None
     done["t"] = t
+    if t < end * (1 - 1e-12):
+        warnings.warn(f"the adaptive solver stopped at t = {t:.4g} of {end:.4g} after {max_steps} steps: its tolerance "
+                      f"{tol:g} asks for more (raise it: trainer.infer(tol=...), the service's pc.eval_tol); the "
+                      f"inference is cut short", stacklevel=3)
     return done
 
 

@@ -238,13 +238,13 @@ class PCConfig:
                f"0 with pc.value_optimizer={self.value_optimizer} (Adam keeps its own averages)")
         _check(self.solver in SOLVERS, "pc.solver", self.solver,
                ", ".join(SOLVERS) + " (adaptive: pc.eval_solver only)")
-        _check(self.solver == "euler" or self.value_optimizer == "sgd" and self.x_momentum == 0, "pc.solver",
-               self.solver, f"euler with pc.value_optimizer={self.value_optimizer} pc.x_momentum={self.x_momentum} "
-               "(heun and rk4 integrate the plain gradient flow)")
-        _check(self.solver == "euler" or not self.value_noise, "pc.solver", self.solver,
-               "euler with pc.value_noise > 0")
         _check(self.eval_solver is None or self.eval_solver in (*SOLVERS, "adaptive"), "pc.eval_solver",
                self.eval_solver, "null, " + ", ".join((*SOLVERS, "adaptive")))
+        for key, solver in (("pc.solver", self.solver), ("pc.eval_solver", self.eval_solver or "euler")):
+            _check(solver == "euler" or self.value_optimizer == "sgd" and self.x_momentum == 0, key, solver,
+                   f"euler with pc.value_optimizer={self.value_optimizer} pc.x_momentum={self.x_momentum} "
+                   "(heun, rk4 and adaptive integrate the plain gradient flow)")
+            _check(solver == "euler" or not self.value_noise, key, solver, "euler with pc.value_noise > 0")
         _check(_finite(self.eval_tol) and self.eval_tol > 0, "pc.eval_tol", self.eval_tol, "a finite number > 0")
         _check(self.algorithm in (*ALGORITHMS, BP), "pc.algorithm", self.algorithm, ", ".join((*ALGORITHMS, BP)))
         _check(self.init in ("ff", "deeppcr") or self.mode == "supervised", "pc.init", self.init,
