@@ -31,3 +31,12 @@ def test_evaluating_an_unsupervised_run_uses_its_eval_solver(tmp_path):
     result = pcdist.train({**QUICK, **over, "run_dir": str(tmp_path / "run")})
     got = evaluate(tmp_path / "run", write=False)
     assert got["reconstruction_mse"] == pytest.approx(result["val/reconstruction_mse"], rel=1e-6)
+
+
+def test_evaluating_a_bf16_generative_run_reproduces_its_logged_metrics(tmp_path):
+    """trainer.precision=bf16: the generative test by inference runs the run's precision in training and in
+    evaluate alike (evaluate in float32 gave another accuracy)."""
+    over = {"experiment": "generative_digits", "pc.eval_T": 20, "trainer.precision": "bf16"}
+    result = pcdist.train({**QUICK, **over, "run_dir": str(tmp_path / "run")})
+    got = evaluate(tmp_path / "run", write=False)
+    assert (got["accuracy"], got["reconstruction_mse"]) == (result["val/accuracy"], result["val/reconstruction_mse"])

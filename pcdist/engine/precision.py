@@ -13,8 +13,8 @@ deep network, below bfloat16's resolution of h (2^-8), so bfloat16 nodes stop mo
 of the network whose layers' ``lowp_params`` (their weights) are bfloat16 and whose other parameters are
 the master's own: every step starts from the master weights cast into it, the weight gradients of the
 bfloat16 products are cast into the master weights' .grad, the optimizer steps the master weights, and
-the copy is refreshed. The module kind (any nn.Module) computes in float32. Checkpoints, ``pcdist.load``
-and evaluation see only the float32 master network.
+the copy is refreshed. The module kind (any nn.Module) computes in float32. Checkpoints and ``pcdist.load``
+hold only the float32 master network (the service's tests by inference run in the run's precision).
 
 The TF32 switches are process-wide (torch.backends), set when a trainer is built.
 """

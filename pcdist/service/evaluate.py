@@ -84,8 +84,8 @@ def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> di
     runs during training, with the per-class accuracy and confusion matrix) on held-out inputs ``x`` (raw, as
     loaded) and ``labels``, in chunks of 1024, in this process."""
     test_of, net = EVALUATORS[mode], run.network
-    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),
-                        **method_options(c, resolve_x_lr(c, run.run_dir)))
+    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),  # as validation runs it:
+                        precision=c.trainer.precision, **method_options(c, resolve_x_lr(c, run.run_dir)))
     test, xs, device = test_of(c, trainer, full=True), run.preprocess(x), next(net.parameters()).device
     for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
         test.add(xb.to(device), lb)
