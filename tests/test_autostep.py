@@ -63,6 +63,19 @@ def test_the_chosen_step_is_said_and_kept(runs):
     assert all(min(tried[x]["min_cos"]) < MIN_COS or not all(tried[x]["monotone"]) for x in above)
     c = make_config({"data": {"name": "arrays", "path": "x.npz"}})
     assert c.pc.x_lr == "auto" and resolve_x_lr(c, run_dir) == chosen  # what pcdist.load / evaluate use
+    assert pcdist.load(run_dir).config.pc.x_lr == chosen
+
+
+def test_where_no_step_passes_the_line_says_so(tmp_path):
+    """From an init near equilibrium the update's cosine to backprop's gradient is the init's, whatever the step:
+    no candidate passes, auto takes the smallest one tried and says that none passed (not that it did)."""
+    pcdist.train({"pc": {"init": "newton", "T": 8}, "logger": "none", "run_dir": str(tmp_path),
+                  "trainer": {"max_steps": 2, "eval_every": 2, "progress": "off"}})
+    record = json.loads((tmp_path / "x_lr.json").read_text())
+    assert not any(r["passed"] for r in record["candidates"])
+    assert record["x_lr"] == min(r["x_lr"] for r in record["candidates"])
+    assert f"pc.x_lr=auto: {record['x_lr']:g}, the smallest step tried: none is a step whose" in \
+        (tmp_path / "train.log").read_text()
 
 
 def test_a_resumed_run_keeps_its_step(runs):

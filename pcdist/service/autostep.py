@@ -133,8 +133,12 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: b
         tried = ", ".join(f"{r['x_lr']:g}" + ("" if r["passed"] else f" (cos {min(r['min_cos'] or [0]):.3f}"
                                                 + ("" if all(r["monotone"]) else ", energy not falling") + ")")
                           for r in rows)
-        say(f"pc.x_lr=auto: {x_lr:g}, the largest step whose inference energy falls at every step and whose weight "
-            f"update is within cos {MIN_COS} of backprop's gradient at every layer on the first {len(batches)} "
-            f"batches (tried {tried}; {FILE})")
+        test = (f"inference energy falls at every step and whose weight update is within cos {MIN_COS} of "
+                f"backprop's gradient at every layer on the first {len(batches)} batches")
+        if any(r["passed"] for r in rows):
+            say(f"pc.x_lr=auto: {x_lr:g}, the largest step whose {test} (tried {tried}; {FILE})")
+        else:  # an init near equilibrium, say, whose update's cosine the step does not move
+            say(f"pc.x_lr=auto: {x_lr:g}, the smallest step tried: none is a step whose {test} (tried {tried}; "
+                f"{FILE}); set pc.x_lr to a number for this run")
         (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "candidates": rows}, indent=1))
     return x_lr

@@ -27,6 +27,7 @@ import yaml
 from torch import Tensor
 
 from ..engine.network import PCNetwork, legacy_signature
+from .autostep import resolve_x_lr
 from .checkpoint import CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint, read_pt
 from .config import Config, literal, load_config, network_options
 from .data import as_float
@@ -43,7 +44,8 @@ class RunError(ValueError):
 
 @dataclass
 class Run:
-    """A run read back: its network, config, metrics history and input preparation."""
+    """A run read back: its network, config (pc.x_lr=auto as the step the run chose: x_lr.json), metrics history
+    and input preparation."""
 
     network: PCNetwork
     config: Config
@@ -175,6 +177,7 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     if not isinstance(signature, list):
         raise CheckpointError(f"{path}: its meta.pt holds no layer signatures")
     c = _config(p, meta)
+    c.pc.x_lr = resolve_x_lr(c, p)  # what the run trained with, as a resume and evaluate take it
     try:
         model = read_model_file(p)
         specs = _specs(p, model, signature)
