@@ -124,6 +124,33 @@ def test_any_layer_split_gives_the_numbers_of_one_process(layer, world, tmp_path
     assert got["activation_scale"] == pytest.approx(want["activation_scale"], rel=1e-9)
 
 
+def _choose_worker(rank, world, out):
+    from pcdist.service.autostep import choose_x_lr
+
+    init_distributed(timeout_s=60)
+    par = Parallel.from_mesh(ParallelDims(world, 1), network().specs, timeout_s=60)
+    net = network(activation="tanh", layers=par.layers)
+    x, y = batch(7)
+    rows = torch.tensor_split(torch.arange(len(x)), world)[par.data_rank]  # 4 and 3 samples
+    got = choose_x_lr(trainer(net, T=6, parallel=par), [(x[rows], y[rows])], global_batch=len(x))
+    if par.is_logging:
+        torch.save(got, out)
+
+
+def test_pc_x_lr_auto_chooses_on_a_data_axis_with_uneven_shares_as_one_process(tmp_path):
+    """pc.x_lr=auto's trials (diagnose per candidate step) on two data ranks holding 4 and 3 of a batch of 7: the
+    same cosines to 1e-9 and the same step as one process (backprop's gradient weighed by each rank's own share;
+    weighed by the local batch times the ranks, a run chose a step 10 times smaller)."""
+    from pcdist.service.autostep import choose_x_lr
+
+    run(_choose_worker, 2, str(tmp_path / "c.pt"), timeout=120)
+    chosen, rows = torch.load(tmp_path / "c.pt", weights_only=False)
+    want, want_rows = choose_x_lr(trainer(network(activation="tanh"), T=6), [batch(7)])
+    assert chosen == want and [r["x_lr"] for r in rows] == [r["x_lr"] for r in want_rows]
+    for r, w in zip(rows, want_rows):
+        assert r["min_cos"] == pytest.approx(w["min_cos"], abs=1e-9), r["x_lr"]
+
+
 def test_a_too_large_value_step_makes_the_energy_grow_and_the_fix_is_stable():
     """Gradient descent on the energy with step x_lr diverges once x_lr exceeds 2 / (the largest curvature):
     the trace grows and is called diverging; the suggested x_lr (from the growth rate) is below 2 / lambda

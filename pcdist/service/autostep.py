@@ -47,11 +47,12 @@ def _monotone(energies: list[float]) -> bool:
     return all(b <= a * (1 + 1e-6) + 1e-12 for a, b in zip(energies, energies[1:]))
 
 
-def choose_x_lr(trainer, batches) -> tuple[float, list[dict]]:
+def choose_x_lr(trainer, batches, global_batch: int | None = None) -> tuple[float, list[dict]]:
     """The largest candidate step that passes on every batch of ``batches`` ((x, y) on this rank; see the module
     docstring), and one row of numbers per candidate tried. A smaller step keeps the nodes nearer the feed-forward
     state, so passing is taken to be monotone in the step: a bisection over the candidates tries about four.
-    Every rank calls it; all get the same answer (the logging rank decides and broadcasts)."""
+    Every rank calls it; all get the same answer (the logging rank decides and broadcasts). ``global_batch``: the
+    batch size over every data rank, where their shares differ (diagnose's)."""
     par = trainer.parallel
     rows: list[dict] = []
 
@@ -59,7 +60,7 @@ def choose_x_lr(trainer, batches) -> tuple[float, list[dict]]:
         trainer.x_lr = x_lr
         ok, row = True, {"x_lr": x_lr, "min_cos": [], "monotone": []}
         for x, y in batches:
-            r = diagnose(trainer, x, y)
+            r = diagnose(trainer, x, y, global_batch=global_batch)
             if r is not None:
                 row["min_cos"].append(min(r["cosine"]))
                 row["monotone"].append(_monotone(r["energy"]))
@@ -128,7 +129,7 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: b
         if is_logging:
             say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({FILE})")
         return saved
-    x_lr, rows = choose_x_lr(trainer, batches)
+    x_lr, rows = choose_x_lr(trainer, batches, c.trainer.batch_size)
     if is_logging:
         tried = ", ".join(f"{r['x_lr']:g}" + ("" if r["passed"] else f" (cos {min(r['min_cos'] or [0]):.3f}"
                                                 + ("" if all(r["monotone"]) else ", energy not falling") + ")")
