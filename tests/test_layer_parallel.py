@@ -99,6 +99,8 @@ CASES = {
                                          schedule=0.3, x_momentum=0.5),
     "unsupervised-D2xP2-learned-prior": Case((6, 8, 8, 8, 5), layer=2, data=2, bottom="free",
                                              prior=(1.0, "learned"), optimizer="adamw", noise=0.02),
+    "unsupervised-D2xP2-fixed-prior": Case((6, 8, 8, 5), layer=2, data=2, bottom="free", energy="bce"),  # no prior
+    # parameters: a group of none in the data axis's gradient buckets
     "free-top-P2-precision-schedule": Case((6, 8, 8, 8, 5), layer=2, top="free", precision=(0.5, 2.0, 1.5, 1.0),
                                            schedule=0.5, noise=0.05),
     "mupc-unsupervised-P3": Case((6, 8, 7, 4), layer=3, mupc="tanh", bottom="free", prior=(1.0, "learned"),

@@ -37,6 +37,8 @@ class GradBuckets:
         largest bucket first (its all-reduce is the longest and gets the most overlap)."""
         buckets = self._buckets_for(st)
         for i in sorted(range(len(buckets)), key=lambda i: -buckets[i].numel()):
+            if buckets[i].numel() == 0:  # a group without parameters (a fixed prior of a free h_0)
+                continue
             st.weight_grads([st.groups[i]], scale=-1.0)
             if i == len(buckets) - 1:
                 buckets[i][-1] = st.B
@@ -55,10 +57,11 @@ class GradBuckets:
 
         if self._key != key():
             self._buckets = []
+            like = next(p for gr in st.groups for p in gr.g.parameters())
             for i, gr in enumerate(st.groups):
                 params = list(gr.g.parameters())
                 n = sum(p.numel() for p in params)
-                flat = torch.zeros(n + (i == len(st.groups) - 1), dtype=params[0].dtype, device=params[0].device)
+                flat = torch.zeros(n + (i == len(st.groups) - 1), dtype=like.dtype, device=like.device)
                 at = 0
                 for p in params:
                     p.grad = flat[at : at + p.numel()].view_as(p)
