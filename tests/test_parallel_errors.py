@@ -181,3 +181,29 @@ def test_a_lost_peer_leaves_each_survivor_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in text and "frame #" not in text and "Exception raised from" not in text, text[-3000:]
     assert text.count("\n") == 1, text[-3000:]
     assert re.match(r"error: rank 0: .*(with rank 1 failed|over ranks \[0, 1\] failed)", text), text[-3000:]
+
+
+def test_a_rank_started_with_other_settings_is_named_with_the_keys_by_its_peer(tmp_path):
+    """Under the real torchrun, rank 1 alone gets pc.T=10 (another node's script, say). It would fail in an exchange
+    of the wrong size (a gloo abort); instead it refuses to start, and leaves why in the rendezvous store, so that
+    rank 0, whose first collective fails, names rank 1, the key and both values in its one line. (A data file
+    missing on one rank's side goes the same way.)"""
+    import subprocess
+    import sys
+
+    from test_service import ROOT
+
+    wrapper = tmp_path / "rank_wrapper.py"
+    wrapper.write_text(f"import os, runpy, sys\ntrain = {str(ROOT / 'train.py')!r}\n"
+                       "sys.argv = [train, *sys.argv[1:], *(['pc.T=10'] if os.environ['RANK'] == '1' else [])]\n"
+                       "runpy.run_path(train, run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(wrapper), "parallel.layer=2", "pc.T=20", "trainer.max_steps=4", "logger=none",
+                          "trainer.progress=off", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode != 0
+    said = out.stdout + out.stderr
+    assert ("rank 1 was started with other settings than rank 0: pc.T=10 (rank 0: 20); every rank of a launch must "
+            "get the same overrides") in said, said[-3000:]
+    assert "rank 1 stopped: rank 1 was started" in said or "error (rank 1): rank 1 was started" in said, said[-3000:]
+    assert "EnforceNotMet" not in said and not (tmp_path / "run" / "checkpoints").exists()

@@ -32,7 +32,7 @@ from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
-__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
+__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for", "report_failure"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,16 @@ def collective(what: str, group=None):
 
 
 _STEPS_KEY = "pcdist/steps_begun/{}"
+_FAILED_KEY = "pcdist/failed/{}"
+
+
+def report_failure(message: str) -> None:
+    """Leave in the rendezvous store why this rank stops (a file missing on its side, say), so that a peer whose
+    collective fails for it names the rank and the cause in its own one line (``collective``)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_FAILED_KEY.format(dist.get_rank()), message.split("\n")[0])
+    except Exception:  # diagnostics only
+        pass
 
 
 def _mark_progress(steps: int) -> None:
@@ -119,8 +129,8 @@ def _mark_progress(steps: int) -> None:
 
 
 def _who_fell_behind(ranks: list[int]) -> str:
-    """Which ranks of a failed collective began fewer training steps than this one (from the
-    store, read within 5 s; empty when the store is gone with the rank that hosted it)."""
+    """Which ranks of a failed collective stopped and why (``report_failure``), or else began fewer training steps
+    than this one (from the store, read within 5 s; empty when the store is gone with the rank that hosted it)."""
     me = dist.get_rank()
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -129,10 +139,14 @@ def _who_fell_behind(ranks: list[int]) -> str:
         try:
             keys = {r: _STEPS_KEY.format(r) for r in ranks}
             begun = {r: int(store.get(k)) if store.check([k]) else 0 for r, k in keys.items()}
+            failed = {r: store.get(k).decode(errors="replace") for r, k in ((r, _FAILED_KEY.format(r)) for r in ranks)
+                      if store.check([k])}
         finally:
             store.set_timeout(old)
     except Exception:
         return ""
+    if failed:
+        return " (" + "; ".join(f"rank {r} stopped: {m}" for r, m in failed.items()) + ")"
     behind = [r for r in ranks if begun[r] < begun[me]]
     if not behind:
         return (f" (every rank of the group began training step {begun[me]}; "
@@ -186,7 +200,8 @@ class Parallel(LayerExchange):
         # Every rank of the group joins one collective first: NCCL then has its
         # communicator before the first point-to-point batch.
         dev = torch.device(device)
-        dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
+        with collective("the layer group's first barrier (every rank starting)", layer_group):
+            dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
         costs = layer_costs(specs) if all(isinstance(s, LayerKind) for s in specs) else [int(c) for c in specs]
         slices = partition_layers(costs, P)

@@ -53,11 +53,14 @@ usage: python train.py [group=option ...] [key=value ...]           one process 
 
 
 def fail(message: str, status: int = 2) -> None:
-    """Print ``error: <message>`` once (local rank 0) and exit with ``status`` (2: the user's input)."""
-    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(3)  # torchrun stops every worker once one exits: let local rank 0 print first
+    """Print ``error: <message>`` and exit with ``status`` (2: the user's input). Under torchrun the other local
+    ranks first wait 3 s: where local rank 0 failed alike it has printed the line and torchrun has stopped them
+    (one line in all); where it did not (a file missing on one rank's side), the line is printed naming the rank."""
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if local != 0:
+        time.sleep(3)
+    where = f" (rank {os.environ.get('RANK', local)})" if local else ""
+    print(f"error{where}: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

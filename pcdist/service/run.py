@@ -11,16 +11,19 @@ checkpoints and logs.
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..distributed.parallel import init_distributed
+from ..distributed.parallel import init_distributed, report_failure
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, make_config, passed_settings
-from .data import Dataset, StreamedData
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, flat, make_config, passed_settings
+from .checkpoint import CheckpointError
+from .data import DataError, Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
 from .models import check_model_keys
 from .preemption import Preempted
@@ -95,12 +98,38 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
                          backend=None if c.parallel.backend == "auto" else c.parallel.backend)
     torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     try:
+        if distributed:
+            _check_same_settings(c)
         trainer = ServiceTrainer(c, device, distributed, data, user=user, resume=resume,
                                  mesh_line=mesh + threads if torchrun else None)
         try:
             return trainer.train()
         finally:
             trainer.close()
+    except (ConfigError, DataError, CheckpointError) as e:  # this rank's own input: its peers name it and why
+        if distributed and dist.is_initialized():
+            report_failure(str(e))
+        raise
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_same_settings(c: Config) -> None:
+    """Every rank of a launch trains one run: a rank started with other settings than rank 0 (another node's
+    environment or script, say) is refused in one line naming the keys that differ, where it would otherwise fail
+    in an exchange of the wrong size. Rank 0 leaves its settings in the rendezvous store (per torchrun attempt)."""
+    mine = flat(asdict(c))
+    key = f"pcdist/settings/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    if rank == 0:
+        store.set(key, json.dumps(mine, default=str))
+        return
+    theirs = json.loads(store.get(key))  # waits for rank 0 (within the store's timeout)
+    mine = json.loads(json.dumps(mine, default=str))
+    differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if differ:
+        shown = ", ".join(f"{k}={mine.get(k)!r} (rank 0: {theirs.get(k)!r})" for k in differ[:4])
+        raise ConfigError(f"rank {rank} was started with other settings than rank 0: {shown}"
+                          f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}; every rank of a launch must "
+                          f"get the same overrides")
