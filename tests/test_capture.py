@@ -287,6 +287,27 @@ def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in nets)))
 
 
+def test_a_value_step_changed_between_steps_is_the_one_a_step_uses_noise_included():
+    """trainer.x_lr set between steps (what pc.x_lr=auto does): the next steps and infer calls, value noise of std
+    sqrt(2 x_lr tau) included, equal a trainer built with that step from the same state (the replayed step and
+    the stage's noise are kept per x_lr; they kept the first one's)."""
+    def trainer(x_lr):
+        net = network("mlp", dtype=DT)
+        return pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=x_lr, value_noise=0.5,
+                                noise_seed=3, compile="graph")
+
+    changed, fresh = trainer(0.5), trainer(0.01)
+    changed.step(*batch(changed.net, "xy", 6, 0))  # its stage and noise made at x_lr 0.5
+    changed.x_lr = 0.01
+    fresh.net.load_state_dict(changed.net.state_dict())  # SGD without momentum: nothing else to carry
+    fresh.steps_done = changed.steps_done  # the noise of step n is drawn for n
+    for _ in range(3):
+        x, y = batch(changed.net, "xy", 6, 1)
+        assert changed.step(x, y)["energy"] == fresh.step(x, y)["energy"]
+    a, b = changed.infer(x, y, noise=0.5), fresh.infer(x, y, noise=0.5)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
 def test_bfloat16_products_on_a_cpu_are_rounded_to_bfloat16_then_summed_in_float32():
     """Where the GEMM cannot write float32 from bfloat16 operands (a CPU: base.f32_products is False; a GPU's
     float32 products are tests/test_cuda.py's), a product is rounded to bfloat16 and then added in float32:

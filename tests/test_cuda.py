@@ -260,6 +260,25 @@ def test_a_conv_groups_grouped_convolution_is_chosen_once_and_replays_as_the_lay
     assert graph == pytest.approx(layers, rel=1e-3 if precision == "fp32" else 2e-2)
 
 
+def test_a_value_step_changed_after_the_capture_is_the_one_replayed():
+    """trainer.x_lr set after the step was captured (pc.x_lr=auto sets it; a user may): the next steps replay a
+    capture of the new step (one per x_lr), equal to the eager trainer's to float64 round-off."""
+    def run(compile: str):
+        net = network("mlp").cuda()
+        tr, _ = cuda_trainer(net, compile, {"value_noise": 0.1}, 10)
+        out = []
+        for s in range(10):
+            if s == 6:
+                tr.x_lr = 0.025
+            x, y = batch(net, "xy", 8, 100 + s)
+            out.append(tr.step(x.cuda(), y.cuda())["energy"])
+        return out, tr
+
+    (graph, tr), (eager, _) = run("graph"), run("none")
+    assert graph == pytest.approx(eager, rel=1e-9, abs=1e-12)
+    assert len(tr.runner.programs) == 2, "a capture per value step"
+
+
 def test_the_service_trains_alike_captured_and_eager(tmp_path):
     """pcdist.train on the GPU in float64 with a schedule, logging and skips: compile=graph and none log the
     same energies and reach the same accuracy; a captured run stopped and resumed ends where it would have."""

@@ -55,6 +55,7 @@ def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path, capsys):
     pcdist.train([*LONG, f"trainer.stop_at={step + 5}", f"run_dir={run_dir}"])  # the rerun, as train.py runs it
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in capsys.readouterr().out
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step + 5:08d}"
+    assert not (run_dir / "PREEMPTED").exists(), "the resumed run removed the stop's record"
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):

@@ -139,7 +139,7 @@ class PCTrainer:
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.update.prepare()
         clock = [time.perf_counter()]
-        self.runner(("step", st), lambda: self._train(st, noise, log, clock))
+        self.runner(("step", st, self.x_lr), lambda: self._train(st, noise, log, clock))  # x_lr: a replay's constant
         clock.append(time.perf_counter())
         self.steps_done += 1
         if not log:
@@ -201,7 +201,7 @@ class PCTrainer:
             else:
                 relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw, solver=solver)
 
-        core() if solver == "adaptive" else self.runner(("infer", st, T, noise, solver), core)
+        core() if solver == "adaptive" else self.runner(("infer", st, T, noise, solver, self.x_lr), core)
         dtype = self.mixed.master_dtype
         own = {n: st.node(n).to(dtype, copy=True) for n in range(0 if self.net.first == 1 else self.net.first,
                                                                  self.net.stop)}

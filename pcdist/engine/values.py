@@ -342,11 +342,11 @@ class ValueNoise:
 
 def stage_noise(st, par, x_lr: float, tau: float, global_batch: int | None, generator: torch.Generator,
                 seed: int, call: int) -> ValueNoise | None:
-    """The Stage's value noise at temperature ``tau`` (made once per stage and tau), seeded for ``call``;
-    None without noise."""
+    """The Stage's value noise at temperature ``tau`` (made once per stage, tau and x_lr: its std is
+    sqrt(2 x_lr tau)), seeded for ``call``; None without noise."""
     if not tau:
         return None
-    key = (tau, global_batch)
+    key = (tau, global_batch, x_lr)
     noise = st.noise.get(key)
     if noise is None:
         noise = st.noise[key] = ValueNoise(st, par, math.sqrt(2.0 * x_lr * tau), global_batch, generator)

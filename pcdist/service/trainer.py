@@ -189,6 +189,8 @@ class ServiceTrainer:
             self.logger.say(self.mesh_line)
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
+        if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
+            (self.run_dir / "PREEMPTED").unlink(missing_ok=True)
         B, seed, n = c.trainer.batch_size, c.trainer.seed, num_train(self.data)
         if isinstance(self.data, StreamedData):
             self.data = Streamed(self.data, lambda step: batch_indices(n, B, step, seed), par, B, c.data.num_workers,
