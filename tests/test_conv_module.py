@@ -229,6 +229,35 @@ def test_a_module_vmap_cannot_run_runs_layer_by_layer_with_the_same_numbers():
     assert [b.K for b in bound] == [2] and not bound[0].batched, "the two blocks stack, and run looped"
 
 
+def test_equal_module_layers_keep_their_own_buffers_and_settings():
+    """Two Linear + BatchNorm (eval) + Tanh blocks with other running statistics stack into one group, each with
+    its own statistics; two blocks that differ only in a plain attribute (a scale the repr does not show) do not
+    stack. Either way the network computes what the modules do, before and after to_sequential."""
+    class Scaled(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.lin, self.c = nn.Linear(6, 6), c
+
+        def forward(self, h):
+            return torch.tanh(self.c * self.lin(h))
+
+    def block(mean, var):
+        bn = nn.BatchNorm1d(6).eval()
+        bn.running_mean.fill_(mean)
+        bn.running_var.fill_(var)
+        return nn.Sequential(nn.Linear(6, 6), bn, nn.Tanh())
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    for middle, K in (([block(0.0, 1.0), block(3.0, 0.1)], 2), ([Scaled(1.0), Scaled(5.0)], 1)):
+        layers = [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), *middle, nn.Linear(6, 3)]
+        net = pcdist.PCNetwork.from_layers(layers, input_shape=(4,))
+        assert max(g.K for g in net.groups if g.kind.kind == "module") == K
+        with torch.no_grad():
+            assert_close(net(x), nn.Sequential(*layers)(x), atol=1e-6, rtol=0)
+            assert_close(net.to_sequential()(x), nn.Sequential(*layers)(x), atol=1e-6, rtol=0)
+
+
 def test_round_trip_of_a_conv_network():
     """from_sequential copies the weights; to_sequential gives back the same modules and outputs."""
     torch.manual_seed(4)

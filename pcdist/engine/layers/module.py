@@ -70,6 +70,14 @@ def _structure(m: nn.Module) -> str:
     return "\n".join(parts)
 
 
+def _attributes(m: nn.Module) -> str:
+    """The plain settings (numbers, strings, flags) of ``m`` and its submodules that a repr may not show (a
+    ``self.c = 5.0`` of the user's): modules that differ in one do not stack, whatever their repr."""
+    plain = (bool, int, float, str, type(None), tuple)
+    return "\n".join(f"{name} {k}={v!r}" for name, sub in m.named_modules() for k, v in sorted(vars(sub).items())
+                     if not k.startswith("_") and isinstance(v, plain))
+
+
 @dataclass(frozen=True)
 class ModuleKind(LayerKind):
     """A generic PC layer: ``template`` (its structure; the group holds the parameters) maps a node of
@@ -81,6 +89,7 @@ class ModuleKind(LayerKind):
     output_shape: tuple[int, ...]
     template: nn.Module = field(compare=False, repr=False, hash=False)
     num_params: int = 0
+    attributes: str = field(default="", repr=False)  # equal layers only stack (not in the signature: checkpoints)
 
     @classmethod
     def of(cls, m: nn.Module, in_shape: tuple[int, ...], index: int = 0) -> "ModuleKind":
@@ -95,7 +104,7 @@ class ModuleKind(LayerKind):
             raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
                              f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
         return cls(_structure(m), tuple(in_shape), tuple(out.shape[1:]), copy.deepcopy(m),
-                   sum(q.numel() for q in m.parameters()))
+                   sum(q.numel() for q in m.parameters()), _attributes(m))
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -172,6 +181,14 @@ class ModuleGroup(LayerGroup):
         with torch.no_grad():
             for n, p in fresh.named_parameters():
                 self.stacked[_mangle(n)][k].copy_(p)
+
+    @torch.no_grad()
+    def load_buffers(self, k: int, m: nn.Module) -> None:
+        """Layer k's buffers (BatchNorm's running statistics, say) from the user's module ``m`` (the stacks start
+        as the group's first module's)."""
+        for n, b in m.named_buffers():
+            if n in self.buffer_names:
+                getattr(self, "buf__" + _mangle(n))[k].copy_(b)
 
     def to_module(self, k: int) -> nn.Module:
         m = copy.deepcopy(self.base)
