@@ -70,10 +70,11 @@ class Activation:
             return torch.tanh(a, out=out)
         if n == "sigmoid":
             return torch.sigmoid(a, out=out)
-        if n == "relu":
-            return torch.clamp(a, min=0, out=out)
+        if n == "relu":  # out=None: F.relu, whose autograd takes f'(0) = 0 as grad() does (clamp's takes 1)
+            return F.relu(a) if out is None else torch.clamp(a, min=0, out=out)
         if n == "hard_tanh":
-            return torch.clamp(a, self.min_val, self.max_val, out=out)
+            return F.hardtanh(a, self.min_val, self.max_val) if out is None else \
+                torch.clamp(a, self.min_val, self.max_val, out=out)
         if n == "leaky_relu":
             if out is None:
                 return F.leaky_relu(a, self.negative_slope)
