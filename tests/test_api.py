@@ -109,6 +109,13 @@ def test_batch_size_change_reallocates():
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], energy="mse"), "unknown energy 'mse'"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], activation="swish"), "unknown activation 'swish'"),
         (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive integer widths"),
+        (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], dtype=torch.int64), "dtype must be a floating-point"),
+        (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], precision="12"), "precision must be a number .* got '12'"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 2), nn.Softmax(-1))],
+                                              energy="ce"), "the output layer ends with Softmax: leave it out"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2), nn.ReLU(),
+                                                                nn.Flatten(), nn.Linear(18, 2)), input_shape=(1, 8, 8)),
+         r"module 2 \(ReLU\) after the pooling: .* put the activation before the pooling"),
     ],
 )
 def test_bad_networks_name_the_problem(build, message):
@@ -162,6 +169,26 @@ def test_bad_batches_name_the_expected_shape():
         tr.step(torch.randn(4, 6), torch.zeros(4, 3))
     with pytest.raises(ValueError, match=r"y must have shape \[4, 3\]"):
         tr.step(torch.randn(4, 5), torch.zeros(4, 2))
+    for args, kw, error, message in [
+            ((torch.randn(4, 5).numpy(), torch.zeros(4, 3)), {}, TypeError, "x must be a tensor .* got ndarray"),
+            ((torch.ones(4, 5, dtype=torch.int64), torch.zeros(4, 3)), {}, ValueError, "x must hold floats"),
+            ((torch.randn(0, 5), torch.zeros(0, 3)), {}, ValueError, "the batch is empty: x has no rows"),
+            ((None, None), {"batch_size": 2.5}, ValueError, "batch_size must be an integer >= 1, got 2.5"),
+            ((torch.randn(4, 5), None), {"batch_size": 7}, ValueError, "batch_size=7, but x has 4 rows")]:
+        with pytest.raises(error, match=message):
+            (tr.infer if kw else tr.step)(*args, **kw)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        pcdist.PCTrainer(net, None)
+
+
+def test_a_parameter_free_first_layer_is_a_module_layer():
+    """A pooling (or an activation) as the first PC layer has no parameters to take the dtype from: it runs as a
+    module layer, as it does in the middle of a network."""
+    layers = [nn.MaxPool2d(2), nn.Sequential(nn.Flatten(), nn.Linear(16, 3))]
+    net = pcdist.PCNetwork.from_layers(layers, input_shape=(1, 8, 8))
+    x = torch.randn(2, 1, 8, 8)
+    assert [g.kind.kind for g in net.groups] == ["module", "dense"]
+    torch.testing.assert_close(net(x), nn.Sequential(*layers)(x))
 
 
 def test_moving_the_network_after_building_the_trainer():

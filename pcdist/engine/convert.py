@@ -34,13 +34,18 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
     mods = list(layers)
     if not mods:
         raise ValueError("from_layers needs at least one module")
+    tail = list(mods[-1])[-1] if isinstance(mods[-1], nn.Sequential) and len(mods[-1]) else mods[-1]
+    if energy == "ce" and isinstance(tail, (nn.Softmax, nn.LogSoftmax)):
+        raise ValueError(f"the output layer ends with {type(tail).__name__}: leave it out; energy='ce' applies the "
+                         f"softmax to the output layer's u_L (the logits) itself")
     picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
     for l, m in enumerate(mods, start=1):
         kind, params = kind_from_module(m, l, l == len(mods), shape)
         picked.append((kind, params))  # shapes that do not chain are named by the constructor
         shape = tuple(kind.out_shape)
-    p = next(iter(picked[0][1].values()))
-    net = cls([k for k, _ in picked], energy=energy, layers=layers_owned, dtype=p.dtype, device=p.device,
+    p = next((t for _, params in picked for t in params.values()), None)  # a first layer may have none (a pooling)
+    net = cls([k for k, _ in picked], energy=energy, layers=layers_owned,
+              dtype=p.dtype if p is not None else torch.get_default_dtype(), device=p.device if p is not None else None,
               init=False, **kw)
     state = {f"layers.{l}.{name}": t for l, (_, params) in enumerate(picked, start=1) for name, t in params.items()}
     if net.groups and net.groups[0].first == 0:  # a learned prior mean starts at its init (zero)
@@ -179,6 +184,10 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
                                  f"applies the softmax to the output layer's u_L = a_L (the logits) itself")
             elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
                 cur.append(m)
+            elif _is_activation(m) and has_pool:
+                raise ValueError(f"module {i} ({type(m).__name__}) after the pooling: a conv PC layer is convolution, "
+                                 f"activation, then pooling; put the activation before the pooling (with max pooling "
+                                 f"and a non-decreasing activation such as ReLU it is the same function)")
             elif _is_activation(m):
                 raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row cannot be placed "
                                  f"where a value node would go; {hint}")

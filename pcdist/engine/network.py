@@ -34,10 +34,18 @@ def precisions(precision, num_layers: int) -> tuple[float, ...] | None:
     (the output layer's stays 1) or one per layer; None again when every one is 1."""
     if precision is None:
         return None
+    if torch.is_tensor(precision) and precision.dim() == 0:
+        precision = float(precision)
     if isinstance(precision, (int, float)) and not isinstance(precision, bool):
         values = [float(precision)] * (num_layers - 1) + [1.0]
     else:
-        values = [float(v) for v in precision]
+        try:
+            if isinstance(precision, (str, bytes)):
+                raise TypeError
+            values = [float(v) for v in precision]
+        except (TypeError, ValueError):
+            raise ValueError(f"precision must be a number (the hidden layers') or one number per layer, got "
+                             f"{precision!r}") from None
         if len(values) != num_layers:
             raise ValueError(f"precision needs one value per layer ({num_layers}) or one number for the hidden "
                              f"layers, got {len(values)} values")
@@ -92,6 +100,8 @@ class PCNetwork(nn.Module):
         prior: Prior | None = None,
     ):
         super().__init__()
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch dtype (torch.float32, torch.float64), got {dtype}")
         self.specs = check_specs(specs)
         L = len(self.specs)
         self.energy = check_energy(energy)

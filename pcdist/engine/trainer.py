@@ -81,6 +81,9 @@ class PCTrainer:
         self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
                                                value_noise, init, parallel)
         self.net, self.parallel = net, parallel
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
+                            f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above = init, skip_above
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
@@ -290,9 +293,21 @@ def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: 
     """The batch size of a step clamping h_0 to ``x`` and h_L to ``y`` (``batch_size`` where both are None);
     a ValueError naming the expected shape otherwise."""
     s_in, s_out = net.node_shapes[0], net.node_shapes[-1]
+    for name, t in (("x", x), ("y", y)):
+        if t is not None and not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a tensor (or None: a free end), got {type(t).__name__}")
+    if x is not None and not x.is_floating_point():
+        raise ValueError(f"x must hold floats, got {x.dtype}: scale it as in training (uint8 images: x / 255)")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
     if B is None:
-        raise ValueError("with both ends free (x=None, y=None) give batch_size=")
+        raise ValueError("with both ends free (x=None, y=None) give batch_size= (trainer.infer; a training step "
+                         "clamps x, y or both)")
+    if B < 1:
+        raise ValueError(f"the batch is empty: {'x' if x is not None else 'y'} has no rows")
+    if batch_size is not None and batch_size != B:
+        raise ValueError(f"batch_size={batch_size}, but {'x' if x is not None else 'y'} has {B} rows")
     for name, t, shape, node, side in (("x", x, s_in, "h_0", "input"), ("y", y, s_out, "h_L", "output")):
         if t is not None and (t.ndim != 1 + len(shape) or tuple(t.shape[1:]) != shape or t.shape[0] != B):
             what = "width" if len(shape) == 1 else "shape"
