@@ -194,6 +194,48 @@ def test_bad_files_give_one_exact_error(tmp_path):
                                f"numeric array writes one)")
 
 
+def test_object_and_big_endian_arrays(tmp_path):
+    """An .npz holding an array of Python objects is one line (numpy refuses to unpickle it); arrays saved
+    big-endian ('>f4', '>i8': another machine's) load as the native ones do."""
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, x_train=np.array([[1.0], [2.0, 3.0]], dtype=object), y_train=Y, x_val=X, y_val=Y)
+    with pytest.raises(DataError, match=f"^data.path={objects}: an array of Python objects"):
+        load_arrays(str(objects))
+    big, folder = tmp_path / "big.npz", tmp_path / "big"
+    arrays = {"x_train": (X + 1).astype(">f4"), "y_train": Y.astype(">i8"), "x_val": X.astype(">f4"),
+              "y_val": Y.astype(">i8")}
+    np.savez(big, **arrays)
+    folder.mkdir()
+    for k, a in arrays.items():
+        np.save(folder / f"{k}.npy", a)
+    ds = load_arrays(str(big))
+    assert torch.equal(ds.x_train, torch.from_numpy(X + 1)) and torch.equal(ds.y_val, torch.from_numpy(Y))
+    x, y = load_arrays(str(folder)).train[3]
+    assert torch.equal(x, torch.from_numpy(X[3] + 1)) and y == Y[3]
+
+
+def test_a_dataset_from_python_is_checked_and_prepared_as_arrays_are(tmp_path):
+    """pcdist.train(cfg, data=Dataset(...)): lengths, empty splits and sample shapes are one line as an .npz's; uint8
+    images are scaled to [0, 1] as an .npz's are (and as predict and evaluate prepare them: the logged accuracy is
+    evaluate's; training on 0-255 made them differ)."""
+    from pcdist.data import Dataset
+    from pcdist.service.evaluate import evaluate
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (120,), generator=g)
+    x = (torch.rand(120, 1, 4, 4, generator=g) * 80 + y[:, None, None, None] * 60).to(torch.uint8)
+    cfg = {"model": {"dims": [16, 8, 3]}, "trainer": {"max_steps": 6, "batch_size": 20, "progress": "off"},
+           "logger": "none", "logger.plots": False, "run_dir": str(tmp_path / "run")}
+    for bad, message in ((Dataset(x[:90], y[:80], x[90:], y[90:], 3), "x_train has 90 samples but y_train has 80"),
+                         (Dataset(x[:90], y[:90], x[90:90], y[90:90], 3), "x_val has no samples")):
+        with pytest.raises(DataError, match=f"^pcdist.train\\(cfg, data=...\\): {message}"):
+            pcdist.train(cfg, data=bad)
+    ds = Dataset(x[:90], y[:90], x[90:], y[90:], 3)
+    result = pcdist.train(cfg, data=ds)
+    assert evaluate(tmp_path / "run", data=ds, write=False)["accuracy"] == result["val/accuracy"]
+    assert float(pcdist.load(tmp_path / "run").preprocess(x[90:]).max()) <= 1.0
+
+
 def test_data_path_or_root_where_the_data_set_does_not_read_it_is_refused_in_one_line(tmp_path):
     """data.path is read by data=arrays only: without it a run would silently train on the bundled digits."""
     npz = save_npz(tmp_path / "my.npz", *digits_images())

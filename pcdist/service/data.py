@@ -291,9 +291,15 @@ def _cifar(root: Path, name: str) -> Dataset:
     return Dataset(f(xt), torch.from_numpy(yt), f(xv), torch.from_numpy(yv), num_classes=classes)
 
 
+def native(a: np.ndarray) -> np.ndarray:
+    """``a`` in the machine's byte order (an array saved big-endian: '>f4'), which torch requires."""
+    a = np.asarray(a)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def as_float(x: np.ndarray | Tensor) -> Tensor:
     """Inputs as a float tensor: uint8 scaled to [0, 1], other integers and bool as they are, float64 kept."""
-    t = torch.as_tensor(np.asarray(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+    t = torch.as_tensor(native(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
     if t.dtype == torch.uint8:
         return t.to(torch.float32) / 255.0
     return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
@@ -428,13 +434,34 @@ def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
         if missing:
             raise DataError(f"{where}: no array {', '.join(missing)}; expected x_train, y_train, x_val, y_val "
                             f"(found {', '.join(npz.files) or 'none'})")
-        a = {k: npz[k] for k in ARRAYS}
+        try:
+            a = {k: npz[k] for k in ARRAYS}
+        except ValueError as e:  # an object array (np.savez of lists of other lengths, say): pickled, refused
+            raise DataError(f"{where}: an array of Python objects ({e}); save numeric arrays (np.asarray(x, "
+                            f"dtype=np.float32))") from None
     classes = _check_arrays(where, a, num_classes)
     x_train, x_val = as_float(a["x_train"]), as_float(a["x_val"])
     _check_finite(where, "x_train", x_train)
     _check_finite(where, "x_val", x_val)
     return Dataset(x_train, torch.from_numpy(a["y_train"].astype(np.int64)), x_val,
                    torch.from_numpy(a["y_val"].astype(np.int64)), classes)
+
+
+def prepared(ds: Dataset, where: str = "pcdist.train(cfg, data=...)") -> Dataset:
+    """A Dataset given from Python, checked as an .npz's arrays are (shapes, lengths, empty splits, label ids) and
+    its inputs prepared alike (uint8 scaled to [0, 1], other integers as floats: what predict and evaluate do)."""
+    def array(t) -> np.ndarray:
+        t = torch.as_tensor(t).detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+    if not all(hasattr(ds, k) for k in ARRAYS):
+        raise DataError(f"{where}: a Dataset needs x_train, y_train, x_val and y_val")
+    a = {k: array(getattr(ds, k)) for k in ARRAYS}
+    classes = _check_arrays(where, a, ds.num_classes)
+    x_train, x_val = as_float(getattr(ds, "x_train")), as_float(getattr(ds, "x_val"))
+    _check_finite(where, "x_train", x_train)
+    _check_finite(where, "x_val", x_val)
+    return Dataset(x_train, torch.as_tensor(ds.y_train).long(), x_val, torch.as_tensor(ds.y_val).long(), classes)
 
 
 def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import Config
-from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized
+from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
 from .models import model_of, model_specs
@@ -30,6 +30,8 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
     elif not isinstance(data, (Dataset, StreamedData)):
         raise DataError(f"pcdist.train(cfg, data=...) takes a pcdist.data.Dataset (tensors in memory) or "
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
+    elif isinstance(data, Dataset):
+        data = prepared(data)
     _check_data(c, data)
     shape = tuple(data.sample_shape)
     flatten = _flattens(c, shape, user)
