@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.service.metrics import RunLogger, plot_heatmap, plot_inference, plot_training
+from pcdist.service.metrics import RunLogger, plot_heatmap, plot_inference, plot_training, read_metrics
 
 NO_WANDB = SimpleNamespace(name="none", mode="disabled", plots=True)
 
@@ -116,7 +116,6 @@ def test_metrics_hold_validation_energy_and_training_accuracy_that_the_weights_g
     labels, where every hidden error is zero, so it is the cross-entropy of the prediction (a batch mean)."""
     from pcdist.service.checkpoint import latest_checkpoint, load_checkpoint
     from pcdist.service.data import load_dataset
-    from pcdist.service.metrics import read_metrics
 
     pcdist.train({"model.dims": [64, 16, 10], "pc.T": 3, "trainer": {"max_steps": 6, "log_every": 2, "eval_every": 3},
                   "logger": "none", "trainer.progress": "off", "run_dir": str(tmp_path)})
@@ -198,3 +197,15 @@ def test_plots_false_draws_no_pictures_and_a_resume_with_plots_draws_them(tmp_pa
     assert {p.name for p in tmp_path.glob("*.png")} == {"accuracy_energy.png", "inference_energy.png",
                                                       "inference_heatmap.png", "diagnostics_energy.png",
                                                       "diagnostics_cosine.png"}
+
+
+def test_metrics_with_a_last_line_cut_short_read_as_a_resume_keeps_them(tmp_path):
+    """A run killed while writing its last row (or a full disk) leaves it cut short: read_metrics (pcdist.load,
+    evaluate, predict, export, compare) leaves it out, as a resume drops it; a damaged row before the last is a
+    ValueError naming the file and the line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 5, "train/energy": 1.5}\n{"step": 10, "train/energy": 1.25}\n{"step": 15, "train/en')
+    assert read_metrics(path) == [{"step": 5, "train/energy": 1.5}, {"step": 10, "train/energy": 1.25}]
+    path.write_text('{"step": 5, "train/energy": 1.5}\n{"step": 10, "tra\n{"step": 15, "train/energy": 1.0}\n')
+    with pytest.raises(ValueError, match=f"^{path}: line 2 is not a JSON row"):
+        read_metrics(path)

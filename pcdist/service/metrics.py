@@ -447,6 +447,18 @@ def _keeps(line: str, keep) -> bool:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl file."""
+    """The rows of a metrics.jsonl file; a last line cut short (a run killed while writing it, a full disk) is
+    left out, as a resume drops it; a damaged line before it is a ValueError naming the file and the line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().splitlines()
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines):
+                break
+            raise ValueError(f"{path}: line {n} is not a JSON row ({e.msg})") from None
+    return rows
