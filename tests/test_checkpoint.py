@@ -182,10 +182,11 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
            "trainer": {"max_steps": 200, "ckpt_every": 2, "log_every": 2, "eval_every": 100,
                        "progress": "off", "max_energy": 1e4}}
     with pytest.raises(FloatingPointError, match=r"step \d+: the energy diverged to \S+ \(layer \d: \S+; limit "
-                                                 r"trainer.max_energy=10000.0\); the last good checkpoint is in"):
+                                                 r"trainer.max_energy=10000.0\); the last good checkpoint is ") as e:
         pcdist.train(cfg)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None, "the checkpoints before the divergence must be on disk"
+    assert f"the last good checkpoint is {ckpt}. Lower optim.lr or pc.x_lr" in str(e.value)
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
     assert load_checkpoint(ckpt, net, None)["step"] >= 2
     assert all(torch.isfinite(p).all() for p in net.parameters()), "a checkpoint never holds diverged weights"

@@ -40,6 +40,22 @@ def test_multirun_over_two_values_gives_two_run_directories(tmp_path):
         assert [r["step"] for r in read_metrics(p / "metrics.jsonl") if "val/accuracy" in r] == [6, 12]
 
 
+def test_a_diverged_job_is_one_line_and_the_sweep_goes_on_then_ends_with_status_1(tmp_path):
+    """A sweep over the value step whose first job diverges: that job is one line naming its directory (no
+    checkpoint was written before it), the next job trains to its end, and the sweep ends with status 1 naming
+    the job that diverged (it was Hydra's traceback, and the sweep stopped there)."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "pc.x_lr=1000,0.01", *QUICK,
+                          f"hydra.sweep.dir={sweep}"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: {sweep / '0'}: step ") and "the energy diverged to" in lines[0], lines
+    assert "no checkpoint was written before it. Lower optim.lr or pc.x_lr" in lines[0]
+    assert lines[-1] == f"error: 1 job(s) of the sweep diverged: {sweep / '0'}", lines
+    assert (sweep / "1" / "checkpoints" / "step-00000012").is_dir()
+
+
 def test_multirun_still_names_a_mistyped_key_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "optim.lrr=1e-3,2e-3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

@@ -174,10 +174,10 @@ def _train(cfg) -> float | None:
     from .run import run
 
     run_dir = None
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         c = load_config(cfg)
         c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
-        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
         result = run(c, passed, sweep=sweep)
     except pcdist.Preempted as e:
@@ -196,10 +196,19 @@ def _train(cfg) -> float | None:
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
+    except FloatingPointError as e:  # the run diverged (trainer.on_divergence=stop): one line
+        if sweep:  # a sweep goes on to its next job (and ends with status 1); an Optuna study counts the trial failed
+            print(f"error: {run_dir}: {e}", file=sys.stderr, flush=True)
+            _diverged.append(str(run_dir))
+            return float("nan")
+        fail(str(e), status=1)
     finally:
         _ignore_stop_signals()
     return result.get("val/accuracy")  # the objective of a sweeper (Optuna: direction maximize)
 
+
+_diverged: list[str] = []
+"""The run directories of this sweep's jobs that diverged."""
 
 _new_dirs: list[Path] = []
 """The run directory and those of its parents that did not exist before this launch, deepest first."""
@@ -327,6 +336,8 @@ def _main() -> None:
         hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind
         _remove_new_dirs()
+    if _diverged:
+        fail(f"{len(_diverged)} job(s) of the sweep diverged: {', '.join(_diverged)}", status=1)
 
 
 if __name__ == "__main__":

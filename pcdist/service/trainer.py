@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, command, network_options
 from .data import StreamedData
 from .datachecks import load_data, num_train
@@ -309,10 +309,12 @@ class ServiceTrainer:
         energy, layers = stats["energy"], stats["layer_energies"]
         if t_cfg.on_divergence == "stop" and (not math.isfinite(energy) or energy > t_cfg.max_energy):
             bad = max(range(len(layers)), key=lambda i: layers[i] if math.isfinite(layers[i]) else math.inf)
+            last = latest_checkpoint(self.run_dir)
             raise FloatingPointError(
                 f"step {done}: the energy diverged to {energy} (layer {bad + 1}: {layers[bad]}; limit "
-                f"trainer.max_energy={t_cfg.max_energy}); the last good checkpoint is in "
-                f"{self.run_dir / 'checkpoints'}. Lower optim.lr or pc.x_lr")
+                f"trainer.max_energy={t_cfg.max_energy}); "
+                + (f"the last good checkpoint is {last}" if last else "no checkpoint was written before it")
+                + ". Lower optim.lr or pc.x_lr")
         now = time.perf_counter()
         elapsed, steps = now - clock["t"], max(1, done - clock["step"])
         metrics = {"train/energy": energy, **({"train/accuracy": stats["accuracy"]} if "accuracy" in stats else {}),
