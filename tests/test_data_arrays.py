@@ -411,12 +411,19 @@ def test_a_streamed_run_leaves_no_worker_process_behind(npy_folder, tmp_path):
 
 
 def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
-    """A NaN met by a worker process is reported as one line naming the sample, not a worker traceback."""
+    """A NaN met by a worker process is reported as one line naming the sample, not a worker traceback; met in
+    the validation split after training, the run's last checkpoint is written first."""
     x, labels = torch.rand(64, 64), torch.arange(64) % 10
     data = StreamedData(Samples(x, labels, nan_at=5), Samples(x[:16], labels[:16]), 10)
     with pytest.raises(DataError) as info:
         pcdist.train(small_cfg(tmp_path / "run", trainer={"batch_size": 64}), data=data)
     assert str(info.value) == "StreamedData train sample 5 holds NaN or Inf"
+    # in the validation split, met at the end-of-run evaluation: one line too, and the trained steps are kept
+    data = StreamedData(Samples(x, labels), Samples(x[:16], labels[:16], nan_at=7), 10)
+    with pytest.raises(DataError) as info:
+        pcdist.train(small_cfg(tmp_path / "val", trainer={"batch_size": 64}), data=data)
+    assert str(info.value) == "StreamedData val sample 7 holds NaN or Inf"
+    assert (tmp_path / "val" / "checkpoints" / "step-00000008").is_dir()
 
 
 def test_a_dataloader_is_refused_with_the_reason():

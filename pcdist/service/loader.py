@@ -45,7 +45,8 @@ class _Checked(torch.utils.data.Dataset):
 
     def __init__(self, dataset, split: str, num_classes: int, sample_shape: tuple[int, ...]):
         self.dataset, self.num_classes, self.sample_shape = dataset, num_classes, sample_shape
-        self.what = f"{dataset.where}: x_{split}" if isinstance(dataset, NpyArrays) else f"StreamedData {split}"
+        inner = getattr(dataset, "inner", dataset)  # data.signal=true wraps the arrays (a channel added)
+        self.what = f"{inner.where}: x_{split}" if isinstance(inner, NpyArrays) else f"StreamedData {split}"
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -36,7 +36,7 @@ from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, command, network_options
-from .data import StreamedData
+from .data import DataError, StreamedData
 from .datachecks import load_data, num_train
 from .diagnostics import Diagnostics, check_trace
 from .loader import Streamed
@@ -272,7 +272,12 @@ class ServiceTrainer:
             self._diagnostics(step, self.engine, x, y, t_cfg.batch_size)
         stats = self.engine.step(*clamps(self.config.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         metrics = self._log_step(stats, x, y, done) if log else None
-        val = self._evaluate(done) if done % t_cfg.eval_every == 0 or done == self.end else None
+        try:
+            val = self._evaluate(done) if done % t_cfg.eval_every == 0 or done == self.end else None
+        except DataError:  # a bad validation sample, found as streamed data is read: keep the training done
+            if log:  # its energy was checked: the weights are finite
+                self._checkpoint(done)
+            raise
         if metrics is not None or val is not None:
             acc = None if val is None else val.get("val/accuracy")
             self.logger.progress(done, metrics and metrics["train/energy"], acc,
