@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -270,6 +271,13 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
         out = cli(*args, check=False)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+    run = pcdist.load(run_dir)  # what predict prepares: numbers that training would take, else one line
+    nan = np.zeros((3, 64), np.float32)
+    nan[2, 5] = np.nan
+    for x, says in ((nan, "input 2 holds NaN or Inf"), (np.full((2, 64), "a"), "inputs have dtype <U1"),
+                    (np.ones((2, 64), np.complex64), "inputs have dtype complex64")):
+        with pytest.raises(pcdist.RunError, match=re.escape(says)):
+            run.preprocess(x)
 
 
 def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):

@@ -59,7 +59,17 @@ class Run:
         """Raw inputs [N, *sample_shape] (numpy or torch; uint8 scaled to [0, 1] as the data loaders do)
         as the network's input node: standardised with the run's statistics, flattened where the
         model reads vectors, in the run's dtype."""
+        kind = np.asarray(x).dtype if not torch.is_tensor(x) else None
+        if kind is not None and not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)
+                                     or kind == bool):
+            raise RunError(f"inputs have dtype {kind}; this run takes numbers (float, or integers such as uint8 "
+                           f"images)")
         t = as_float(x)
+        if t.is_complex() or not (t.is_floating_point() or t.dtype == torch.bool):
+            raise RunError(f"inputs have dtype {t.dtype}; this run takes real numbers")
+        if not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).reshape(len(t), -1).any(1).nonzero()[0, 0]) if t.dim() else 0
+            raise RunError(f"input {bad} holds NaN or Inf (training refuses such samples too)")
         shape, inp = tuple(self.inputs.sample_shape), self.inputs
         if t.dim() < 1 or tuple(t.shape[1:]) not in (shape, (int(np.prod(shape)),)):
             raise RunError(f"inputs have shape {list(t.shape)}, but this run takes [N, {', '.join(map(str, shape))}]"
