@@ -542,6 +542,21 @@ def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_pat
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------
 
+def test_compare_names_a_run_whose_config_is_damaged(digits_run, tmp_path):
+    """A sweep holding a run whose config.yaml does not parse (or holds nothing): one line naming the file."""
+    from pcdist.service.compare import compare
+
+    run_dir, _ = digits_run
+    for name, text, says in (("cut", "trainer: {max_steps: 4\n  seed", "is damaged (ParserError)"),
+                             ("empty", "", "holds no settings")):
+        sweep = tmp_path / name
+        shutil.copytree(run_dir, sweep / "0")
+        (sweep / "1").mkdir()
+        (sweep / "1" / "config.yaml").write_text(text)
+        with pytest.raises(pcdist.RunError, match=re.escape(f"{sweep / '1' / 'config.yaml'} {says}")):
+            compare([sweep], plot=tmp_path / "c.png")
+
+
 def _round_trip(model: nn.Sequential, x: torch.Tensor, net: pcdist.PCNetwork) -> None:
     back = net.to_sequential()
     assert list(back.state_dict()) == list(model.state_dict())

@@ -62,12 +62,24 @@ def _summary(rows: list[dict]) -> dict:
             "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
 
 
+def _config(run: Path) -> dict:
+    """A run's settings (its config.yaml), flattened; a RunError naming the file where it is damaged."""
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunError(f"{run / 'config.yaml'} is damaged ({type(e).__name__}): mend it or leave this run out of "
+                       f"the comparison") from None
+    if not isinstance(cfg, dict) or not cfg:
+        raise RunError(f"{run / 'config.yaml'} holds no settings: mend it or leave this run out of the comparison")
+    return flat(cfg)
+
+
 def compare(paths, plot: str | Path | None = None) -> dict:
     """The runs under ``paths``: {"runs": [...], "settings": [differing keys], "rows": [per run: its
     settings and final metrics]}; draws the validation curves into ``plot`` (default: compare.png in
     the sweep directory, or in the current directory for several run directories)."""
     runs = find_runs(paths)
-    configs = [flat(yaml.safe_load((r / "config.yaml").read_text()) or {}) for r in runs]
+    configs = [_config(r) for r in runs]
     keys = sorted({k for c in configs for k in c} - _NOT_SETTINGS)
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     histories = [read_metrics(r / "metrics.jsonl") if (r / "metrics.jsonl").is_file() else [] for r in runs]

@@ -61,7 +61,7 @@ class Run:
         model reads vectors, in the run's dtype."""
         kind = np.asarray(x).dtype if not torch.is_tensor(x) else None
         if kind is not None and not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)
-                                     or kind == bool):
+                                     or np.issubdtype(kind, np.bool_)):
             raise RunError(f"inputs have dtype {kind}; this run takes numbers (float, or integers such as uint8 "
                            f"images)")
         t = as_float(x)
