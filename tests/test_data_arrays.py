@@ -214,7 +214,7 @@ def test_object_and_big_endian_arrays(tmp_path):
     assert torch.equal(x, torch.from_numpy(X[3] + 1)) and y == Y[3]
 
 
-def test_a_dataset_from_python_is_checked_and_prepared_as_arrays_are(tmp_path):
+def test_a_dataset_from_python_is_checked_and_prepared_as_arrays_are(tmp_path, capsys):
     """pcdist.train(cfg, data=Dataset(...)): lengths, empty splits and sample shapes are one line as an .npz's; uint8
     images are scaled to [0, 1] as an .npz's are (and as predict and evaluate prepare them: the logged accuracy is
     evaluate's; training on 0-255 made them differ)."""
@@ -234,6 +234,10 @@ def test_a_dataset_from_python_is_checked_and_prepared_as_arrays_are(tmp_path):
     result = pcdist.train(cfg, data=ds)
     assert evaluate(tmp_path / "run", data=ds, write=False)["accuracy"] == result["val/accuracy"]
     assert float(pcdist.load(tmp_path / "run").preprocess(x[90:]).max()) <= 1.0
+    stopped = tmp_path / "stopped"  # stopped early, it says how to go on: with the data again, from Python
+    pcdist.train({**cfg, "run_dir": str(stopped), "trainer": {**cfg["trainer"], "stop_at": 3}}, data=ds)
+    assert f"to train on, resume it with its own settings: pcdist.train({{'run_dir': '{stopped}'}}, data=...) with " \
+        f"the same data" in capsys.readouterr().out
 
 
 def test_data_path_or_root_where_the_data_set_does_not_read_it_is_refused_in_one_line(tmp_path):

@@ -82,7 +82,8 @@ def interrupted_step(out: str, run_dir) -> int:
     assert len(lines) == 1, out[-3000:]
     step = int(re.search(r"after step (\d+);", lines[0]).group(1))
     assert lines[0] == (f"interrupted: stopped by Ctrl-C (SIGINT) after step {step}; checkpoint "
-                        f"{run_dir / 'checkpoints' / f'step-{step:08d}'}; rerun with hydra.run.dir={run_dir} to resume")
+                        f"{run_dir / 'checkpoints' / f'step-{step:08d}'}; to resume: python train.py "
+                        f"hydra.run.dir={run_dir}")
     return step
 
 

@@ -101,6 +101,8 @@ def test_a_sweep_into_an_earlier_sweeps_folder_refuses_and_changes_nothing(tmp_p
     assert snapshot(sweep) == before, "a refused sweep changes nothing in the folder"
     again = train_py("--multirun", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert again.stdout.count("is already finished") == 2 and "new run in" not in again.stdout, again.stdout
+    assert again.stdout.count("a sweep's jobs keep their settings: to train longer, launch the sweep with a larger "
+                              "trainer.max_steps into a new hydra.sweep.dir") == 2, again.stdout
 
 
 def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):

@@ -55,10 +55,10 @@ def restore_sigint(before) -> None:
         signal.signal(signal.SIGINT, before)
 
 
-def stop_message(signum: int, done: int, path: Path, run_dir) -> str:
-    """How the run stopped, its checkpoint, and how to resume it."""
+def stop_message(signum: int, done: int, path: Path, resume: str) -> str:
+    """How the run stopped, its checkpoint, and how to resume it (``resume``: the command, resume.resume_command)."""
     how = "by Ctrl-C (SIGINT)" if signum == signal.SIGINT else "by a signal"
-    return f"stopped {how} after step {done}; checkpoint {path}; rerun with hydra.run.dir={run_dir} to resume"
+    return f"stopped {how} after step {done}; checkpoint {path}; to resume: {resume}"
 
 
 class StopVote:

@@ -10,15 +10,30 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint
-from .config import Config
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, command
 from .diagnostics import FILE as DIAGNOSTICS_FILE
 from .metrics import truncate_jsonl
 from .rundir import Resume, position_schedule, write_attempt
 
 
-def nothing_to_train(c: Config, run_dir: Path, step: int) -> str:
+def resume_command(c: Config, run_dir) -> str:
+    """How to continue the run in ``run_dir``: its command line, or for data or layers passed from Python the call
+    that passes them again."""
+    if c.data.name == PYTHON_DATA or c.model.name == PYTHON_MODEL:
+        given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
+                                          ("layers=...", c.model.name == PYTHON_MODEL)) if on)
+        return f"pcdist.train({{'run_dir': '{run_dir}'}}, {given}) with the same {given.replace('=...', '')}"
+    return f"{command()} hydra.run.dir={run_dir}"
+
+
+def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -> str:
     """The one line for a rerun into a run that has nothing left to train."""
     t = c.trainer
+    if step >= t.max_steps and sweep:
+        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
+                f"{t.max_steps}; nothing to train (a sweep's jobs keep their settings: to train longer, launch the "
+                f"sweep with a larger trainer.max_steps into a new hydra.sweep.dir, or continue this run on its "
+                f"own: {resume_command(c, run_dir)} trainer.max_steps=...)")
     if step >= t.max_steps:
         return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
                 f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "

@@ -197,6 +197,8 @@ class Resume:
     """The checkpoint carries no config and the directory no config.yaml: nothing to compare with."""
     overrides: list[str] = field(default_factory=list)
     """The overrides this attempt was given (kept in configs/attempt-<n>.yaml)."""
+    sweep: bool = False
+    """This run is a job of a sweep (``--multirun``), which never continues a run of other settings."""
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     """Newer checkpoints skipped as damaged, each with why."""
     unstarted: list[str] = field(default_factory=list)
@@ -368,7 +370,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
         raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
-               skipped=skipped)
+               skipped=skipped, sweep=sweep)
     restarted = _restarted()
     if r.checkpoint is None:
         r.unstarted = _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)

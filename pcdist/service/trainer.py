@@ -35,7 +35,7 @@ from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, command, network_options
+from .config import Config, network_options
 from .data import DataError, StreamedData
 from .datachecks import load_data, num_train
 from .diagnostics import Diagnostics, check_trace
@@ -44,7 +44,7 @@ from .metrics import make_logger
 from .models import make_network, model_specs, record_model
 from .optimizer import make_optimizer
 from .preemption import Preempted, StopVote, catch_stop_signals, restore_sigint, stop_message
-from .resume import announce, forget_lost_steps, nothing_to_train, restore_checkpoint
+from .resume import announce, forget_lost_steps, nothing_to_train, restore_checkpoint, resume_command
 from .rundir import Resume, find_resume
 from .userlayers import UserLayers
 from .validate import pictures, validate
@@ -233,7 +233,7 @@ class ServiceTrainer:
     def _nothing_to_train(self) -> Result:
         """The run's directory is at or past its end: say so in one line, and return the checkpoint's network."""
         if self.parallel.is_logging:
-            print(nothing_to_train(self.config, self.run_dir, self.step), flush=True)
+            print(nothing_to_train(self.config, self.run_dir, self.step, self.resume.sweep), flush=True)
         done = Result(step=self.step, run_dir=str(self.run_dir), finished=True)
         load_checkpoint(self.resume.checkpoint, self.network, None)
         done.network = self.network
@@ -291,7 +291,7 @@ class ServiceTrainer:
             # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
             if self.is_rank0 and stop != signal.SIGINT:
                 (self.run_dir / "PREEMPTED").write_text(f"{done}\n")
-            raise Preempted(stop_message(stop, done, path, self.run_dir), stop)
+            raise Preempted(stop_message(stop, done, path, resume_command(self.config, self.run_dir)), stop)
 
     def _log_step(self, stats: dict | None, x, y, done: int) -> dict | None:
         """A logged step: the batch's accuracy after its update (collective, supervised), then its metrics
@@ -374,5 +374,5 @@ def _end_line(c: Config, result: dict) -> str:
     if result["finished"]:
         return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
-            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: {command()} "
-            f"hydra.run.dir={result['run_dir']}")
+            f"{acc}run directory: {result['run_dir']}; to train on, resume it with its own settings: "
+            f"{resume_command(c, result['run_dir'])}")
