@@ -202,7 +202,7 @@ def test_exported_program_runs_without_pcdist_and_matches_the_network(digits_run
     normalisation itself, so raw inputs give the network's logits (float32, 1e-6)."""
     run_dir, _ = digits_run
     out = cli("export", run_dir, tmp_path / "net.pt2")
-    assert "torch.export program" in out.stdout
+    assert "a torch.export program (raw inputs [N, 1, 8, 8] -> logits)" in out.stdout
     x = load_dataset("digits").x_val[:100]
     np.save(tmp_path / "x.npy", x.numpy())
     (tmp_path / "standalone.py").write_text(NO_PCDIST)

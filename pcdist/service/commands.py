@@ -85,7 +85,7 @@ def _run(args) -> None:
 
         r = export(args.run_dir, args.out, args.checkpoint, trust_code=args.trust_code)
         if r["format"] == "torch.export":
-            print(f"wrote {r['path']}: a torch.export program (raw inputs -> logits); load it with "
+            print(f"wrote {r['path']}: a torch.export program (raw inputs {r['inputs']} -> logits); load it with "
                   f"torch.export.load({r['path']!r}).module()")
         else:
             print(f"note: {r['note']}")

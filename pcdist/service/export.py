@@ -48,7 +48,8 @@ class Deployed(nn.Module):
 
 
 class ExportResult(dict):
-    """``path``, ``format`` ("torch.export" or "state_dict") and, for the fallback, ``note``."""
+    """``path``, ``format`` ("torch.export" or "state_dict"), the program's ``inputs`` layout and, for the fallback,
+    ``note``."""
 
 
 def _first_failing_layer(run: Run, example: Tensor) -> str:
@@ -98,4 +99,5 @@ def export_run(run: Run, out) -> ExportResult:
                             f"to_sequential() to {out} instead (torch.load(..., weights_only=True)['state_dict'])")
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, out, extra_files={"pcdist.json": json.dumps(info)})
-    return ExportResult(path=str(out), format="torch.export")
+    return ExportResult(path=str(out), format="torch.export",
+                        inputs=f"[N, {', '.join(map(str, run.inputs.sample_shape))}]")  # its inputs' one layout
