@@ -207,3 +207,25 @@ def test_a_rank_started_with_other_settings_is_named_with_the_keys_by_its_peer(t
             "get the same overrides") in said, said[-3000:]
     assert "rank 1 stopped: rank 1 was started" in said or "error (rank 1): rank 1 was started" in said, said[-3000:]
     assert "EnforceNotMet" not in said and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_diverged_slice_is_named_with_its_cause_by_its_neighbour(tmp_path):
+    """Layer-parallel under the real torchrun, a value step that makes the energy diverge: the rank that logs (the
+    last slice) stops with the one line of a diverged run, and its neighbour, whose next exchange fails, names
+    that rank and the same cause in its own line (it said only "is rank 1 alive?")."""
+    import subprocess
+    import sys
+
+    from test_service import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "train.py"), "parallel.layer=2", "pc.x_lr=1000", "trainer.max_steps=30",
+                          "trainer.log_every=5", "logger=none", "trainer.progress=off",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode != 0
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error")]
+    cause = "step 5: the energy diverged to "
+    assert any(line.startswith("error: rank 0: ") and f"(rank 1 stopped: {cause}" in line for line in said) or \
+        any(line.startswith(f"error (rank 1): {cause}") for line in said), said
+    assert all("is rank 1 alive?" not in line for line in said), said

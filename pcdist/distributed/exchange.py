@@ -37,6 +37,34 @@ def first_line(e: BaseException) -> str:
     return str(e).strip().split("\n")[0]
 
 
+_FAILED_KEY = "pcdist/failed/{}"
+
+
+def report_failure(message: str) -> None:
+    """Leave in the rendezvous store why this rank stops (a file missing on its side, a diverged energy), so that a
+    peer whose exchange or collective fails for it names the rank and the cause in its own one line."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_FAILED_KEY.format(dist.get_rank()), message.split("\n")[0])
+    except Exception:  # diagnostics only
+        pass
+
+
+def failures(ranks, store=None) -> dict[int, str]:
+    """{rank: why it stopped} of the ``ranks`` that left a reason (``report_failure``); {} where none did or the store
+    is gone."""
+    try:
+        store = store or dist.distributed_c10d._get_default_store()
+        keys = {r: _FAILED_KEY.format(r) for r in ranks}
+        return {r: store.get(k).decode(errors="replace") for r, k in keys.items() if store.check([k])}
+    except Exception:  # diagnostics only
+        return {}
+
+
+def _why(peer: int) -> str:
+    said = failures([peer])
+    return f"rank {peer} stopped: {said[peer]}" if said else f"is rank {peer} alive?"
+
+
 def _wait(reqs) -> float:
     """Wait for (work, peer, what, timeout) tuples; returns the seconds spent blocked.
 
@@ -50,7 +78,7 @@ def _wait(reqs) -> float:
             me = dist.get_rank()
             raise PeerError(
                 f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
-                f"(is rank {peer} alive?): {first_line(e)}"
+                f"({_why(peer)}): {first_line(e)}"
             ) from e
     return time.perf_counter() - t0
 

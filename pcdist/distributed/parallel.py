@@ -27,12 +27,12 @@ from .buckets import GradBuckets
 from ..engine.capture import on_host
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
-from .exchange import LayerExchange, first_line
+from .exchange import LayerExchange, failures, first_line
 from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
-__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for", "report_failure"]
+__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
 
 
 @dataclass(frozen=True)
@@ -107,16 +107,6 @@ def collective(what: str, group=None):
 
 
 _STEPS_KEY = "pcdist/steps_begun/{}"
-_FAILED_KEY = "pcdist/failed/{}"
-
-
-def report_failure(message: str) -> None:
-    """Leave in the rendezvous store why this rank stops (a file missing on its side, say), so that a peer whose
-    collective fails for it names the rank and the cause in its own one line (``collective``)."""
-    try:
-        dist.distributed_c10d._get_default_store().set(_FAILED_KEY.format(dist.get_rank()), message.split("\n")[0])
-    except Exception:  # diagnostics only
-        pass
 
 
 def _mark_progress(steps: int) -> None:
@@ -139,8 +129,7 @@ def _who_fell_behind(ranks: list[int]) -> str:
         try:
             keys = {r: _STEPS_KEY.format(r) for r in ranks}
             begun = {r: int(store.get(k)) if store.check([k]) else 0 for r, k in keys.items()}
-            failed = {r: store.get(k).decode(errors="replace") for r, k in ((r, _FAILED_KEY.format(r)) for r in ranks)
-                      if store.check([k])}
+            failed = failures(ranks, store)
         finally:
             store.set_timeout(old)
     except Exception:

@@ -76,14 +76,11 @@ class PCTrainer:
         value_optimizer: str | ValueRule = "sgd",
         solver: str = "euler",
     ):
-        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise)
+        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer)
         parallel = _check_slice(net, parallel)
         self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
                                                value_noise, init, parallel)
         self.net, self.parallel = net, parallel
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
-                            f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
         self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
         self.init, self.skip_above = init, skip_above
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
@@ -267,8 +264,11 @@ def _check_slice(net: PCNetwork, parallel):
     return parallel
 
 
-def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise) -> None:
+def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer) -> None:
     """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
+                        f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
     for name, value in (("T", T), ("x_lr", x_lr), ("x_momentum", x_momentum), ("algorithm", algorithm),
                         ("init", init), ("value_noise", value_noise)):
         check(name, value)

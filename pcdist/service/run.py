@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..distributed.parallel import init_distributed, report_failure
+from ..distributed.exchange import report_failure
+from ..distributed.parallel import init_distributed
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, flat, make_config, passed_settings
@@ -106,7 +107,7 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
             return trainer.train()
         finally:
             trainer.close()
-    except (ConfigError, DataError, CheckpointError) as e:  # this rank's own input: its peers name it and why
+    except (ConfigError, DataError, CheckpointError, FloatingPointError) as e:  # its peers name this rank and why
         if distributed and dist.is_initialized():
             report_failure(str(e))
         raise
