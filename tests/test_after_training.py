@@ -542,6 +542,26 @@ def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_pat
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------
 
+def test_a_user_layers_buffers_are_saved_and_loaded_with_its_weights(tmp_path):
+    """A user's layer with calibrated BatchNorm statistics (eval mode: constants of the layer): the checkpoint holds
+    them beside the weights, so pcdist.load(run_dir, layers=fresh modules) gives the network that was trained and
+    logged (it gave the fresh modules' statistics) and to_layers() gives them back."""
+    def my_layers():
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.GELU()),
+                nn.Sequential(nn.BatchNorm1d(32).eval(), nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 10)]
+
+    layers = my_layers()
+    with torch.no_grad():
+        layers[1][0].running_mean.fill_(0.7)
+        layers[1][0].running_var.fill_(0.05)
+    result = pcdist.train({**SHORT, "run_dir": str(tmp_path), "trainer": {**SHORT["trainer"], "max_steps": 4}},
+                          layers=layers)
+    run = pcdist.load(tmp_path, layers=my_layers())
+    assert torch.equal(run.network.to_layers()[1][0].running_mean, torch.full((32,), 0.7))
+    assert held_out_accuracy(run) == result["val/accuracy"]
+
+
 def test_compare_names_a_run_whose_config_is_damaged(digits_run, tmp_path):
     """A sweep holding a run whose config.yaml does not parse (or holds nothing): one line naming the file."""
     from pcdist.service.compare import compare

@@ -102,6 +102,11 @@ def test_the_conv_decoder_preset_trains_on_mnist_shaped_files(tmp_path):
     assert (run_dir / "samples.png").read_bytes()[:8] == PNG
     kinds = [s["kind"] for s in torch.load(latest_checkpoint(run_dir) / "meta.pt", weights_only=True)["model"]]
     assert kinds == ["dense", "module", "module", "module"]
+    # its module layers are pcdist's own: the run loads and evaluates without the user's code or layers
+    from pcdist.service.evaluate import evaluate
+
+    got, val = evaluate(run_dir, write=False), [r for r in rows if "val/accuracy" in r][-1]
+    assert (got["accuracy"], got["reconstruction_mse"]) == (val["val/accuracy"], val["val/reconstruction_mse"])
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -99,6 +99,8 @@ def _from_template(net, g, k: int, l: int) -> nn.Module:
     with torch.no_grad():
         for pub, t in g.public_params(k).items():
             m.get_parameter(names[pub]).copy_(t)
+        for name, t in g.public_buffers(k).items():  # a module layer's buffers, as the network holds them
+            m.get_buffer(name).copy_(t)
     return m
 
 

@@ -223,16 +223,20 @@ class PCNetwork(nn.Module):
         return g.bias[k]
 
     def layer_state_dict(self) -> dict[str, Tensor]:
-        """The owned layers' parameters keyed by global layer index, in their public layout:
-        ``layers.{l}.weight`` [out, in] and ``layers.{l}.bias`` [out] for dense layers."""
-        return {f"layers.{l}.{name}": t.detach().clone()
-                for g in self.groups for k, l in enumerate(g.layers) for name, t in g.public_params(k).items()}
+        """The owned layers' parameters (and a module layer's buffers) keyed by global layer index, in their public
+        layout: ``layers.{l}.weight`` [out, in] and ``layers.{l}.bias`` [out] for dense layers."""
+        return {f"layers.{l}.{name}": t.detach().clone() for g in self.groups for k, l in enumerate(g.layers)
+                for name, t in {**g.public_params(k), **g.public_buffers(k)}.items()}
 
     def load_layer_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Load the owned layers from a (possibly larger) dict keyed by global layer index."""
+        """Load the owned layers from a (possibly larger) dict keyed by global layer index (buffers where the dict
+        has them: checkpoints written before buffers were saved have none)."""
         with torch.no_grad():
             for g in self.groups:
                 for k, l in enumerate(g.layers):
+                    for name, dst in g.public_buffers(k).items():
+                        if f"layers.{l}.{name}" in state:
+                            dst.copy_(state[f"layers.{l}.{name}"])
                     for name, dst in g.public_params(k).items():
                         key = f"layers.{l}.{name}"
                         if key not in state:

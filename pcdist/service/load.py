@@ -29,9 +29,10 @@ from torch import Tensor
 from ..engine.network import PCNetwork, legacy_signature
 from .autostep import resolve_x_lr
 from .checkpoint import CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint, read_pt
-from .config import Config, literal, load_config, network_options
+from .config import PYTHON_MODEL, Config, literal, load_config, network_options
 from .data import as_float
 from .metrics import read_metrics
+from .models import model_specs
 from .modelfile import Inputs, kind_from_description, kind_from_signature, read_model_file
 from .userlayers import UserLayers, call_factory
 
@@ -197,6 +198,10 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
         if isinstance(e, RunError):
             raise
         raise RunError(f"{p / 'model.json'} is damaged or was not written by pcdist ({type(e).__name__}: {e})") from e
+    if any(s is None for s in specs) and inputs is not None and c.model.name != PYTHON_MODEL:
+        # a registered model's module layers (deconv's) are pcdist's own: rebuilt from the run's settings
+        built = model_specs(c, tuple(inputs.sample_shape), inputs.num_classes)
+        specs = [b if s is None else s for s, b in zip(specs, built)]
     dtype = getattr(torch, c.trainer.dtype)
     if model is None:
         if c.data.normalize:

@@ -115,6 +115,11 @@ class LayerGroup(nn.Module):
         ``weight`` [out, in]): what checkpoints, ``to_layers`` and ``from_layers`` exchange."""
         raise NotImplementedError
 
+    def public_buffers(self, k: int) -> dict[str, Tensor]:
+        """Writable views of layer k's buffers (a module layer's BatchNorm statistics, say), saved beside its
+        parameters; none for pcdist's own kinds."""
+        return {}
+
     def reset_layer(self, k: int, generator: torch.Generator | None) -> None:
         """Initialise layer k from ``generator`` (None: the global RNG)."""
         raise NotImplementedError

@@ -182,6 +182,9 @@ class ModuleGroup(LayerGroup):
             for n, p in fresh.named_parameters():
                 self.stacked[_mangle(n)][k].copy_(p)
 
+    def public_buffers(self, k: int) -> dict[str, Tensor]:
+        return {n: getattr(self, "buf__" + _mangle(n))[k] for n in self.buffer_names}
+
     @torch.no_grad()
     def load_buffers(self, k: int, m: nn.Module) -> None:
         """Layer k's buffers (BatchNorm's running statistics, say) from the user's module ``m`` (the stacks start
