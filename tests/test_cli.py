@@ -255,3 +255,23 @@ cli.main()
     r = run([sys.executable, "-c", script])
     assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: a bug"), r.stderr[-3000:]
     assert "leaked" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["hydra.run.dir="], {}, "error: hydra.run.dir= names no directory (an unset variable?)"),
+    (["run_dir=runs/mine"], {}, "error: run_dir=runs/mine: on the command line the run directory is hydra.run.dir="),
+    (["~model"], {}, "error: ~model: a config group cannot be left out; choose one of its options"),
+    (["--check"], {"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc': the number of processes to check for must be"),
+])
+def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, env, says, capsys, monkeypatch):
+    """An empty hydra.run.dir= (an unset variable) made the current folder the run directory; run_dir= on the
+    command line was ignored (a new run started instead of the one named); ~model was a traceback, and so was a
+    WORLD_SIZE that is no number for --check: each is one line, exit status 2, before anything runs."""
+    from pcdist.service.cli import CONF_DIR, before_hydra
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as info:
+        before_hydra(CONF_DIR, argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err

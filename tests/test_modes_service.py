@@ -112,6 +112,8 @@ def test_the_conv_decoder_preset_trains_on_mnist_shaped_files(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"pc.mode": "generative", "model": "cnn"}, "model.name='cnn' is invalid"),
     ({"pc.mode": "generative"}, "model.energy='ce' is invalid: allowed se, bce or zero with pc.mode=generative"),
+    ({"model.energy": "zero", "pc.algorithm": "bp"}, "model.energy='zero' is invalid: allowed se or ce with "
+                                                     "pc.mode=supervised"),
     ({"pc.mode": "unsupervised", "model.energy": "se"},
      "pc.mode=unsupervised needs model.dims[0]=10 (h_0: pc.latent_dim=10), but model.dims=[64, 128, 128, 10]"),
     ({"pc.mode": "generative", "model.energy": "se", "model.dims": [10, 64, 10]},

@@ -93,6 +93,15 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     if (args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path or args.config_dir
             or args.config_name):  # Hydra's own business, or another config tree
         return
+    for o in args.overrides:
+        if o.split("=", 1)[0] in ("run_dir", "+run_dir", "++run_dir"):
+            fail(f"{o}: on the command line the run directory is hydra.run.dir=... (run_dir is its key from Python, "
+                 f"pcdist.train)")
+        if o.partition("=")[0] in ("hydra.run.dir", "hydra.sweep.dir") and o.partition("=")[2] == "":
+            fail(f"{o} names no directory (an unset variable?); give one, or leave it out for a new run directory")
+        if o.startswith("~") and o[1:].partition("=")[0] in groups(conf_dir):
+            fail(f"{o}: a config group cannot be left out; choose one of its options ({o[1:].partition('=')[0]}=...: "
+                 f"python train.py --help lists them)")
     problem = check_overrides(conf_dir, args.overrides)
     if problem:
         fail(problem)
@@ -123,7 +132,10 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
             print(help_text(conf_dir, args.overrides))
         else:
             cfg = load_config(_compose(conf_dir, args.overrides))
-            print(f"ok: {check_run(cfg, int(os.environ.get('WORLD_SIZE', '1')))}")
+            world = os.environ.get("WORLD_SIZE", "1")
+            if not world.isdigit() or int(world) < 1:
+                fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
+            print(f"ok: {check_run(cfg, int(world))}")
     except HydraException as e:
         fail(" ".join(str(e).split()))
     except (ConfigError, DataError) as e:
@@ -222,7 +234,9 @@ def _remove_new_dirs() -> None:
     for d in _new_dirs:
         try:
             d.rmdir()
-        except OSError:  # not empty (the run wrote its files), gone, or not ours to remove
+        except FileNotFoundError:  # another rank of this launch removed it: its parents may still be ours
+            continue
+        except OSError:  # not empty (the run wrote its files), or not ours to remove
             break
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .load import Run, load
+from .load import Run, load, supervised_only
 
 __all__ = ["export", "export_run", "Deployed", "ExportResult"]
 
@@ -79,6 +79,7 @@ def export(run_dir, out, checkpoint="last", layers=None, trust_code: bool = Fals
 
 def export_run(run: Run, out) -> ExportResult:
     """``export`` for a run already loaded."""
+    supervised_only(run, "export")
     out = Path(out)
     model = Deployed(run).eval()
     dtype = getattr(torch, run.inputs.dtype)

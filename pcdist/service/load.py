@@ -83,10 +83,21 @@ class Run:
     @torch.no_grad()
     def predict(self, x, batch: int = 4096) -> Tensor:
         """Logits u_L [N, classes] of raw inputs (one feed-forward pass, as the service evaluates)."""
+        supervised_only(self, "predict")
         t = self.preprocess(x)
         device = next(self.network.parameters()).device
         return torch.cat([self.network(c.to(device)).cpu() for c in torch.split(t, batch)]) if len(t) else \
             torch.empty(0, self.network.node_shapes[-1][0])
+
+
+def supervised_only(run: Run, what: str) -> None:
+    """``what`` (predict, export) feeds data to h_0 and reads logits at h_L: a supervised run's network. A generative
+    or unsupervised run's data sit at h_L (its inputs are labels or a latent): a RunError saying so."""
+    mode = run.config.pc.mode
+    if mode != "supervised":
+        raise RunError(f"{what} feeds data to h_0 and reads logits at h_L, a supervised run's network; "
+                       f"{run.run_dir} is pc.mode={mode} (its data sit at h_L): evaluate it (python -m pcdist "
+                       f"evaluate), or infer with its network and a PCTrainer (docs/modes.md)")
 
 
 def _layer_source(p: Path, specs: list, layers, factory: str | None, trust_code: bool):

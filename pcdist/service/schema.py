@@ -468,6 +468,8 @@ def validate(c: Config) -> None:
            "of the latent: W grows while h_0 shrinks)")
     _check(pc.mode == "supervised" or m.energy != "ce", "model.energy", m.energy,
            f"se, bce or zero with pc.mode={pc.mode}: data sit at h_L (ce is for labels there)")
+    _check(pc.mode != "supervised" or m.energy != "zero", "model.energy", m.energy,
+           "se or ce with pc.mode=supervised (zero leaves the clamped labels without an energy: nothing to learn from)")
     _check(p.layer is None or p.layer <= num_layers(c), "parallel.layer", p.layer,
            f"at most the number of layers ({num_layers(c)}, from {model.layers_key})")
     _check(t.batch_size >= p.data, "trainer.batch_size", t.batch_size, f"at least parallel.data ({p.data})")
