@@ -262,11 +262,13 @@ cli.main()
     (["run_dir=runs/mine"], {}, "error: run_dir=runs/mine: on the command line the run directory is hydra.run.dir="),
     (["~model"], {}, "error: ~model: a config group cannot be left out; choose one of its options"),
     (["--check"], {"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc': the number of processes to check for must be"),
+    (["optim.lr=${no.such.key}"], {}, "error: config optim.lr: Interpolation key 'no.such.key' not found"),
 ])
 def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, env, says, capsys, monkeypatch):
     """An empty hydra.run.dir= (an unset variable) made the current folder the run directory; run_dir= on the
-    command line was ignored (a new run started instead of the one named); ~model was a traceback, and so was a
-    WORLD_SIZE that is no number for --check: each is one line, exit status 2, before anything runs."""
+    command line was ignored (a new run started instead of the one named); ~model was a traceback, and so were a
+    WORLD_SIZE that is no number for --check and an override's ${...} that does not resolve: each is one line,
+    exit status 2, before anything runs."""
     from pcdist.service.cli import CONF_DIR, before_hydra
 
     for k, v in env.items():

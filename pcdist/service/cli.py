@@ -112,15 +112,22 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     from ..errors import ConfigError
 
-    try:  # a value of the wrong type for its key: one line, not Hydra's report
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:  # a value of the wrong type for its key, an interpolation that does not resolve: one line, not a report
         if args.multirun:  # every job's config and directory, before the first job starts
             check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
         else:
-            _compose(conf_dir, args.overrides)
+            OmegaConf.to_container(_compose(conf_dir, args.overrides), resolve=True)
     except HydraException as e:
         fail(str(composition_error(e)))
     except ConfigError as e:
         fail(str(e))
+    except OmegaConfBaseException as e:  # ${oc.env:UNSET}, ${no.such.key}
+        key = getattr(e, "full_key", None)
+        fail(f"{f'config {key}: ' if key else ''}{str(e).splitlines()[0]} (an override's ${{...}} that does not "
+             f"resolve)")
     if not (args.help or check):
         return
 
