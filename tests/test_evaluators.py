@@ -24,6 +24,15 @@ def test_evaluating_a_supervised_run_reproduces_its_logged_accuracy(tmp_path):
     assert got["loss"] == pytest.approx(result["val/energy"], rel=1e-5)
 
 
+def test_evaluates_loss_is_the_feed_forward_loss_whatever_the_init(tmp_path):
+    """eval.json's loss is the label-clamped energy at the feed-forward state, as val/energy is: from a run whose
+    pc.init is newton too (it took the energy after that init, a smaller number)."""
+    result = pcdist.train({**QUICK, "pc.init": "newton", "run_dir": str(tmp_path / "run")})
+    got = evaluate(tmp_path / "run", write=False)
+    assert got["loss"] == pytest.approx(result["val/energy"], rel=1e-5)
+    assert got["energy"] < got["loss"], "the energy after inference is the loss's, lowered"
+
+
 def test_evaluating_an_unsupervised_run_uses_its_eval_solver(tmp_path):
     """The unsupervised test infers with pc.eval_solver, in training and in evaluate alike."""
     over = {"experiment": "unsupervised_digits", "pc.eval_T": 20, "pc.T": 10, "pc.eval_solver": "adaptive",

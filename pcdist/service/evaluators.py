@@ -117,12 +117,14 @@ class Supervised(Evaluator):
         logits = self.trainer.parallel.predict(self.trainer.net, x)
         if logits is not None:
             self._classified(logits.argmax(1).cpu(), labels)
-            if not self.full:
-                y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
-                self.energy += float(OutputEnergy(self.c.model.energy).value(logits, y, y - logits))
+            y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
+            ff = float(OutputEnergy(self.c.model.energy).value(logits, y, y - logits))  # the feed-forward loss
+            if self.full:
+                self.loss += ff  # whatever pc.init starts inference from
+            else:
+                self.energy += ff
         if self.full:  # every rank takes part in the trace
             trace = self.trainer.trace(x, one_hot(labels, len(self.confusion), x.dtype).to(x.device))
-            self.loss += math.fsum(trace[0]) * len(labels)
             self.energy += math.fsum(trace[-1]) * len(labels)
 
     def metrics(self):
