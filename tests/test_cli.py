@@ -263,6 +263,12 @@ cli.main()
     (["~model"], {}, "error: ~model: a config group cannot be left out; choose one of its options"),
     (["--check"], {"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc': the number of processes to check for must be"),
     (["optim.lr=${no.such.key}"], {}, "error: config optim.lr: Interpolation key 'no.such.key' not found"),
+    # --check (launch/local.sh's pre-check) refuses what every rank would: it said ok
+    (["model.width=5", "--check"], {"WORLD_SIZE": "2"}, "error: model.width=5: model.name=mlp does not read"),
+    (["trainer.epochs=1", "trainer.max_steps=3", "--check"], {"WORLD_SIZE": "2"},
+     "error: trainer.epochs=1 and trainer.max_steps=3 both set how long the run trains"),
+    (["data=arrays", "data.path=/nonexistent/x.npz", "--check"], {"WORLD_SIZE": "2"},
+     "error: data.path=/nonexistent/x.npz: no such file or folder"),
 ])
 def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, env, says, capsys, monkeypatch):
     """An empty hydra.run.dir= (an unset variable) made the current folder the run directory; run_dir= on the

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..distributed.parallel import ParallelDims
 from ..errors import ConfigError
 from .config import Config, num_layers
-from .data import check_files
+from .data import DataError, check_files
 from .device import pick_device
 from .metrics import check_logger
 
@@ -27,6 +29,9 @@ def check(c: Config, world: int) -> str:
                           "parallel.layer=1, or trainer.device=cpu")
     check_logger(c.logger)
     check_files(c.data.name, c.data.root)
+    if c.data.name == "arrays" and c.data.path is not None and not Path(c.data.path).expanduser().exists():
+        raise DataError(f"data.path={c.data.path}: no such file or folder; expected an .npz with x_train, y_train, "
+                        f"x_val, y_val or a folder of those four .npy files")
     return mesh
 
 

@@ -132,13 +132,18 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
         return
 
     from .data import DataError
-    from .checks import check as check_run
+    from .checks import check as check_run, check_length
+    from .config import passed_settings
+    from .models import check_model_keys
 
     try:
         if args.help:
             print(help_text(conf_dir, args.overrides))
         else:
             cfg = load_config(_compose(conf_dir, args.overrides))
+            passed = passed_settings(list(args.overrides))
+            check_length(cfg, passed)  # what a launch checks before its data: as every rank would
+            check_model_keys(cfg, passed)
             world = os.environ.get("WORLD_SIZE", "1")
             if not world.isdigit() or int(world) < 1:
                 fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
