@@ -52,7 +52,7 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
         state.update({f"layers.0.{name}": t.detach() for name, t in net.groups[0].public_params(0).items()})
     net.load_layer_state_dict(state)
     for g in net.groups:  # a module layer's own buffers (the parameters are in state)
-        if g.kind.kind == "module":
+        if getattr(g.kind, "kind", None) == "module":
             for k, l in enumerate(g.layers):
                 g.load_buffers(k, mods[l - 1])
     for l, (m, (_, params)) in enumerate(zip(mods, picked), start=1):  # to_layers gives these modules back
