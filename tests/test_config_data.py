@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,8 @@ BAD_CONFIGS = [
     (["pc.algorithm=dfa"], "config pc.algorithm='dfa' is invalid: allowed pc, ipc, bp"),
     (["optim.lr=0"], "config optim.lr=0.0 is invalid: allowed a finite number > 0"),
     (["optim.name=adam"], "config optim.name='adam' is invalid: allowed adamw, sgd"),
+    (["data.num_classes=12"], "config data.num_classes=12 is invalid: allowed null with data=digits (it has its own "
+                              "classes"),
     (["model.activation=swish"], "config model.activation='swish' is invalid: allowed tanh, relu, leaky_relu, gelu, "
                                  "hard_tanh, sigmoid, identity, silu, softplus, elu, mish"),
     (["model=cnn", "model.channels=[16,32,64]"], "config model.channels=[16, 32, 64] has 3 conv layers but model.pool="
@@ -168,6 +171,20 @@ BAD_CONFIGS = [
                                  "set model.dims=[64,128,10]"),
     (["model.dims=[64,128,7]"], "data digits has 10 classes but model.dims[-1]=7"),
 ]
+
+
+def test_an_optimizer_key_the_chosen_optimizer_does_not_read_is_refused(tmp_path):
+    """optim.momentum under adamw, optim.betas under sgd, optim.final_lr_ratio under a constant schedule would change
+    nothing: one line naming the override and the choice that reads it (a group's own keys are not the user's)."""
+    for overrides, says in ((["optim.momentum=0.0"], "optim.momentum=0.0: optim.name=adamw does not read "
+                                                     "optim.momentum (sgd does)"),
+                            (["optim=sgd", "optim.betas=[0.1,0.2]"], "optim.betas=[0.1,0.2]: optim.name=sgd does not "
+                                                                     "read optim.betas (adamw does)"),
+                            (["optim.schedule=constant", "optim.final_lr_ratio=0.1"], "optim.final_lr_ratio=0.1: "
+                             "optim.schedule=constant does not read optim.final_lr_ratio (cosine does)")):
+        with pytest.raises(pcdist.ConfigError, match=re.escape(says)):
+            pcdist.train([*SMALL, *overrides, f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_mistyped_group_option_from_python_gets_the_did_you_mean_of_the_command_line(tmp_path):

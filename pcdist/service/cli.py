@@ -135,6 +135,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     from .checks import check as check_run, check_length
     from .config import passed_settings
     from .models import check_model_keys
+    from .optimizer import check_optim_keys
 
     try:
         if args.help:
@@ -144,6 +145,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
             passed = passed_settings(list(args.overrides))
             check_length(cfg, passed)  # what a launch checks before its data: as every rank would
             check_model_keys(cfg, passed)
+            check_optim_keys(cfg, passed)
             world = os.environ.get("WORLD_SIZE", "1")
             if not world.isdigit() or int(world) < 1:
                 fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.trainer import warmup_cosine
+from ..errors import ConfigError
 from .config import Config
 
 
@@ -21,3 +22,23 @@ def make_optimizer(c: Config, params, total_steps: int, device: torch.device | N
     if o.schedule == "cosine":
         return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
+
+
+_READS = {"momentum": ("optim.name", "sgd"), "betas": ("optim.name", "adamw"),
+          "final_lr_ratio": ("optim.schedule", "cosine")}
+"""optim.* keys that only one optimizer or schedule reads: key -> (the choosing key, the choice that reads it)."""
+
+
+def check_optim_keys(c, passed: dict[str, str] | None) -> None:
+    """Refuse an optim.* key the user sets (``passed``) that the chosen optimizer or schedule does not read (momentum
+    under adamw, betas under sgd, final_lr_ratio under a constant schedule), which would change nothing."""
+    for key, override in (passed or {}).items():
+        group, _, field = key.partition(".")
+        if group != "optim" or field not in _READS or not override.lstrip("+").startswith(key):  # not a group's
+            continue
+        chooser, reader = _READS[field]
+        chosen = getattr(c.optim, chooser.split(".")[1])
+        if chosen != reader:
+            raise ConfigError(f"{override}: {chooser}={chosen} does not read optim.{field} ({reader} does), so it "
+                              f"would change nothing; drop it or set {chooser}={reader}")
+

@@ -27,6 +27,7 @@ from .checkpoint import CheckpointError
 from .data import DataError, Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
 from .models import check_model_keys
+from .optimizer import check_optim_keys
 from .preemption import Preempted
 from .rundir import find_resume, lock_run_dir, next_run_dir, unlock_run_dir
 from .trainer import Result, ServiceTrainer
@@ -87,6 +88,7 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
     c = resume.config
     check_length(c, passed)
     check_model_keys(c, passed)
+    check_optim_keys(c, passed)
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")

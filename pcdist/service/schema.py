@@ -151,6 +151,8 @@ class DataConfig:
                               f"data=arrays data.path=...)")
         _check(self.num_classes is None or self.num_classes >= 1, "data.num_classes", self.num_classes,
                "null or an integer >= 1")
+        _check(self.num_classes is None or self.name in ("arrays", PYTHON_DATA), "data.num_classes", self.num_classes,
+               f"null with data={self.name} (it has its own classes; data.num_classes is read by data=arrays)")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
         _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "an integer >= 1")
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a fraction in (0, 1)")
