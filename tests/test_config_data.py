@@ -189,11 +189,15 @@ def test_an_optimizer_key_the_chosen_optimizer_does_not_read_is_refused(tmp_path
 
 def test_a_mistyped_group_option_from_python_gets_the_did_you_mean_of_the_command_line(tmp_path):
     """pcdist.train({"model": "cnnn"}) composes conf/ as train.py does, so it gets the same one line (not Hydra's
-    search-path report)."""
+    search-path report); so does {"modle": "cnn"}."""
     with pytest.raises(pcdist.ConfigError) as info:
         pcdist.train({"model": "cnnn", "run_dir": str(tmp_path)})
     options = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
     assert str(info.value) == f"model=cnnn: no such option in conf/model/ (options: {options}); did you mean cnn?"
+    with pytest.raises(pcdist.ConfigError) as info:  # a mistyped group's name: the command line's hint too
+        pcdist.train({"modle": "cnn", "run_dir": str(tmp_path)})
+    assert str(info.value) == ("unknown config key modle; did you mean the config group model=cnn? (python train.py "
+                               "--help lists every key and group)")
 
 
 @pytest.mark.parametrize("overrides, message", BAD_CONFIGS, ids=[o[0] for o, _ in BAD_CONFIGS])

@@ -14,6 +14,7 @@ network takes from pc.*.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import re
@@ -114,6 +115,12 @@ def make_config(cfg: Any = None) -> Config:
         raise ConfigError(f"pcdist.train needs a dict, a list of overrides or an omegaconf DictConfig as its config, "
                           f"got {type(cfg).__name__}")
     cfg = dict(cfg or {})
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = [f"{k}={v}" for k, v in cfg.items() if "." not in k and k not in fields and k not in GROUPS
+               and isinstance(v, str)]
+    problem = unknown and check_overrides(CONF_DIR, unknown)  # a mistyped group: the command line's own hint
+    if problem:
+        raise ConfigError(problem)
     choices = [f"{k}={cfg.pop(k)}" for k in list(cfg) if k in GROUPS and isinstance(cfg[k], str)]
     dotted = {k: cfg.pop(k) for k in list(cfg) if "." in k}
     base = OmegaConf.create(OmegaConf.to_container(compose(choices)))  # untyped: unknown keys are named by
