@@ -542,6 +542,26 @@ def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_pat
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------
 
+def test_user_layers_that_do_not_fit_the_data_or_the_mode_are_one_line_before_the_run(tmp_path):
+    """Layers whose end nodes are not the mode's (a first layer of 32 inputs on digits' 64 features; a generative
+    stack that reads the data at h_0; a latent of another width) are refused, naming what goes there, before the
+    run writes anything (it failed inside the first step and left the run directory)."""
+    run_dir = tmp_path / "run"
+    cfg = {**SHORT, "run_dir": str(run_dir)}
+    for extra, layers, says in (
+            ({}, [nn.Sequential(nn.Linear(32, 16), nn.ReLU()), nn.Linear(16, 10)],
+             "layers=...: the first layer reads [32], but pc.mode=supervised puts data digits's samples [64] there"),
+            ({"pc.mode": "generative", "model.energy": "se"}, [nn.Sequential(nn.Linear(64, 32), nn.Tanh()),
+                                                               nn.Linear(32, 10)],
+             "layers=...: the first layer reads [64], but pc.mode=generative puts the 10 classes [10] there"),
+            ({"pc.mode": "unsupervised", "model.energy": "se", "pc.latent_dim": 5},
+             [nn.Sequential(nn.Linear(8, 32), nn.Tanh()), nn.Linear(32, 64)],
+             "layers=...: the first layer reads [8], but pc.mode=unsupervised puts pc.latent_dim=5 [5] there")):
+        with pytest.raises(pcdist.ConfigError, match=re.escape(says)):
+            pcdist.train({**cfg, **extra}, layers=layers)
+        assert not run_dir.exists()
+
+
 def test_a_user_layers_buffers_are_saved_and_loaded_with_its_weights(tmp_path):
     """A user's layer with calibrated BatchNorm statistics (eval mode: constants of the layer): the checkpoint holds
     them beside the weights, so pcdist.load(run_dir, layers=fresh modules) gives the network that was trained and

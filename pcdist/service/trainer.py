@@ -120,10 +120,22 @@ class ServiceTrainer:
         return resume
 
     def _model_specs(self) -> list:
-        """The layer kinds: the user's layers on the data's node shapes, or the configured model's."""
-        if self.user is not None:
-            return self.user.specs(self.inputs.node_shape())
-        return model_specs(self.config, tuple(self.inputs.sample_shape), self.data.num_classes)
+        """The layer kinds: the user's layers on the data's node shapes (whose end nodes must be the mode's: checked
+        here, before anything is written), or the configured model's."""
+        if self.user is None:
+            return model_specs(self.config, tuple(self.inputs.sample_shape), self.data.num_classes)
+        specs, c = self.user.specs(self.inputs.node_shape()), self.config
+        data, labels = tuple(self.inputs.node_shape()), (self.data.num_classes,)
+        bottom, top = {"supervised": (data, labels), "generative": (labels, data),
+                       "unsupervised": ((c.pc.latent_dim,), data)}[c.pc.mode]
+        for end, want, got in (("first layer reads", bottom, specs[0].in_shape),
+                               ("last layer predicts", top, specs[-1].out_shape)):
+            if tuple(got) != tuple(want):
+                what = {data: f"data {c.data.name}'s samples", labels: f"the {labels[0]} classes"}.get(
+                    tuple(want), f"pc.latent_dim={c.pc.latent_dim}")
+                raise ConfigError(f"layers=...: the {end} {list(got)}, but pc.mode={c.pc.mode} puts {what} "
+                                  f"{list(want)} there")
+        return specs
 
     def _place_in_mesh(self) -> Parallel:
         """This rank's place in the (data, layer) mesh and its layer slice."""
