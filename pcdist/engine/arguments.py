@@ -5,15 +5,24 @@ are refused by the same rule, each in its caller's words (``T (inference steps) 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check", "finite"]
+__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check", "env_choice", "finite"]
 
 ALGORITHMS = ("pc", "ipc")
 INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
 """The value-node inits: ``ff`` (feed-forward), ``deeppcr`` (the same chain by parallel cyclic reduction),
 ``newton`` (the linearised equilibrium, low-rank), ``newton_cr`` (the same by cyclic reduction), ``backward``
 (one backward chain, scaled)."""
+
+
+def env_choice(name: str, allowed: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (default ``allowed[0]``), or a ValueError naming it and what it allows."""
+    value = os.environ.get(name, allowed[0])
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: allowed {', '.join(allowed)}")
+    return value
 
 
 def finite(x: Any) -> bool:

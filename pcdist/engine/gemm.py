@@ -27,12 +27,12 @@ round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
 from . import chain
+from .arguments import env_choice
 
 __all__ = ["functions", "baddbmm", "bmm", "low_product", "timed", "CONFIGS"]
 
@@ -44,10 +44,7 @@ _CHOICE: dict[tuple, tuple | None] = {}
 
 
 def _mode() -> str:
-    mode = os.environ.get("PCDIST_GEMM", "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"PCDIST_GEMM={mode!r}: allowed auto, torch, triton")
-    return mode
+    return env_choice("PCDIST_GEMM", ("auto", "torch", "triton"))
 
 
 def functions(like: Tensor):

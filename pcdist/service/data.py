@@ -439,6 +439,12 @@ def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
         except ValueError as e:  # an object array (np.savez of lists of other lengths, say): pickled, refused
             raise DataError(f"{where}: an array of Python objects ({e}); save numeric arrays (np.asarray(x, "
                             f"dtype=np.float32))") from None
+    return _in_memory(where, a, num_classes)
+
+
+def _in_memory(where: str, a: dict, num_classes: int | None) -> Dataset:
+    """The Dataset of the arrays ``a`` (x_train, y_train, x_val, y_val: numpy), checked (``_check_arrays``, finite
+    inputs) and prepared (``as_float``; int64 labels)."""
     classes = _check_arrays(where, a, num_classes)
     x_train, x_val = as_float(a["x_train"]), as_float(a["x_val"])
     _check_finite(where, "x_train", x_train)
@@ -448,20 +454,15 @@ def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
 
 
 def prepared(ds: Dataset, where: str = "pcdist.train(cfg, data=...)") -> Dataset:
-    """A Dataset given from Python, checked as an .npz's arrays are (shapes, lengths, empty splits, label ids) and
-    its inputs prepared alike (uint8 scaled to [0, 1], other integers as floats: what predict and evaluate do)."""
+    """A Dataset given from Python, checked and prepared as an .npz's arrays are (shapes, lengths, empty splits,
+    label ids; uint8 scaled to [0, 1], other integers as floats: what predict and evaluate do)."""
     def array(t) -> np.ndarray:
         t = torch.as_tensor(t).detach().cpu()
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
     if not all(hasattr(ds, k) for k in ARRAYS):
         raise DataError(f"{where}: a Dataset needs x_train, y_train, x_val and y_val")
-    a = {k: array(getattr(ds, k)) for k in ARRAYS}
-    classes = _check_arrays(where, a, ds.num_classes)
-    x_train, x_val = as_float(getattr(ds, "x_train")), as_float(getattr(ds, "x_val"))
-    _check_finite(where, "x_train", x_train)
-    _check_finite(where, "x_val", x_val)
-    return Dataset(x_train, torch.as_tensor(ds.y_train).long(), x_val, torch.as_tensor(ds.y_val).long(), classes)
+    return _in_memory(where, {k: array(getattr(ds, k)) for k in ARRAYS}, ds.num_classes)
 
 
 def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:

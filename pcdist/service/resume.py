@@ -29,15 +29,13 @@ def resume_command(c: Config, run_dir) -> str:
 def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -> str:
     """The one line for a rerun into a run that has nothing left to train."""
     t = c.trainer
-    if step >= t.max_steps and sweep:
-        return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
-                f"{t.max_steps}; nothing to train (a sweep's jobs keep their settings: to train longer, launch the "
-                f"sweep with a larger trainer.max_steps into a new hydra.sweep.dir, or continue this run on its "
-                f"own: {resume_command(c, run_dir)} trainer.max_steps=...)")
     if step >= t.max_steps:
+        way = (f"a sweep's jobs keep their settings: to train longer, launch the sweep with a larger "
+               f"trainer.max_steps into a new hydra.sweep.dir, or continue this run on its own: "
+               f"{resume_command(c, run_dir)} trainer.max_steps=..." if sweep else
+               "raise trainer.max_steps to train on, or leave out the run directory for a new run")
         return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
-                f"{t.max_steps}; nothing to train (raise trainer.max_steps to train on, or leave out the run "
-                f"directory for a new run)")
+                f"{t.max_steps}; nothing to train ({way})")
     return (f"{run_dir} is at step {step}, at or past trainer.stop_at={t.stop_at}; nothing to train (raise "
             f"trainer.stop_at)")
 

@@ -125,14 +125,13 @@ class ServiceTrainer:
         if self.user is None:
             return model_specs(self.config, tuple(self.inputs.sample_shape), self.data.num_classes)
         specs, c = self.user.specs(self.inputs.node_shape()), self.config
-        data, labels = tuple(self.inputs.node_shape()), (self.data.num_classes,)
+        data = (f"data {c.data.name}'s samples", tuple(self.inputs.node_shape()))
+        labels = (f"the {self.data.num_classes} classes", (self.data.num_classes,))
         bottom, top = {"supervised": (data, labels), "generative": (labels, data),
-                       "unsupervised": ((c.pc.latent_dim,), data)}[c.pc.mode]
-        for end, want, got in (("first layer reads", bottom, specs[0].in_shape),
-                               ("last layer predicts", top, specs[-1].out_shape)):
-            if tuple(got) != tuple(want):
-                what = {data: f"data {c.data.name}'s samples", labels: f"the {labels[0]} classes"}.get(
-                    tuple(want), f"pc.latent_dim={c.pc.latent_dim}")
+                       "unsupervised": ((f"pc.latent_dim={c.pc.latent_dim}", (c.pc.latent_dim,)), data)}[c.pc.mode]
+        for end, (what, want), got in (("first layer reads", bottom, specs[0].in_shape),
+                                       ("last layer predicts", top, specs[-1].out_shape)):
+            if tuple(got) != want:
                 raise ConfigError(f"layers=...: the {end} {list(got)}, but pc.mode={c.pc.mode} puts {what} "
                                   f"{list(want)} there")
         return specs

@@ -29,7 +29,6 @@ equal the row-major ones to round-off.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 
 from .. import errorpass
 from ..activations import Activation
+from ..arguments import env_choice
 from ..gemm import timed
 from ..nodes import is_channels_last, stacked_zeros
 from ..precision import tf32_convolutions
@@ -76,9 +76,7 @@ def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device
     cuDNN's convolutions run on tensor cores, bfloat16 operands or float32 ones in TF32 (precision bf16 or tf32:
     VGG-5's replayed step 1.39x and 1.40x faster on an H200, the small CNN 1.07x, the 17-conv stack 1.00x;
     ``benchmarks/gpu.py``), not in IEEE float32 (VGG-5 0.98x, the small CNN 0.82x); ``1`` always, ``0`` never."""
-    mode = os.environ.get("PCDIST_CHANNELS_LAST", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"PCDIST_CHANNELS_LAST={mode!r}: allowed auto, 0, 1")
+    mode = env_choice("PCDIST_CHANNELS_LAST", ("auto", "0", "1"))
     if mode == "auto":
         conv_dtype = conv_dtype or dtype
         if device.type == "cpu":
@@ -193,10 +191,7 @@ _GROUPED: dict[tuple, bool] = {}
 def grouped_mode() -> str:
     """PCDIST_CONV_GROUPED: ``auto`` (default: on CUDA devices where timed faster, see ``GroupedConv``), ``1`` (always,
     where a group has two layers or more), ``0`` (never: layer by layer)."""
-    mode = os.environ.get("PCDIST_CONV_GROUPED", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"PCDIST_CONV_GROUPED={mode!r}: allowed auto, 0, 1")
-    return mode
+    return env_choice("PCDIST_CONV_GROUPED", ("auto", "0", "1"))
 
 
 class GroupedConv:
@@ -215,7 +210,7 @@ class GroupedConv:
         D = conv_shape[2]
         self.K, self.C, self.D, self.w_conv = K, C, D, w_conv
         *args, groups = conv_args
-        self.args = (*args, K * groups)
+        self.conv_args, self.args = conv_args, (*args, K * groups)  # a layer's; all K layers' at once
         kw = dict(dtype=dtype, device=x2.device)
         self.x = stacked_zeros((B, K * C, *x2.shape[3:]), cl, **kw)  # the input, the conv's dtype (bf16: cast here)
         self.d = stacked_zeros((B, K * D, *conv_shape[3:]), cl, **kw)  # the signal at the convolutions' output
@@ -245,10 +240,10 @@ class GroupedConv:
                                                *self.args, [False, True, bias])
         return gw.unflatten(0, (self.K, self.D)), None if gb is None else gb.view(self.K, self.D)
 
-    def faster(self, x2: Tensor, d: Tensor, conv_args: tuple) -> bool:
+    def faster(self, x2: Tensor, d: Tensor) -> bool:
         """``auto``'s choice for this shape (decided once per process): a forward and an input gradient of all K
         layers, grouped against layer by layer, timed on the current CUDA stream."""
-        w = self.w_conv.get()
+        w, conv_args = self.w_conv.get(), self.conv_args
         key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), w.dtype, self.d.shape, conv_args, x2.device)
         if key not in _GROUPED:
             def layer_by_layer():
@@ -389,7 +384,7 @@ class ConvBound(BoundGroup):
                                                              or torch.cuda.is_current_stream_capturing())):
             return None
         grouped = GroupedConv(self.x2, conv_shape, self.w_conv, self.conv_args, cl, self.g.weight.dtype)
-        return grouped if mode == "1" or grouped.faster(self.x2, self.d, self.conv_args) else None
+        return grouped if mode == "1" or grouped.faster(self.x2, self.d) else None
 
     @staticmethod
     def _flat(t: Tensor) -> Tensor:
