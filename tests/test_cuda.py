@@ -239,13 +239,15 @@ def test_a_conv_groups_grouped_convolution_is_chosen_once_and_replays_as_the_lay
         monkeypatch.setenv("PCDIST_CONV_GROUPED", mode)
         net = pcdist.PCNetwork(conv_specs((3, 12, 12), [(16, 3, 1, None)] * 16, [], 4, "relu"), energy="ce", seed=1,
                                device="cuda")
-        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=LR), T=4, x_lr=0.05, precision=precision,
-                              compile=compile)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=LR, fused=True), T=4, x_lr=0.05,
+                              precision=precision, compile=compile)  # fused: a plain SGD reads its rate on the host
         out = []
         for s in range(6):
             x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
             out.append(tr.step(x.cuda(), y.cuda())["energy"])
         torch.cuda.synchronize()
+        if compile == "graph":
+            assert tr.runner.eager == {} and len(tr.runner.programs) == 2, "both stages captured"
         return out, [g.grouped is not None for g in tr.stage(10).groups if g.K > 1]
 
     conv._GROUPED.clear()
@@ -260,23 +262,47 @@ def test_a_conv_groups_grouped_convolution_is_chosen_once_and_replays_as_the_lay
     assert graph == pytest.approx(layers, rel=1e-3 if precision == "fp32" else 2e-2)
 
 
-def test_a_value_step_changed_after_the_capture_is_the_one_replayed():
-    """trainer.x_lr set after the step was captured (pc.x_lr=auto sets it; a user may): the next steps replay a
-    capture of the new step (one per x_lr), equal to the eager trainer's to float64 round-off."""
+def test_a_value_step_or_noise_changed_after_the_capture_is_the_one_replayed():
+    """trainer.x_lr set after the step was captured (pc.x_lr=auto sets it; a user may), then value_noise: the next
+    steps replay a capture of the new step (one per x_lr and noise), equal to the eager trainer's to float64
+    round-off (the noise turned off adds none)."""
     def run(compile: str):
         net = network("mlp").cuda()
-        tr, _ = cuda_trainer(net, compile, {"value_noise": 0.1}, 10)
+        tr, _ = cuda_trainer(net, compile, {"value_noise": 0.1}, 14)
         out = []
-        for s in range(10):
+        for s in range(14):
             if s == 6:
                 tr.x_lr = 0.025
+            if s == 10:
+                tr.value_noise = 0.0
             x, y = batch(net, "xy", 8, 100 + s)
             out.append(tr.step(x.cuda(), y.cuda())["energy"])
         return out, tr
 
     (graph, tr), (eager, _) = run("graph"), run("none")
     assert graph == pytest.approx(eager, rel=1e-9, abs=1e-12)
-    assert len(tr.runner.programs) == 2, "a capture per value step"
+    assert len(tr.runner.programs) == 3, "a capture per value step and noise"
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_default_adam_is_captured_and_replays_as_eager(optimizer):
+    """A non-fused Adam / AdamW (torch's default) is made capturable before its state exists: both stages are
+    captured (none falls back to eager) and replay the eager run to the float32 rounding of its bias corrections."""
+    def run(compile: str):
+        net = network("mlp").cuda()
+        notes = []
+        tr = pcdist.PCTrainer(net, optimizer(net.parameters(), lr=LR), T=4, x_lr=0.1, compile=compile,
+                              say=notes.append, skip_above=1e6)
+        out = []
+        for s in range(8):
+            x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s)
+            out.append(tr.step(x.cuda(), y.cuda())["energy"])
+        return out, tr, notes
+
+    (graph, tr, notes), (eager, *_) = run("graph"), run("none")
+    assert notes == [] and tr.runner.eager == {} and len(tr.runner.programs) == 2
+    # the capturable update computes its bias corrections from a float32 step count (eager: Python floats)
+    assert graph == pytest.approx(eager, rel=1e-6)
 
 
 def test_the_service_trains_alike_captured_and_eager(tmp_path):

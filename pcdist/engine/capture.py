@@ -69,8 +69,18 @@ def _name(op) -> str:
     return op._schema.name.split("::")[-1]
 
 
+_FACTORIES = {"arange", "tensor", "zeros", "ones", "empty", "full", "eye", "linspace", "rand", "randn", "randint"}
+
+
 def _on_device(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+
+
+def _mixes_host_arrays(args) -> bool:
+    """A device op handed a host array (an index tensor made on the host, say): a blocking copy per call, which a
+    capture refuses. Host scalars (0-d) are fine: they pass as values."""
+    flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+    return any(t.device.type != "cpu" for t in flat) and any(t.device.type == "cpu" and t.ndim for t in flat)
 
 
 class _Ops(TorchDispatchMode):
@@ -92,6 +102,8 @@ class _Ops(TorchDispatchMode):
             o.read("a copy to the host")
         elif name == "copy_" and args[0].device.type == "cpu" and _on_device(args[1:2]):
             o.read("a copy to the host")
+        elif name != "copy_" and _mixes_host_arrays(args):
+            o.read(f"a host tensor handed to aten.{name} with device tensors")
         return func(*args, **kwargs)
 
 
@@ -109,6 +121,9 @@ class _Methods(TorchFunctionMode):
         if (name in _READ_METHODS and (self.owner.strict or on_device)) or (name == "to" and on_device
                                                                             and _to_host(args, kwargs)):
             self.owner.read(f"Tensor.{name}")
+        elif (self.owner.strict and name in _FACTORIES and func is getattr(torch, name, None)
+              and kwargs.get("device") is None and "out" not in kwargs):  # on a GPU: a host tensor
+            self.owner.read(f"torch.{name} with no device= (a host tensor)", ours_only=True)
         return func(*args, **kwargs)
 
 
@@ -123,8 +138,10 @@ class HostReads:
 
     ``strict``: treat every tensor as a device tensor (on a CPU, a read of any tensor would be a
     device read on a GPU), so a CPU run finds the reads a GPU run would make: ``.item()``, ``bool(t)``,
-    ``float(t)``, ``.tolist()``, ``.numpy()``, ``.cpu()``. (A ``.to(device)`` cannot tell the host from the
-    device on a CPU; on a GPU every copy into host memory is found where it is dispatched.)"""
+    ``float(t)``, ``.tolist()``, ``.numpy()``, ``.cpu()``, and a tensor made with no ``device=`` (``torch.arange(n)``:
+    on a GPU a host tensor, copied to the device, blocking, where it is used). (A ``.to(device)`` cannot tell the host
+    from the device on a CPU; on a GPU every copy into host memory, and every host array handed to a device op, is
+    found where it is dispatched.)"""
 
     def __init__(self, strict: bool = True):
         self.strict = strict
@@ -133,9 +150,9 @@ class HostReads:
         self.reads: list[str] = []
         self._modes = (_Methods(self), _Ops(self))
 
-    def read(self, what: str) -> None:
+    def read(self, what: str, ours_only: bool = False) -> None:
         """Record a host read: what, where (the innermost frame outside torch's machinery) and from which
-        line of pcdist."""
+        line of pcdist; ``ours_only``: only where that frame is pcdist's (not the caller's own batch, say)."""
         import traceback
 
         frames = [f for f in traceback.extract_stack()[:-3] if "capture.py" not in f.filename
@@ -143,6 +160,8 @@ class HostReads:
                   and "/torch/_tensor" not in f.filename and "/torch/_compile" not in f.filename
                   and "/torch/_dynamo" not in f.filename]
         ours = [f for f in frames if "/pcdist/" in f.filename]
+        if ours_only and not (frames and ours and ours[-1] is frames[-1]):
+            return
         here = lambda f: f"{f.filename.split('/pcdist/')[-1].split('site-packages/')[-1]}:{f.lineno} ({f.name})"  # noqa: E731
         where = f" in {here(frames[-1])}" if frames else ""
         if ours and frames and ours[-1] is not frames[-1]:
@@ -188,12 +207,23 @@ class Program:
             if self._open is not None:
                 try:
                     self._open.capture_end()
-                except Exception:
-                    pass
+                except Exception:  # the capture had failed: its generators may be left capturing
+                    self._release()
                 self._open = None
             raise
         finally:
             _recording = None
+
+    def _release(self) -> None:
+        """After a capture whose end failed: one empty capture over the same generators, which ends their capture
+        (an end that fails leaves them capturing, where every later eager draw from them would fail)."""
+        g = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            g.register_generator_state(gen)
+        with torch.cuda.stream(self.stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            g.capture_end()
 
     def _begin(self) -> None:
         g = torch.cuda.CUDAGraph()
@@ -228,7 +258,8 @@ class Runner:
     """Runs the core of each stage (``key``): eagerly (``mode="none"``), or checked, warmed up, captured and
     replayed (``"graph"``; see the module docstring). ``say``: where the one-line notes go.
 
-    ``prepare()``: called before a stage is captured (the optimizer made capturable)."""
+    ``prepare()``: called on a CUDA device before each stage's first call and before it is captured (the optimizer
+    made capturable: a non-fused Adam's step reads its tensor learning rate on the host otherwise)."""
 
     def __init__(self, mode: str, device: torch.device, say: Callable[[str], None] = print,
                  generators=(), prepare: Callable[[], None] | None = None):
@@ -250,6 +281,8 @@ class Runner:
         n = self.calls[key]
         self.calls[key] += 1
         if n == 0:
+            if self.device.type == "cuda" and self.prepare is not None:
+                self.prepare()  # before the optimizer makes its state: made capturable, on the device
             fn()  # the first call builds what the stage keeps (traced layers, optimizer state, schedule rows)
         elif n == 1:
             self._checked(key, fn)

@@ -285,31 +285,28 @@ def block_tridiagonal_solve(lower: Tensor, diag: Tensor, upper: Tensor, rhs: Ten
     lower, upper = lower.clone(), upper.clone()
     lower[0].zero_()
     upper[-1].zero_()
-    odd = torch.arange(1, n, 2)
-    even = torch.arange(0, n, 2)
-    inv_odd = torch.linalg.inv_ex(diag[odd])[0]  # [n_odd, B, D, D]
+    # rows as slices of Python ints: index tensors made here would live on the host (a copy to the device per
+    # use, which a CUDA graph cannot capture). Even rows 0, 2, ...; odd rows 1, 3, ...; m_up even rows have a
+    # row above (2, 4, ...), m_down = n_odd a row below (0, 2, ...); the odd rows likewise for the solve back.
+    n_odd = n // 2
+    m_up = (n + 1) // 2 - 1
+    inv_odd = torch.linalg.inv_ex(diag[1::2])[0]  # [n_odd, B, D, D]
     # even row i: subtract lower_i D_{i-1}^{-1} (row i-1) and upper_i D_{i+1}^{-1} (row i+1)
-    new_diag, new_lower, new_upper, new_rhs = diag[even].clone(), torch.zeros_like(diag[even]), \
-        torch.zeros_like(diag[even]), rhs[even].clone()
-    for side in (-1, 1):
-        nb = even + side
-        ok = (nb >= 0) & (nb < n)
-        idx_e, idx_o = even[ok], (nb[ok] - 1) // 2
-        coef = (lower if side < 0 else upper)[idx_e] @ inv_odd[idx_o]  # [m, B, D, D]
-        rows = torch.nonzero(ok).squeeze(1)
-        new_diag[rows] -= coef @ (upper if side < 0 else lower)[nb[ok]]
-        new_rhs[rows] -= (coef @ rhs[nb[ok]].unsqueeze(-1)).squeeze(-1)
-        if side < 0:
-            new_lower[rows] = -(coef @ lower[nb[ok]])
-        else:
-            new_upper[rows] = -(coef @ upper[nb[ok]])
+    new_diag, new_lower, new_upper, new_rhs = diag[0::2].clone(), torch.zeros_like(diag[0::2]), \
+        torch.zeros_like(diag[0::2]), rhs[0::2].clone()
+    coef = lower[2::2] @ inv_odd[:m_up]  # even rows 2, 4, ... from the odd row above
+    new_diag[1:] -= coef @ upper[1::2][:m_up]
+    new_rhs[1:] -= (coef @ rhs[1::2][:m_up].unsqueeze(-1)).squeeze(-1)
+    new_lower[1:] = -(coef @ lower[1::2][:m_up])
+    coef = upper[0::2][:n_odd] @ inv_odd  # even rows 0, 2, ... from the odd row below
+    new_diag[:n_odd] -= coef @ lower[1::2]
+    new_rhs[:n_odd] -= (coef @ rhs[1::2].unsqueeze(-1)).squeeze(-1)
+    new_upper[:n_odd] = -(coef @ upper[1::2])
     x_even = block_tridiagonal_solve(new_lower, new_diag, new_upper, new_rhs)
     x = torch.empty_like(rhs)
-    x[even] = x_even
-    b = rhs[odd].clone()
-    b -= (lower[odd] @ x[odd - 1].unsqueeze(-1)).squeeze(-1)
-    has_next = odd + 1 < n
-    nxt = odd[has_next]
-    b[has_next] -= (upper[nxt] @ x[nxt + 1].unsqueeze(-1)).squeeze(-1)
-    x[odd] = (inv_odd @ b.unsqueeze(-1)).squeeze(-1)
+    x[0::2] = x_even
+    b = rhs[1::2].clone()
+    b -= (lower[1::2] @ x[0::2][:n_odd].unsqueeze(-1)).squeeze(-1)
+    b[:m_up] -= (upper[1::2][:m_up] @ x[2::2].unsqueeze(-1)).squeeze(-1)  # odd rows with a row below
+    x[1::2] = (inv_odd @ b.unsqueeze(-1)).squeeze(-1)
     return x

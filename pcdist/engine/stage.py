@@ -129,6 +129,11 @@ class Stage:
             self.recv_input.copy_(x)
         if y is not None and self.output is not None and not self.free_top:
             self.output.h_out[0].copy_(y)
+        self.restart()
+
+    def restart(self) -> None:
+        """The Python state of a step afresh (every weight-derived copy stale, the value step's count at 0): where
+        a batch begins, and at the start of each step's core, which may run twice (a failed capture, then eagerly)."""
         self.weights_changed()
         self.values.reset()
 

@@ -139,7 +139,8 @@ class PCTrainer:
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.update.prepare()
         clock = [time.perf_counter()]
-        self.runner(("step", st, self.x_lr), lambda: self._train(st, noise, log, clock))  # x_lr: a replay's constant
+        # x_lr and the noise (its temperature, global batch and std) are constants of a replay: part of its key
+        self.runner(("step", st, self.x_lr, noise), lambda: self._train(st, noise, log, clock))
         clock.append(time.perf_counter())
         self.steps_done += 1
         if not log:
@@ -152,6 +153,7 @@ class PCTrainer:
 
     def _train(self, st: Stage, noise, log: bool, clock: list) -> None:
         """The core of a training step (capturable: no host reads, no branch on device values)."""
+        st.restart()  # its Python state afresh: the core runs again eagerly where a capture of it failed
         par, T, ipc = self.parallel, self.T, self.algorithm == "ipc"
         want = log or self.skip_above is not None or self.compile == "graph"  # a captured step always records
         last, every = (T - 1 if ipc else T), ipc and self.skip_above is not None  # each ipc update checks its own
@@ -195,13 +197,14 @@ class PCTrainer:
         self._inferred += 1
 
         def core() -> None:
+            st.restart()
             par.feedforward(st)
             if solver == "adaptive":  # a step count that depends on the data: run eagerly, never captured
                 self.last_infer = relax_adaptive(st, par, T, self.x_lr, tol)
             else:
                 relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw, solver=solver)
 
-        core() if solver == "adaptive" else self.runner(("infer", st, T, noise, solver, self.x_lr), core)
+        core() if solver == "adaptive" else self.runner(("infer", st, T, draw, solver, self.x_lr), core)
         dtype = self.mixed.master_dtype
         own = {n: st.node(n).to(dtype, copy=True) for n in range(0 if self.net.first == 1 else self.net.first,
                                                                  self.net.stop)}

@@ -63,7 +63,7 @@ class WeightUpdate:
                     warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
                     self.scheduler.step()
         rows.append([g["lr"] for g in self.optimizer.param_groups])
-        host = torch.tensor(rows, dtype=torch.float64).to(self.plan.dtype)
+        host = torch.tensor(rows, dtype=torch.float64, device="cpu").to(self.plan.dtype)  # host work, copied in
         if self.plan.device.type == "cuda":
             host = host.pin_memory()
         self.plan.copy_(host, non_blocking=True)
