@@ -430,6 +430,23 @@ def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
     assert (tmp_path / "val" / "checkpoints" / "step-00000008").is_dir()
 
 
+def test_a_bad_sample_in_an_npy_folder_names_the_file(npy_folder, tmp_path):
+    """A NaN met as a folder's x_train.npy is streamed is one line naming the folder, the file and the sample, also
+    through data.signal=true (which wraps the arrays to add a channel)."""
+    folder = tmp_path / "nan"
+    folder.mkdir()
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        a = np.load(npy_folder / f"{k}.npy")
+        if k == "x_train":
+            a[5, 3] = np.nan
+        np.save(folder / f"{k}.npy", a)
+    for signal in (False, True):
+        with pytest.raises(DataError) as info:
+            pcdist.train(small_cfg(tmp_path / f"run{signal}", data={"name": "arrays", "path": str(folder),
+                                                                    "signal": signal}))
+        assert str(info.value) == f"data.path={folder}: x_train sample 5 holds NaN or Inf"
+
+
 def test_a_dataloader_is_refused_with_the_reason():
     loader = torch.utils.data.DataLoader(Samples(torch.rand(8, 4), torch.zeros(8)))
     with pytest.raises(DataError, match=r"got a DataLoader: pass its .dataset; pcdist builds the loader so that "
