@@ -83,7 +83,8 @@ def train_py_refuses(tmp_path, *args) -> str:
 
 def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tmp_path):
     """Images [N, H, W, C] and signals [N, L, C] (numpy's and Keras' habit) with model=cnn: one line saying the
-    layout the model reads and the transpose that gives it, not a conv layer's failure deep in a traceback."""
+    layout the model reads and the transpose that gives it, not a conv layer's failure deep in a traceback. Images
+    without their channel ([N, H, W]) are signals [C, L] to the model: they train, with a note saying so."""
     x_tr, y_tr, x_va, y_va = digits_images(3)
     images = save_npz(tmp_path / "hwc.npz", x_tr.transpose(0, 2, 3, 1), y_tr, x_va.transpose(0, 2, 3, 1), y_va)
     said = train_py_refuses(tmp_path, "data=arrays", f"data.path={images}", "model=cnn")
@@ -102,6 +103,14 @@ def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tm
     assert pcdist.train({"data": {"name": "arrays", "path": str(transposed)}, "model": "cnn", "logger": "none",
                          "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"},
                          "run_dir": str(tmp_path / "ok")})["step"] == 2, "the layout said trains"
+    assert "note:" not in (tmp_path / "ok" / "train.log").read_text(), "signals [1, 40] are signals"
+    # one-channel images without their channel ([N, 8, 8]) train as signals of 8 channels: allowed, with a note
+    gray = save_npz(tmp_path / "gray.npz", x_tr[:, 0], y_tr, x_va[:, 0], y_va)
+    pcdist.train({"data": {"name": "arrays", "path": str(gray)}, "model": "cnn", "logger": "none",
+                  "trainer": {"max_steps": 1, "batch_size": 16, "progress": "off"}, "run_dir": str(tmp_path / "gray")})
+    assert ("note: data arrays's samples [8, 8] are read as 1-D signals of 8 channels and length 8 (model.name=cnn "
+            "builds Conv1d layers on [C, L]); if they are one-channel images, give them their channel: x[:, None], "
+            "shape [N, 1, 8, 8]") in (tmp_path / "gray" / "train.log").read_text()
 
 
 def test_own_arrays_with_the_default_mlp_get_both_fixes_at_once_and_a_note_on_labels_from_1(tmp_path):

@@ -104,6 +104,18 @@ def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
             f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
 
 
+def signals_hint(c: Config, sample_shape: tuple[int, ...]) -> str | None:
+    """The one line for samples [C, L] that an image model reads as signals (Conv1d over C channels) though they look
+    like one-channel images [H, W] (C above the few channels signals have, at least half of L); None otherwise."""
+    shape = tuple(sample_shape)
+    if not (model_of(c).images and len(shape) == 2 and shape[0] > 4 and 2 * shape[0] >= shape[1]):
+        return None
+    h, w = shape
+    return (f"note: data {c.data.name}'s samples [{h}, {w}] are read as 1-D signals of {h} channels and length {w} "
+            f"(model.name={c.model.name} builds Conv1d layers on [C, L]); if they are one-channel images, give them "
+            f"their channel: x[:, None], shape [N, 1, {h}, {w}]")
+
+
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
     model = model_of(c)
