@@ -6,7 +6,11 @@
 #                                           # 2026-11-27, test_chain's compiled checks about 3: now 4 processes)
 #   QUICK=1 bash benchmarks/gpu_check.sh    # the tests and gpu.py --quick (its table alone: about 2 minutes)
 #   GPU_ARGS="--depths 4,128,512" QUICK=1 bash benchmarks/gpu_check.sh   # more gpu.py arguments
+#   TEST_TIMEOUT=240 BENCH_TIMEOUT=330 ... bash benchmarks/gpu_check.sh   # seconds for each part (0: no limit),
+#                                           # so that one lease's 10-minute command always reaches gpu.py, whose
+#                                           # JSON is written after every network (a run cut short keeps them)
 # Where hydra-core / omegaconf are missing, install them first (or put their wheels on PYTHONPATH).
+# Exit status: 1 if the tests or gpu.py failed (or ran out of their time).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=$(realpath -m "${OUT:-benchmarks/results}")
@@ -17,12 +21,17 @@ python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 # time is Triton compiling kernel variants on the CPU, 7 minutes in one process on an H200.
 workers=()
 python -c 'import xdist' 2>/dev/null && workers=(-n 4)
-python -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_cuda.py tests/test_capture.py tests/test_chain.py \
-  2>&1 | tee -a "$out/gpu_check.log"
-status=${PIPESTATUS[0]}
+timeout -k 10 "${TEST_TIMEOUT:-0}" python -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_cuda.py \
+  tests/test_capture.py tests/test_chain.py 2>&1 | tee -a "$out/gpu_check.log"
+tests=${PIPESTATUS[0]}
+[[ $tests == 124 ]] && echo "gpu_check: the tests ran out of TEST_TIMEOUT=${TEST_TIMEOUT}s" | tee -a "$out/gpu_check.log"
 args=()
 [[ -n "${QUICK:-}" ]] && args+=(--quick)
 read -ra extra <<< "${GPU_ARGS:-}"
 args+=("${extra[@]}")
-(cd benchmarks && python gpu.py "${args[@]}" --out "$out") 2>&1 | tee -a "$out/gpu_check.log"
-exit "$status"
+(cd benchmarks && timeout -k 10 "${BENCH_TIMEOUT:-0}" python gpu.py "${args[@]}" --out "$out") 2>&1 |
+  tee -a "$out/gpu_check.log"
+bench=${PIPESTATUS[0]}
+[[ $bench == 124 ]] && echo "gpu_check: gpu.py ran out of BENCH_TIMEOUT=${BENCH_TIMEOUT}s" | tee -a "$out/gpu_check.log"
+echo "gpu_check: tests exit $tests, gpu.py exit $bench" | tee -a "$out/gpu_check.log"
+(( tests == 0 && bench == 0 ))

@@ -157,6 +157,26 @@ def test_a_groups_convolutions_as_one_grouped_convolution_equal_the_reference(na
         [g.K for g in net.groups if g.kind.kind == "conv" and g.K > 1] == ([3] if name == "2d-grouped-stack" else [2])
 
 
+@pytest.mark.parametrize("channels_last", ["0", "1"])
+def test_autos_timing_of_a_grouped_convolution_runs_once_per_shape(channels_last, monkeypatch):
+    """PCDIST_CONV_GROUPED=auto times a group grouped against layer by layer once per shape (on a GPU, where it is
+    used; its timing and its key run here on the host clock): the choice is kept, and a second call times nothing."""
+    from pcdist.engine.layers import conv
+
+    monkeypatch.setenv("PCDIST_CONV_GROUPED", "1")
+    monkeypatch.setenv("PCDIST_CHANNELS_LAST", channels_last)
+    layers, shape = conv_net("2d-grouped-stack")
+    net = compare(layers, shape, "se", "pc", 0.0, "sgd")
+    (g,) = [g for g in pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1).stage(4).groups
+            if getattr(g, "grouped", None) is not None]
+    conv._GROUPED.clear()
+    calls = []
+    monkeypatch.setattr(conv, "timed", lambda fn, reps, cuda: (calls.append(cuda), fn(), float(len(calls)))[-1])
+    first = g.grouped.faster(g.x2, g.d)
+    assert calls == [False, False] and first is True and len(conv._GROUPED) == 1  # 1 ms < 0.9 x 2 ms: grouped
+    assert g.grouped.faster(g.x2, g.d) is first and len(calls) == 2, "a shape seen before is not timed again"
+
+
 CL_CASES = [(name, *m) for name in CONV[:3] for m in MODES] + [("mixed", *MODES[0])]  # mixed: a module reads node 1
 
 

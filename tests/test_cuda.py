@@ -34,6 +34,15 @@ DT = torch.float64
 LR = 2.0 ** -7  # exactly representable in float32
 
 
+STEPS = 8  # alternating two batch sizes: each stage's 4th call is captured (eager, checked, warm-up, captured)
+
+
+def assert_captured(tr, compile: str) -> None:
+    """A graph run's two stages were both captured (and replayed): nothing fell back to eager."""
+    if compile == "graph":
+        assert tr.runner.eager == {} and len(tr.runner.programs) == 2, (tr.runner.eager, len(tr.runner.programs))
+
+
 def cuda_trainer(net, compile: str, opts: dict, steps: int, T: int = 4, schedule: str = "warmup"):
     opts = dict(opts)
     sched_on = opts.pop("lr_schedule", False)
@@ -165,10 +174,11 @@ def test_a_float32_or_bf16_step_replayed_equals_the_eager_step(kind, precision):
         opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, precision=precision, compile=compile)
         out = []
-        for s in range(6):
+        for s in range(STEPS):
             x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
             out.append((tr.step(x.cuda(), y.cuda())["energy"], [p.detach().clone() for p in net.parameters()]))
         torch.cuda.synchronize()
+        assert_captured(tr, compile)
         return out
 
     graph, eager, fp32 = run("graph", precision), run("none", precision), run("none", "fp32")
@@ -195,10 +205,11 @@ def test_channels_last_conv_nodes_replay_as_eager_and_follow_the_row_major_run(p
         opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, precision=precision, compile=compile)
         out = []
-        for s in range(6):
+        for s in range(STEPS):
             x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
             out.append(tr.step(x.cuda(), y.cuda())["energy"])
         torch.cuda.synchronize()
+        assert_captured(tr, compile)
         return out, tr.stage(10)
 
     (graph, st), (eager, _), (rows, st_rows) = run("graph", "1"), run("none", "1"), run("graph", "0")
@@ -242,12 +253,11 @@ def test_a_conv_groups_grouped_convolution_is_chosen_once_and_replays_as_the_lay
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=LR, fused=True), T=4, x_lr=0.05,
                               precision=precision, compile=compile)  # fused: a plain SGD reads its rate on the host
         out = []
-        for s in range(6):
+        for s in range(STEPS):
             x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s, dtype=torch.float32)
             out.append(tr.step(x.cuda(), y.cuda())["energy"])
         torch.cuda.synchronize()
-        if compile == "graph":
-            assert tr.runner.eager == {} and len(tr.runner.programs) == 2, "both stages captured"
+        assert_captured(tr, compile)
         return out, [g.grouped is not None for g in tr.stage(10).groups if g.K > 1]
 
     conv._GROUPED.clear()

@@ -28,6 +28,8 @@ round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
 from __future__ import annotations
 
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -89,10 +91,16 @@ def reference(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: floa
     return alpha * exact if inp is None or beta == 0.0 else beta * inp + alpha * exact
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Milliseconds per call of ``fn`` on the current CUDA stream (3 calls' warm-up, then ``reps`` timed)."""
+def timed(fn, reps: int = 20, cuda: bool = True) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream (3 calls' warm-up, then ``reps`` timed); on the
+    host clock where not ``cuda``."""
     for _ in range(3):
         fn()
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):

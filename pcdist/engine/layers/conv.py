@@ -244,7 +244,8 @@ class GroupedConv:
         """``auto``'s choice for this shape (decided once per process): a forward and an input gradient of all K
         layers, grouped against layer by layer, timed on the current CUDA stream."""
         w, conv_args = self.w_conv.get(), self.conv_args
-        key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), w.dtype, self.d.shape, conv_args, x2.device)
+        key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), w.dtype, self.d.shape, repr(conv_args),
+               x2.device)  # the conv arguments hold lists
         if key not in _GROUPED:
             def layer_by_layer():
                 for k in range(self.K):
@@ -252,7 +253,9 @@ class GroupedConv:
                     _aten.convolution(x, w[k], None, *conv_args)
                     _aten.convolution_backward(d[k].to(w.dtype), x, w[k], None, *conv_args, [True, False, False])
 
-            _GROUPED[key] = timed(lambda: (self.forward(x2), self.input_grad(d)), 10) < 0.9 * timed(layer_by_layer, 10)
+            cuda = x2.is_cuda
+            _GROUPED[key] = (timed(lambda: (self.forward(x2), self.input_grad(d)), 10, cuda)
+                             < 0.9 * timed(layer_by_layer, 10, cuda))
         return _GROUPED[key]
 
 
