@@ -223,3 +223,18 @@ def test_a_bad_gemm_setting_is_refused_naming_the_allowed_ones(monkeypatch):
     monkeypatch.setenv("PCDIST_GEMM", "fast")
     with pytest.raises(ValueError, match=r"PCDIST_GEMM='fast': allowed auto, torch, triton"):
         gemm.functions(torch.zeros(2, 2))
+
+
+def test_buffers_past_int32_offsets_keep_the_torch_ops(monkeypatch):
+    """The Triton kernels index with int32 offsets: a group whose buffers hold more than chain.MAX_ELEMENTS elements
+    (width 256, 129 layers, batch 65536: 2^31 + 2^25) keeps the torch ops (a kernel would write outside them),
+    one just below runs them. Meta tensors: nothing is allocated."""
+    from pcdist.engine.activations import Activation
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' own conditions, as on a GPU
+    tanh = Activation("tanh")
+    big = torch.empty(129, 65536, 256, device="meta")
+    small = torch.empty(chain.MAX_ELEMENTS // (65536 * 256), 65536, 256, device="meta")
+    assert big.numel() > chain.MAX_ELEMENTS >= small.numel()
+    assert not chain.usable(big, tanh, 129, 256, 256) and chain.usable(small, tanh, small.shape[0], 256, 256)
+    assert not errorpass.usable(tanh, big) and errorpass.usable(tanh, small)

@@ -171,9 +171,9 @@ def test_autos_timing_of_a_grouped_convolution_runs_once_per_shape(channels_last
             if getattr(g, "grouped", None) is not None]
     conv._GROUPED.clear()
     calls = []
-    monkeypatch.setattr(conv, "timed", lambda fn, reps, cuda: (calls.append(cuda), fn(), float(len(calls)))[-1])
+    monkeypatch.setattr(conv, "timed", lambda fn, reps, device: (calls.append(device), fn(), float(len(calls)))[-1])
     first = g.grouped.faster(g.x2, g.d)
-    assert calls == [False, False] and first is True and len(conv._GROUPED) == 1  # 1 ms < 0.9 x 2 ms: grouped
+    assert calls == [g.x2.device] * 2 and first is True and len(conv._GROUPED) == 1  # 1 ms < 0.9 x 2 ms: grouped
     assert g.grouped.faster(g.x2, g.d) is first and len(calls) == 2, "a shape seen before is not timed again"
 
 

@@ -21,6 +21,7 @@ written from exp/log where a GPU uses libdevice's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -63,7 +64,13 @@ def launch(name: str, grid: tuple, *args, **consts) -> None:
         consts["ACCURATE"] = not interpreted()
     if unknown := [k for k in consts if k not in takes and k not in ("num_warps", "num_stages")]:
         raise TypeError(f"Triton kernel {name} takes no argument {', '.join(unknown)}")
-    kernel[grid](*args, **consts)
+    with on_device(next((a.device for a in args if isinstance(a, Tensor)), None)):
+        kernel[grid](*args, **consts)  # Triton launches on the current device: made the tensors' own
+
+
+def on_device(device: torch.device | None):
+    """A context in which ``device`` (a CUDA device) is the current one; nothing for another device or None."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
 
 
 def triton_allowed(like: Tensor) -> bool:
@@ -74,18 +81,19 @@ def triton_allowed(like: Tensor) -> bool:
 
 
 MAX_WIDTH = 256  # the widest layers the chain kernel runs on a GPU (see usable)
+MAX_ELEMENTS = 2**31 - 2**16  # the largest buffers the Triton kernels index (int32 offsets; a last block's room)
 
 
 def usable(like: Tensor, act, K: int, I: int, O: int) -> bool:
     """True if the chain kernel can run this group: K >= 2 square layers, float32 or bfloat16, on a CUDA
-    device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0, and
-    layers at most MAX_WIDTH wide on a GPU. Its programs own 16 rows of the batch each and run every layer's
-    product in turn, so a program's work grows as K D^2 while the torch chain spreads each product over the
-    whole GPU: on an H200 the kernel made MLP A's replayed step (width 128) faster and MLP B's (width 512)
-    slower than the torch chain (docs/gpu.md)."""
+    device (or any device under the Triton interpreter), an activation it knows, PCDIST_TRITON not 0, buffers
+    of at most MAX_ELEMENTS (its int32 offsets), and layers at most MAX_WIDTH wide on a GPU. Its programs own 16
+    rows of the batch each and run every layer's product in turn, so a program's work grows as K D^2 while the
+    torch chain spreads each product over the whole GPU: on an H200 the kernel made MLP A's replayed step (width
+    128) faster and MLP B's (width 512) slower than the torch chain (docs/gpu.md)."""
     return (K >= 2 and I == O and act is not None and act.name in ACT_CODES
             and like.dtype in (torch.float32, torch.bfloat16) and triton_allowed(like)
-            and (I <= MAX_WIDTH or interpreted()))
+            and like.numel() <= MAX_ELEMENTS and (I <= MAX_WIDTH or interpreted()))
 
 
 def act_args(act) -> dict:

@@ -36,10 +36,10 @@ BLOCK = 1024
 def usable(act, like: Tensor) -> bool:
     """True if the kernel can run this group: float32 nodes on a CUDA device (or any device under the Triton
     interpreter), an activation whose f' it has (as the CPU kernel: not leaky_relu with a negative slope or
-    elu with a negative alpha), fewer than 2^31 elements (its int32 offsets), Triton importable, PCDIST_TRITON
-    not 0."""
+    elu with a negative alpha), at most chain.MAX_ELEMENTS elements (its int32 offsets), Triton importable,
+    PCDIST_TRITON not 0."""
     return (act is not None and act_code(act) is not None and like.dtype == torch.float32
-            and like.numel() < 2**31 and chain.triton_allowed(like))
+            and like.numel() <= chain.MAX_ELEMENTS and chain.triton_allowed(like))
 
 
 def _launch(name: str, n: int, *args, **consts) -> None:
@@ -58,7 +58,7 @@ def conv_usable(act, pool: str | None, window: list[int], stride: list[int], pad
     tiles = pool is None or (list(stride) == list(window) and not any(padding) and window[0] * window[1] < 128)
     cl = is_channels_last(like)
     dense = all(is_channels_last(b) == cl and (cl or b.is_contiguous()) for b in (like, *bufs))
-    return tiles and conv_size < 2**31 and usable(act, like) and dense
+    return tiles and conv_size <= chain.MAX_ELEMENTS and usable(act, like) and dense
 
 
 class Kernel(ErrorPass):

@@ -91,23 +91,26 @@ def reference(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: floa
     return alpha * exact if inp is None or beta == 0.0 else beta * inp + alpha * exact
 
 
-def timed(fn, reps: int = 20, cuda: bool = True) -> float:
-    """Milliseconds per call of ``fn`` on the current CUDA stream (3 calls' warm-up, then ``reps`` timed); on the
-    host clock where not ``cuda``."""
-    for _ in range(3):
-        fn()
-    if not cuda:
+def timed(fn, reps: int = 20, device: torch.device | None = None) -> float:
+    """Milliseconds per call of ``fn`` on ``device``'s current CUDA stream (None: the current device's; 3 calls'
+    warm-up, then ``reps`` timed); on the host clock for a CPU device."""
+    if device is not None and device.type != "cuda":
+        for _ in range(3):
+            fn()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) * 1e3 / reps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    with chain.on_device(device):  # events and launches on the tensors' device, not the current one
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
 
 
 def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tensor, baseline=None):
@@ -141,14 +144,14 @@ def _choose(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: float,
         torch_run()
         want = [scratch.clone()]
     timing = _mode() == "auto"
-    base = timed(torch_run) if timing else None
+    base = timed(torch_run, device=out.device) if timing else None
     best, choice = None, None
     for cfg in [INTERPRETED_CONFIG] if chain.interpreted() else CONFIGS:
         # each candidate builds, runs and agrees with torch (else one warning and torch), then is timed
         if not chain.checked(lambda: tiles(cfg), lambda: want, "a batched product", ("Triton GEMM", "cuBLAS")):
             best, choice = None, None
             break
-        t = timed(lambda: tiles(cfg)) if timing else 0.0
+        t = timed(lambda: tiles(cfg), device=out.device) if timing else 0.0
         if best is None or t < best:
             best, choice = t, cfg
     if timing and choice is not None and not best < 0.9 * base:

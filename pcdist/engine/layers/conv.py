@@ -253,9 +253,8 @@ class GroupedConv:
                     _aten.convolution(x, w[k], None, *conv_args)
                     _aten.convolution_backward(d[k].to(w.dtype), x, w[k], None, *conv_args, [True, False, False])
 
-            cuda = x2.is_cuda
-            _GROUPED[key] = (timed(lambda: (self.forward(x2), self.input_grad(d)), 10, cuda)
-                             < 0.9 * timed(layer_by_layer, 10, cuda))
+            _GROUPED[key] = (timed(lambda: (self.forward(x2), self.input_grad(d)), 10, x2.device)
+                             < 0.9 * timed(layer_by_layer, 10, x2.device))
         return _GROUPED[key]
 
 
