@@ -196,7 +196,7 @@ class _FailedCapture:
             return
         saved = {}
         for t in gc.get_objects():
-            if issubclass(type(t), torch.Tensor) and t.numel():  # type(): no object's __class__ (deprecation) read
+            if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.numel():  # not fake or meta
                 s = t.untyped_storage()
                 saved.setdefault(s.data_ptr(), (s, s.clone()))
         state = self.generator.get_state()

@@ -229,3 +229,23 @@ def test_a_diverged_slice_is_named_with_its_cause_by_its_neighbour(tmp_path):
     assert any(line.startswith("error: rank 0: ") and f"(rank 1 stopped: {cause}" in line for line in said) or \
         any(line.startswith(f"error (rank 1): {cause}") for line in said), said
     assert all("is rank 1 alive?" not in line for line in said), said
+
+
+def test_an_exchange_coalesced_into_one_work_names_every_peer_and_why(tmp_path):
+    """NCCL returns one work for a whole batch of sends and receives (gloo one per op): a middle rank's failed
+    boundary exchange then names both neighbours, and the cause either left in the store, not just the first op's
+    peer. One work per op keeps naming each op's own peer."""
+    import torch.distributed as dist
+
+    from pcdist.distributed.exchange import _FAILED_KEY, _why, works_of_batch
+
+    peers = [(2, "errors send"), (2, "errors receive"), (0, "errors send"), (0, "errors receive")]
+    assert works_of_batch(["w"], peers, "errors", 5) == [("w", (2, 0), "errors", 5)]
+    assert works_of_batch(list("abcd"), peers, "errors", 5)[2] == ("c", (0,), "errors send", 5)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert _why((2, 0)) == "are rank 2 and rank 0 alive?"
+        dist.distributed_c10d._get_default_store().set(_FAILED_KEY.format(0), "DataError: data/mnist missing")
+        assert _why((2, 0)) == "rank 0 stopped: DataError: data/mnist missing"
+    finally:
+        dist.destroy_process_group()

@@ -60,27 +60,44 @@ def failures(ranks, store=None) -> dict[int, str]:
         return {}
 
 
-def _why(peer: int) -> str:
-    said = failures([peer])
-    return f"rank {peer} stopped: {said[peer]}" if said else f"is rank {peer} alive?"
+def _names(peers: tuple[int, ...]) -> str:
+    return " and ".join(f"rank {r}" for r in peers)
+
+
+def _why(peers: tuple[int, ...]) -> str:
+    said = failures(list(peers))
+    if said:
+        return "; ".join(f"rank {r} stopped: {why}" for r, why in said.items())
+    return f"{'is' if len(peers) == 1 else 'are'} {_names(peers)} alive?"
 
 
 def _wait(reqs) -> float:
-    """Wait for (work, peer, what, timeout) tuples; returns the seconds spent blocked.
+    """Wait for (work, peers, what, timeout) tuples (``peers``: the ranks the work exchanges with); returns the
+    seconds spent blocked.
 
-    A failure names both ranks.
+    A failure names this rank and its peers, and why a peer stopped where it left word (``report_failure``).
     """
     t0 = time.perf_counter()
-    for work, peer, what, timeout in reqs:
+    for work, peers, what, timeout in reqs:
         try:
             work.wait(timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
             me = dist.get_rank()
             raise PeerError(
-                f"rank {me}: {what} with rank {peer} failed or timed out after {timeout.total_seconds():g}s "
-                f"({_why(peer)}): {first_line(e)}"
+                f"rank {me}: {what} with {_names(peers)} failed or timed out after {timeout.total_seconds():g}s "
+                f"({_why(peers)}): {first_line(e)}"
             ) from e
     return time.perf_counter() - t0
+
+
+def works_of_batch(works: list, peers: list[tuple[int, str]], what: str, timeout) -> list:
+    """``_wait``'s (work, peers, what, timeout) for the works of one ``batch_isend_irecv`` of the ops ``peers``
+    describes ((rank, what) each): one work per op (gloo), or one for the whole batch (NCCL coalesces it: then
+    the batch's every peer is named)."""
+    if len(works) == len(peers):
+        return [(w, (peer,), desc, timeout) for w, (peer, desc) in zip(works, peers)]
+    ranks = tuple(dict.fromkeys(r for r, _ in peers))
+    return [(w, ranks, what, timeout) for w in works]
 
 
 
@@ -113,7 +130,7 @@ class LayerExchange(Local):
 
     def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
              *more) -> list:
-        """Post one batch of isend/irecv; returns (work, peer, what, timeout) for ``_wait``.
+        """Post one batch of isend/irecv; returns (work, peers, what, timeout) for ``_wait`` (``pending``).
 
         ``more`` repeats (send, to, recv, frm) for further peers in the same batch.
         """
@@ -134,7 +151,7 @@ class LayerExchange(Local):
             ranks = " and ".join(f"rank {r}" for r in dict.fromkeys(r for r, _ in peers))
             raise PeerError(f"rank {dist.get_rank()}: posting the {what} with {ranks} failed (is {ranks} alive?): "
                             f"{first_line(e)}") from e
-        return [(w, peer, desc, self.timeout) for w, (peer, desc) in zip(works, peers)]
+        return works_of_batch(works, peers, what, self.timeout)
 
     def _wait(self, reqs) -> None:
         self.comm_seconds += _wait(reqs)

@@ -32,7 +32,8 @@ from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
 
-__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "backend_for"]
+__all__ = ["ParallelDims", "Parallel", "PeerError", "collective", "init_distributed", "leave_process_group",
+           "backend_for"]
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,25 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
         torch.cuda.set_device(device)
     backend = backend or backend_for(device)
     kw = {"device_id": device} if device.type == "cuda" and backend == "nccl" else {}
+    # NCCL's watchdog tears the process down when an op outlives the group's timeout: it must outlast the host's own
+    # waits (timeout_s), which name the peer that stopped answering, and say why
+    group = timedelta(seconds=2 * timeout_s + 60 if backend == "nccl" else timeout_s)
     if dist.is_initialized():
         warn_if_restarts_unsafe()
     elif "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # not launched by torchrun
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
-                                rank=0, world_size=1, **kw)
+        dist.init_process_group(backend, timeout=group, store=dist.HashStore(), rank=0, world_size=1, **kw)
     else:  # each torchrun attempt on its own keys of the store, so restarts work (pcdist/distributed/rendezvous.py)
-        join_process_group(backend, timedelta(seconds=timeout_s), **kw)
+        join_process_group(backend, timedelta(seconds=timeout_s), group, **kw)
     return device
+
+
+def leave_process_group(failed: bool) -> None:
+    """End this process's group: after a failure an NCCL group is aborted (its destroy would wait for the ops a
+    lost peer never matches), otherwise destroyed."""
+    if failed and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 @contextmanager

@@ -32,12 +32,13 @@ __all__ = ["join_process_group", "attempt_store", "warn_if_restarts_unsafe"]
 _TICKETS = "pcdist/tickets"
 
 
-def join_process_group(backend: str, timeout: timedelta, **kw) -> None:
-    """``init_process_group`` from torchrun's environment (env://), on this attempt's own keys."""
+def join_process_group(backend: str, timeout: timedelta, group_timeout: timedelta | None = None, **kw) -> None:
+    """``init_process_group`` from torchrun's environment (env://), on this attempt's own keys; ``group_timeout``:
+    the group's own (NCCL's watchdog), default ``timeout``."""
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=attempt_store(store, rank, world, timeout), rank=rank, world_size=world,
-                            timeout=timeout, **kw)
+                            timeout=group_timeout or timeout, **kw)
 
 
 def attempt_store(store: dist.Store, rank: int, world: int, timeout: timedelta) -> dist.PrefixStore:

@@ -86,14 +86,13 @@ class PCTrainer:
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
-        self._stages: dict[tuple, tuple[tuple, Stage]] = {}
+        self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends) -> (weights' addresses, its Stage)
         self._stage: Stage | None = None
         self.mixed = MixedPrecision(precision, net)
         self._params = list(self.mixed.compute.parameters())  # the same Parameter objects for the trainer's life
         device = next(net.parameters()).device
         self.compile = compile_mode(compile, device)
-        graph = self.compile == "graph"
-        self.update = WeightUpdate(optimizer, scheduler, parallel, skip_above, planned=graph,
+        self.update = WeightUpdate(optimizer, scheduler, parallel, skip_above, planned=self.compile == "graph",
                                    steps=T if algorithm == "ipc" else 1, device=device,
                                    grads=self.mixed.grads if self.mixed.pairs else None,
                                    sync=self.mixed.weights if self.mixed.pairs else None)
@@ -139,8 +138,7 @@ class PCTrainer:
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.update.prepare()
         clock = [time.perf_counter()]
-        # x_lr and the noise (its temperature, global batch and std) are constants of a replay: part of its key
-        self.runner(("step", st, self.x_lr, noise), lambda: self._train(st, noise, log, clock))
+        self.runner(("step", st, self.x_lr, noise), lambda: self._train(st, noise, log, clock))  # a replay's constants
         clock.append(time.perf_counter())
         self.steps_done += 1
         if not log:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..distributed.exchange import report_failure
-from ..distributed.parallel import init_distributed
+from ..distributed.parallel import init_distributed, leave_process_group
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, flat, make_config, passed_settings
@@ -100,22 +100,28 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
         init_distributed(device, timeout_s=c.parallel.timeout_s,
                          backend=None if c.parallel.backend == "auto" else c.parallel.backend)
     torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
+    failed = True  # until the run ends or stops as every rank does (pre-empted: after the same step)
     try:
         if distributed:
             _check_same_settings(c)
         trainer = ServiceTrainer(c, device, distributed, data, user=user, resume=resume,
                                  mesh_line=mesh + threads if torchrun else None)
         try:
-            return trainer.train()
+            result = trainer.train()
+            failed = False
+            return result
         finally:
             trainer.close()
     except (ConfigError, DataError, CheckpointError, FloatingPointError) as e:  # its peers name this rank and why
         if distributed and dist.is_initialized():
             report_failure(str(e))
         raise
+    except Preempted:
+        failed = False
+        raise
     finally:
         if distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            leave_process_group(failed)
 
 
 def _check_same_settings(c: Config) -> None:
@@ -123,7 +129,7 @@ def _check_same_settings(c: Config) -> None:
     environment or script, say) is refused in one line naming the keys that differ, where it would otherwise fail
     in an exchange of the wrong size. Rank 0 leaves its settings in the rendezvous store (per torchrun attempt)."""
     mine = flat(asdict(c))
-    key = f"pcdist/settings/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = "pcdist/settings"  # the store is this attempt's own (rendezvous.py): restart counts differ between nodes
     store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
     if rank == 0:
         store.set(key, json.dumps(mine, default=str))
