@@ -213,6 +213,7 @@ class DenseBound(BoundGroup):
         # Squared-error output, clamped target: d_L = y - b_L - h W_L is one GEMM on the precomputed y - b_L.
         se = self.is_output and self.energy.residual and not self.free_output
         self._y_minus_b = torch.empty_like(self.a) if se else None
+        self._ymb_stale = True  # y - b is refreshed on first use after each weight change (or new batch)
         # f, the error, f' and the value step in one pass (the C kernel on CPUs, Triton on GPUs, checked once
         # against torch); None: separate torch ops. It reads a (u itself, except for gelu, whose f' needs its
         # input) and, unless fresh, u.
@@ -323,6 +324,9 @@ class DenseBound(BoundGroup):
         as the boundary message). The output layer writes its energy's signal d = -pi dE_out/du."""
         if self.is_output:
             if self._y_minus_b is not None:
+                if self._ymb_stale:
+                    torch.sub(self.h_out, self.b_K1O, out=self._y_minus_b)
+                    self._ymb_stale = False
                 if self.lowp:
                     torch.sub(self._y_minus_b, lowp(self.h_in, self.w_KIO), out=self.d)
                 else:
@@ -381,5 +385,4 @@ class DenseBound(BoundGroup):
             self.w_hwc.invalidate()
             self.w_hwc.get()
         self.w_t.invalidate()
-        if self._y_minus_b is not None:
-            torch.sub(self.h_out, self.b_K1O, out=self._y_minus_b)
+        self._ymb_stale = True
