@@ -16,7 +16,8 @@ bfloat16 products are cast into the master weights' .grad, the optimizer steps t
 the copy is refreshed. The module kind (any nn.Module) computes in float32. Checkpoints and ``pcdist.load``
 hold only the float32 master network (the service's tests by inference run in the run's precision).
 
-The TF32 switches are process-wide (torch.backends), set when a trainer is built.
+The TF32 switches are process-wide (torch.backends): a trainer sets its own at each step (``MixedPrecision.apply``),
+so trainers of other precisions can share a process; the service puts the ones it found back when a run ends.
 """
 
 from __future__ import annotations
@@ -25,20 +26,32 @@ import copy
 
 import torch
 
-__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_convolutions"]
+__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_state", "restore_tf32", "tf32_convolutions"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def set_tf32(on: bool) -> None:
-    """TF32 for float32 matmuls and convolutions on CUDA devices, on or off (process-wide)."""
-    mode = "tf32" if on else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:  # torch < 2.9
-        torch.backends.cuda.matmul.allow_tf32 = on
-        torch.backends.cudnn.allow_tf32 = on
+    """TF32 for float32 matmuls and convolutions on CUDA devices, on or off (process-wide). Through the settings
+    that keep torch's older and newer TF32 switches agreeing (torch >= 2.9 has both: a write to one kind alone makes
+    every later read of the other raise, torch.compile's included)."""
+    torch.set_float32_matmul_precision("high" if on else "highest")
+    torch.backends.cudnn.allow_tf32 = on
+
+
+def tf32_state() -> tuple[str, bool] | None:
+    """The TF32 switches now (``restore_tf32`` puts them back); None where torch cannot say (switches set through
+    its newer settings alone)."""
+    try:
+        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return None
+
+
+def restore_tf32(state: tuple[str, bool] | None) -> None:
+    if state is not None:
+        torch.set_float32_matmul_precision(state[0])
+        torch.backends.cudnn.allow_tf32 = state[1]
 
 
 def tf32_convolutions() -> bool:
@@ -57,8 +70,8 @@ class MixedPrecision:
             raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         self.name, self.master = name, master
         p = next(master.parameters())
-        if p.device.type == "cuda":
-            set_tf32(name == "tf32")
+        self.cuda = p.device.type == "cuda"
+        self.apply()
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.compute = master
         if name == "bf16":
@@ -76,10 +89,20 @@ class MixedPrecision:
                     else:  # the master's own parameter: its updates and gradients need no copy
                         setattr(twin, name_, param)
 
+    def apply(self) -> None:
+        """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured)."""
+        if self.cuda:
+            set_tf32(self.name == "tf32")
+
     @property
     def master_dtype(self) -> torch.dtype:
         """The master weights' dtype (now: a network moved with .double() after the trainer was built counts)."""
         return next(self.master.parameters()).dtype
+
+    def begin(self) -> None:
+        """Before a step (or an inference): this precision's switches, the compute copy current."""
+        self.apply()
+        self.weights()
 
     @torch.no_grad()
     def weights(self) -> None:

@@ -218,7 +218,7 @@ class PCTrainer:
         """The stage of this batch, with the batch copied in and the compute weights current (host work)."""
         B = check_batch(self.net, x, y, batch_size)
         st = self.stage(B, x is None, y is None)
-        self.mixed.weights()
+        self.mixed.begin()
         st.begin(x if self.parallel.is_first else None, y if self.parallel.is_last else None)
         return st
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..distributed.parallel import Parallel
 from ..engine.energies import OutputEnergy
 from ..engine.network import PCNetwork
+from ..engine.precision import set_tf32
 
 __all__ = ["BackpropTrainer", "bp_loss"]
 
@@ -34,10 +35,13 @@ class BackpropTrainer:
     """Autograd training steps on a PCNetwork's feed-forward pass (one process, all layers)."""
 
     def __init__(self, net: PCNetwork, optimizer: torch.optim.Optimizer, scheduler=None,
-                 skip_above: float | None = None):
+                 skip_above: float | None = None, precision: str = "fp32"):
+        """``precision``: as PC's (trainer.precision): fp32 / tf32 set the GPU's TF32 switches at each step, bf16
+        runs the forward pass under autocast (bfloat16 products, float32 weights, the loss in float32)."""
         if not net.owns_all:
             raise ValueError("backprop trains the whole network in one process; this network owns a layer slice")
         self.net, self.optimizer, self.scheduler, self.skip_above = net, optimizer, scheduler, skip_above
+        self.precision = precision
         self.parallel = Parallel.single(net.num_layers)  # what the service's validation reads
         self.skipped_updates = 0
 
@@ -45,8 +49,12 @@ class BackpropTrainer:
         """One optimizer step on F(x, y); returns F (``energy``) and its per-layer terms (the output's)."""
         clock = [time.perf_counter()]
         self.optimizer.zero_grad(set_to_none=True)
+        if x.is_cuda:
+            set_tf32(self.precision == "tf32")
         with torch.enable_grad():
-            loss = bp_loss(self.net.energy, self.net(x), y)
+            with torch.autocast(x.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
+                u = self.net(x)
+            loss = bp_loss(self.net.energy, u.float(), y)
             clock.append(time.perf_counter())
             loss.backward()
         clock.append(time.perf_counter())

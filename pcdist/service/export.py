@@ -81,7 +81,7 @@ def export_run(run: Run, out) -> ExportResult:
     """``export`` for a run already loaded."""
     supervised_only(run, "export")
     out = Path(out)
-    model = Deployed(run).eval()
+    model = Deployed(run).to("cpu").eval()  # traced on the host, as its example: a run loaded onto a GPU too
     dtype = getattr(torch, run.inputs.dtype)
     example = torch.randn(3, *run.inputs.sample_shape, dtype=dtype)
     info = {"sample_shape": list(run.inputs.sample_shape), "dtype": run.inputs.dtype,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..distributed.exchange import report_failure
 from ..distributed.parallel import init_distributed, leave_process_group
+from ..engine.precision import restore_tf32, tf32_state
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, flat, make_config, passed_settings
@@ -101,6 +102,7 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
                          backend=None if c.parallel.backend == "auto" else c.parallel.backend)
     torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     failed = True  # until the run ends or stops as every rank does (pre-empted: after the same step)
+    tf32 = tf32_state()  # the caller's TF32 switches, put back when the run ends (a GPU run sets its own)
     try:
         if distributed:
             _check_same_settings(c)
@@ -120,6 +122,7 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
         failed = False
         raise
     finally:
+        restore_tf32(tf32)
         if distributed and dist.is_initialized():
             leave_process_group(failed)
 

@@ -157,7 +157,8 @@ class ServiceTrainer:
         c, par = self.config, self.parallel
         skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
         if c.pc.algorithm == "bp":
-            return BackpropTrainer(self.network, self.optimizer, scheduler=self.scheduler, skip_above=skip)
+            return BackpropTrainer(self.network, self.optimizer, scheduler=self.scheduler, skip_above=skip,
+                                   precision=c.trainer.precision)
         if c.pc.init in ("newton", "newton_cr", "backward") and par.layer_size > 1:
             raise ConfigError(f"config pc.init={c.pc.init} solves for the equilibrium over the whole network: it runs "
                               f"on one layer slice, but parallel.layer={par.layer_size}; use parallel.layer=1 (a data "
