@@ -130,7 +130,7 @@ class LayerExchange(Local):
 
     def _p2p(self, send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | None, what: str,
              *more) -> list:
-        """Post one batch of isend/irecv; returns (work, peers, what, timeout) for ``_wait`` (``pending``).
+        """Post one batch of isend/irecv; returns (work, peers, what, timeout) for ``_wait`` (``works_of_batch``).
 
         ``more`` repeats (send, to, recv, frm) for further peers in the same batch.
         """

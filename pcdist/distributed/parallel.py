@@ -97,7 +97,10 @@ def leave_process_group(failed: bool) -> None:
     """End this process's group: after a failure an NCCL group is aborted (its destroy would wait for the ops a
     lost peer never matches), otherwise destroyed."""
     if failed and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - NCCL's watchdog may have aborted it already: the process ends anyway
+            pass
     else:
         dist.destroy_process_group()
 
