@@ -148,6 +148,24 @@ def test_evaluate_writes_eval_json_and_a_confusion_matrix(digits_run):
     assert (run_dir / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_and_predict_run_where_device_says(digits_run, tmp_path):
+    """--device auto takes a GPU where there is one (here the CPU: the same figures); a device this machine lacks is
+    one line naming it, as pcdist.load(device=...) says it, before anything is read or written."""
+    run_dir, _ = digits_run
+    auto = cli("evaluate", run_dir, "pc.T=5", "--device", "auto")
+    assert json.loads((run_dir / "eval.json").read_text())["accuracy"] == pytest.approx(logged_accuracy(run_dir),
+                                                                                        abs=1e-12), auto.stdout
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine has the device the refusals below ask for")
+    for args in (("evaluate", run_dir), ("predict", run_dir, tmp_path / "x.npz", "--out", tmp_path / "p.npz")):
+        out = cli(*args, "--device", "cuda", check=False)
+        assert out.returncode == 2 and out.stderr == "error: device 'cuda': this machine has no CUDA device; use cpu " \
+                                                      "(or auto)\n", out.stderr
+    with pytest.raises(pcdist.RunError, match="device 'gpu' is not a device"):
+        pcdist.load(run_dir, device="gpu")
+    assert not (tmp_path / "p.npz").exists()
+
+
 def test_predict_applies_the_saved_preprocessing(digits_run, tmp_path):
     run_dir, _ = digits_run
     ds = load_dataset("digits")

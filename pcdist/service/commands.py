@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="a torch.export program (.pt2) that runs without pcdist")
     ex.add_argument("run_dir")
     ex.add_argument("out")
+    for p in (ev, pr):
+        p.add_argument("--device", default="cpu", help="where the network runs: cpu (default), cuda, cuda:N, or "
+                       "auto (a GPU where there is one)")
     for p in (ev, pr, ex):
         p.add_argument("--checkpoint", default="last", help="last (default), best, or a step number")
         p.add_argument("--trust-code", action="store_true", help="import and call the function the run's "
@@ -59,7 +62,7 @@ def _run(args) -> None:
     if args.command == "evaluate":
         from .evaluate import evaluate
 
-        r = evaluate(args.run_dir, args.overrides, args.checkpoint, trust_code=args.trust_code)
+        r = evaluate(args.run_dir, args.overrides, args.checkpoint, trust_code=args.trust_code, device=args.device)
         head = f"{r['run_dir']} {r['checkpoint']}: {r['split']}"
         if r["mode"] == "supervised":
             print(f"{head} accuracy {r['accuracy']:.4f} on {r['samples']} samples, energy {r['energy']:.4g} after "
@@ -76,7 +79,8 @@ def _run(args) -> None:
     elif args.command == "predict":
         from .evaluate import predict
 
-        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code, key=args.key)
+        r = predict(args.run_dir, args.inputs, args.out, args.checkpoint, trust_code=args.trust_code, key=args.key,
+                    device=args.device)
         source = f"{args.inputs}" + (f"'s {r.pop('input')}" if r.get("input") else "")
         r.pop("input", None)
         print(f"{len(r['labels'])} predictions of {source} -> {args.out} ({', '.join(r)})")

@@ -94,12 +94,13 @@ def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> di
 
 
 def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True, layers=None,
-             trust_code: bool = False) -> dict:
+             trust_code: bool = False, device="cpu") -> dict:
     """Evaluate a run on its held-out split; writes ``eval.json`` and ``confusion.png`` into the run
     directory (``write``). ``overrides``: ``key=value`` settings for evaluation (``pc.T=50``,
     ``data.root=...`` where the data moved). ``data``: the data of a run trained on data passed from Python.
-    ``layers``, ``trust_code``: as for ``pcdist.load`` (runs of your own modules that only code rebuilds)."""
-    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
+    ``layers``, ``trust_code``, ``device``: as for ``pcdist.load`` (runs of your own modules that only code
+    rebuilds; where it runs: a GPU-trained run's TF32 or bf16 products differ from a CPU's in the last digits)."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code, device=device)
     found = links_in(run.run_dir) if write else []
     if found:
         raise RunError(links_refusal(run.run_dir, found, "eval.json and confusion.png"))
@@ -179,12 +180,12 @@ def _inputs(path, key: str | None = None) -> tuple[str | None, np.ndarray]:
 
 
 def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_code: bool = False,
-            key: str | None = None) -> dict:
+            key: str | None = None, device="cpu") -> dict:
     """Logits, predicted labels (and class probabilities for a cross-entropy run) of raw ``inputs``
     (an array, a tensor or an .npz / .npy path; ``key``: the array of the .npz, as ``read_inputs``
     picks it) with the run's preprocessing; saved to ``out`` (.npz). ``layers``, ``trust_code``: as for
-    ``pcdist.load``. The result's ``input`` names the array read."""
-    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code)
+    ``pcdist.load`` (and ``device``). The result's ``input`` names the array read."""
+    run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code, device=device)
     name, x = _inputs(inputs, key) if isinstance(inputs, (str, Path)) else (None, inputs)
     logits = run.predict(x)
     result = {"logits": logits.numpy(), "labels": logits.argmax(1).numpy()}

@@ -183,6 +183,20 @@ def _specs(p: Path, model: dict | None, signature: list) -> list:
     return [kind_from_signature(s) for s in signature]
 
 
+def _device(device) -> torch.device:
+    """``load``'s device, or a RunError naming it where this machine has no such device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise RunError(f"device {device!r} is not a device (cpu, cuda, cuda:N or auto)") from e
+    if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise RunError(f"device {device!r}: this machine has {have}; use cpu (or auto)")
+    return d
+
+
 def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool = False) -> Run:
     """The run in ``run_dir`` at ``checkpoint`` ("last", "best" or a step) on one process.
 
@@ -190,8 +204,10 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     pcdist cannot rebuild by itself (generic module layers); they come back trained, as the same
     classes. ``trust_code``: import and call the function the run recorded as building its layers
     (model.json's ``factory``); without it that code is never run, and a run that needs it is
-    refused with one line naming it. ``device``: where the network goes.
+    refused with one line naming it. ``device``: where the network goes ("cpu", "cuda", "cuda:N", or "auto": a GPU
+    where there is one).
     """
+    device = _device(device)
     p = _run_dir(run_dir)
     path = find_checkpoint(p, checkpoint)
     meta = read_pt(path / "meta.pt")
