@@ -329,6 +329,10 @@ def test_the_service_trains_alike_captured_and_eager(tmp_path):
 
     g, e = train("graph", "graph"), train("none", "none")
     assert g["val/accuracy"] == pytest.approx(e["val/accuracy"], abs=1e-12)
+    from pcdist.service.evaluate import evaluate  # the trained run back on the GPU: its logged accuracy
+
+    assert evaluate(tmp_path / "graph", device="cuda", write=False)["accuracy"] == pytest.approx(g["val/accuracy"],
+                                                                                                abs=1e-12)
     # the schedule's cosine rates reach the captured fused AdamW rounded to float32 (its rate is a float32
     # tensor): each weight moves by at most steps x lr x 2^-24 more, far below the step's own change
     assert g["train/energy"] == pytest.approx(e["train/energy"], rel=1e-6)
