@@ -47,6 +47,7 @@ def init_nodes(seq, x, y, init, energy, precision=None):
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, x_lr=0.1, init=init)
     with torch.no_grad():  # the init as a step runs it
         st = tr._begin(x, y, None)
+        st.restart()  # as a step's core starts
         tr.parallel.feedforward(st)
     return [st.node(n).clone() for n in range(net.num_layers + 1)]
 
@@ -214,6 +215,7 @@ def test_every_kind_takes_the_same_newton_step_both_ways(kind):
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, init=init)
         with torch.no_grad():
             st = tr._begin(x, y, None)
+            st.restart()  # as a step's core starts
             tr.parallel.feedforward(st)
         nodes[init] = [st.node(n).clone() for n in range(net.num_layers + 1)]
     for n, (a, b) in enumerate(zip(nodes["newton"], nodes["newton_cr"])):
@@ -241,6 +243,7 @@ def test_closed_form_products_equal_torch_func(kind, init, monkeypatch):
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, init=init)
         with torch.no_grad():
             st = tr._begin(x, y, None)
+            st.restart()  # as a step's core starts
             tr.parallel.feedforward(st)
         got[closed] = [st.node(n).clone() for n in range(net.num_layers + 1)]
     for n, (a, b) in enumerate(zip(got[True], got[False])):

@@ -100,6 +100,7 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     L, first = net.num_layers, net.first
     B = check_batch(net, x, y)
     st = trainer._begin(x, y, None)
+    st.restart()
     par.feedforward(st)
     x_in = st.node(first - 1).clone()  # this slice's input at the init: x, or the upstream node
     free = [(lo + i, h[i]) for lo, h, _, _ in st.nodes.free for i in range(h.shape[0])]

@@ -27,7 +27,6 @@ round-off; PCDIST_GEMM=torch (or triton) makes the choice fixed.
 
 from __future__ import annotations
 
-
 import time
 
 import torch
@@ -94,16 +93,14 @@ def reference(inp: Tensor | None, a: Tensor, b: Tensor, beta: float, alpha: floa
 def timed(fn, reps: int = 20, device: torch.device | None = None) -> float:
     """Milliseconds per call of ``fn`` on ``device``'s current CUDA stream (None: the current device's; 3 calls'
     warm-up, then ``reps`` timed); on the host clock for a CPU device."""
-    if device is not None and device.type != "cuda":
-        for _ in range(3):
-            fn()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / reps
     with chain.on_device(device):  # events and launches on the tensors' device, not the current one
         for _ in range(3):
             fn()
+        if device is not None and device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / reps
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):

@@ -124,16 +124,18 @@ class Stage:
 
     # -- phases -------------------------------------------------------------------
     def begin(self, x: Tensor | None, y: Tensor | None) -> None:
-        """Start a batch: clamp the input (first slice) and the target (last slice), where clamped."""
+        """Start a batch: clamp the input (first slice) and the target (last slice), where clamped; its inference
+        starts with ``restart``."""
         if x is not None and not (self.free_bottom and self.net.first == 1):
             self.recv_input.copy_(x)
         if y is not None and self.output is not None and not self.free_top:
             self.output.h_out[0].copy_(y)
-        self.restart()
 
     def restart(self) -> None:
-        """The Python state of a step afresh (every weight-derived copy stale, the value step's count at 0): where
-        a batch begins, and at the start of each step's core, which may run twice (a failed capture, then eagerly)."""
+        """Start the inference of the batch ``begin`` copied in: every prediction and weight-derived copy stale (or
+        refreshed), the value step's count at 0. Each inference routine starts with it (a step's core, ``infer``'s,
+        the energy trace, the diagnostics), so that a core run again eagerly after its capture failed starts afresh
+        and each batch pays for it once."""
         self.weights_changed()
         self.values.reset()
 

@@ -151,7 +151,7 @@ class PCTrainer:
 
     def _train(self, st: Stage, noise, log: bool, clock: list) -> None:
         """The core of a training step (capturable: no host reads, no branch on device values)."""
-        st.restart()  # its Python state afresh: the core runs again eagerly where a capture of it failed
+        st.restart()  # afresh, also where the core runs again eagerly after its capture failed
         par, T, ipc = self.parallel, self.T, self.algorithm == "ipc"
         want = log or self.skip_above is not None or self.compile == "graph"  # a captured step always records
         last, every = (T - 1 if ipc else T), ipc and self.skip_above is not None  # each ipc update checks its own
@@ -239,6 +239,7 @@ def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list
     """``tr.trace(x, y)``: the per-layer energies of T inference steps from the init, weights untouched."""
     st, par = tr._begin(x, y, None), tr.parallel
     rows = torch.zeros(tr.T + 1, len(st.energy_log), dtype=st.energy_log.dtype, device=st.energy_log.device)
+    st.restart()
     par.feedforward(st)
     relax(st, par, tr.T, tr.x_lr, fused=False, schedule=tr.precision_schedule,
           record=lambda t: rows[t].copy_(st.layer_energies()), final=True, solver=tr.solver)
