@@ -148,7 +148,7 @@ class LayerExchange(Local):
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as e:  # gloo refuses to post to a peer whose connection it already saw close
-            ranks = " and ".join(f"rank {r}" for r in dict.fromkeys(r for r, _ in peers))
+            ranks = _names(tuple(dict.fromkeys(r for r, _ in peers)))
             raise PeerError(f"rank {dist.get_rank()}: posting the {what} with {ranks} failed (is {ranks} alive?): "
                             f"{first_line(e)}") from e
         return works_of_batch(works, peers, what, self.timeout)
