@@ -238,6 +238,34 @@ end_process(0)
     assert not (tmp_path / "after.txt").exists()
 
 
+
+def test_check_of_a_resume_checks_the_runs_own_settings(tmp_path, capsys, monkeypatch):
+    """``--check hydra.run.dir=<a run>`` (launch/local.sh's and slurm.sbatch's pre-check of a resume) checks what
+    the launch will run: the run's own settings. It checked the defaults: a 2-layer run resumed on 3 layer ranks
+    said ok, then every rank refused; a changed model shape was refused only by the ranks."""
+    from pcdist.service.cli import CONF_DIR, before_hydra
+
+    run_dir = tmp_path / "run"
+    pcdist.train({"model": {"dims": [64, 32, 10]}, "trainer": {"max_steps": 2, "batch_size": 32, "progress": "off"},
+                  "logger": "none", "run_dir": str(run_dir)})
+    capsys.readouterr()
+
+    def check(world: str, *argv: str) -> tuple[int, str]:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(SystemExit) as info:
+            before_hydra(CONF_DIR, [f"hydra.run.dir={run_dir}", "trainer.max_steps=4", *argv, "--check"])
+        out = capsys.readouterr()
+        return info.value.code, out.out + out.err
+
+    assert check("2") == (0, "ok: mesh: 2 ranks = parallel.data 1 x parallel.layer 2 (parallel.layer = 2 processes / "
+                             "parallel.data), 2 layers split into 2 slices\n")
+    code, said = check("3")
+    assert code == 2 and said.startswith("error: 3 processes with parallel.data=1 leave 3 layer ranks, but the model "
+                                         "has only 2 layers"), said
+    code, said = check("1", "model.dims=[64,16,10]")
+    assert code == 2 and said.startswith(f"error: cannot resume {run_dir} with changed model.dims"), said
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"], "a check writes nothing"
+
 def test_the_collector_is_left_as_it_was_and_a_crash_reports_no_leaks():
     """pcdist's import turns the garbage collector off while it imports, then on again; an exception ends the
     process by Python's own exit: the traceback, and no leak report of triton's objects (nanobind lists the
@@ -269,6 +297,11 @@ cli.main()
      "error: trainer.epochs=1 and trainer.max_steps=3 both set how long the run trains"),
     (["data=arrays", "data.path=/nonexistent/x.npz", "--check"], {"WORLD_SIZE": "2"},
      "error: data.path=/nonexistent/x.npz: no such file or folder"),
+    # the data against the model, as each rank reads them (--check said ok, then every rank failed)
+    (["model.dims=[100,32,10]", "--check"], {"WORLD_SIZE": "2"},
+     "error: data digits has 64 input features (1 x 8 x 8) but model.dims[0]=100"),
+    (["trainer.batch_size=5000", "--check"], {}, "error: data digits has 1437 training samples, fewer than "
+                                                 "trainer.batch_size=5000"),
 ])
 def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, env, says, capsys, monkeypatch):
     """An empty hydra.run.dir= (an unset variable) made the current folder the run directory; run_dir= on the

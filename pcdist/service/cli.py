@@ -45,7 +45,7 @@ __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 USAGE = """\
 usage: python train.py [group=option ...] [key=value ...]           one process (or pcdist-train, python -m pcdist)
        torchrun --nproc_per_node=N train.py [...]                    N processes (launch/local.sh does this)
-       WORLD_SIZE=N python train.py --check [...]                    check the overrides for N processes, run nothing
+       WORLD_SIZE=N python train.py --check [...]                    check config and data for N processes, run nothing
        python train.py --help [...]                                  this text, with the values those overrides give
        python train.py --multirun optim.lr=1e-3,2e-3                 one run directory per job (runs/multirun/...)
        python -m pcdist evaluate|predict|export|compare ...          after training (python -m pcdist evaluate -h)
@@ -133,23 +133,37 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     from .data import DataError
     from .checks import check as check_run, check_length
+    from .datachecks import check_model_on_data
     from .config import passed_settings
     from .models import check_model_keys
     from .optimizer import check_optim_keys
+    from .rundir import find_resume
+
+    from omegaconf import open_dict
 
     try:
         if args.help:
             print(help_text(conf_dir, args.overrides))
         else:
-            cfg = load_config(_compose(conf_dir, args.overrides))
-            passed = passed_settings(list(args.overrides))
-            check_length(cfg, passed)  # what a launch checks before its data: as every rank would
-            check_model_keys(cfg, passed)
-            check_optim_keys(cfg, passed)
             world = os.environ.get("WORLD_SIZE", "1")
             if not world.isdigit() or int(world) < 1:
                 fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
-            print(f"ok: {check_run(cfg, int(world))}")
+            composed = _compose(conf_dir, args.overrides, hydra=True)
+            passed = passed_settings(list(args.overrides))
+            named = any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in args.overrides)
+            run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
+            with open_dict(composed):
+                composed.pop("hydra")
+            cfg = load_config(composed)
+            if run_dir is not None and run_dir.is_dir():  # a resume: the run's own settings, or its refusal
+                cfg.run_dir = str(run_dir)
+                cfg = find_resume(cfg, run_dir, passed).config
+            check_length(cfg, passed)  # what a launch checks before its data: as every rank would
+            check_model_keys(cfg, passed)
+            check_optim_keys(cfg, passed)
+            mesh = check_run(cfg, int(world))
+            check_model_on_data(cfg)  # the data's shape, labels and size against the model, as each rank reads them
+            print(f"ok: {mesh}")
     except HydraException as e:
         fail(" ".join(str(e).split()))
     except (ConfigError, DataError) as e:

@@ -64,13 +64,13 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     values = " ".join(o for o in job if o.split("=", 1)[0] in swept)
     try:
         c = load_config(composed)
-        check(c, int(os.environ.get("WORLD_SIZE", "1")))
-        check_model_on_data(c, loaded)
         passed = passed_settings(job)
-        if job_dir is not None:
+        if job_dir is not None:  # as the job will run: its run's own settings where it continues one
             c.run_dir = str(job_dir)
             c = find_resume(c, job_dir, passed, sweep=True).config
         check_length(c, passed)
+        check(c, int(os.environ.get("WORLD_SIZE", "1")))
+        check_model_on_data(c, loaded)
     except (ConfigError, DataError) as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
