@@ -189,6 +189,8 @@ def test_the_unstable_warning_needs_the_energy_to_grow_beyond_round_off(tmp_path
     grows = [[1.0, 1.0], [1.1, 1.0], [1.5, 1.2], [2.5, 1.5]]
     assert check_trace(grows, 0.1, 3, log)
     assert check_trace([[1.0, 1.0], [float("nan"), 1.0]], 0.1, 1, log)
+    fits = [[0.0, 0.0], [3e-21, 0.0], [1e-20, 2e-21]]  # a batch fit exactly: round-off, no blow-up (was "grew, 1e+10x")
+    assert not check_trace(fits, 0.1, 2, log) and not check_trace([[1e-12, 0.0], [4e-12, 1e-12]], 0.1, 1, log)
     log.close()
     said = [line for line in (tmp_path / "train.log").read_text().splitlines() if "inference is unstable" in line]
     assert len(said) == 2 and "(2 -> 4, 2x)" in said[0] and "nan" in said[1], said

@@ -80,14 +80,18 @@ class Diagnostics:
 GREW = 1e-3
 """How much (relative) the energy must grow over the inference steps to be called unstable: far above the
 round-off of two float32 evaluations of the same energy (~1e-6), far below any real blow-up (x1.1 and up)."""
+FLOOR = 1e-9
+"""And by how much at least (absolute): a network that fits its batch (energy 0 at the init, or 1e-12) ends with
+round-off of that size, which a ratio to ~0 would call a blow-up; O(1) activations' float32 round-off squared and
+summed over a layer stays far below it, a real blow-up far above."""
 
 
 def grew(energy: list[float]) -> bool:
     """Whether the total energy over the inference steps (index 0: the feed-forward init) ended higher than it
-    started by more than round-off (``GREW``), or is not finite: an unstable inference."""
+    started by more than round-off (``GREW``, ``FLOOR``), or is not finite: an unstable inference."""
     if not all(math.isfinite(e) for e in energy):
         return True
-    return classify_inference(energy) == "diverging" and energy[-1] > energy[0] * (1 + GREW)
+    return classify_inference(energy) == "diverging" and energy[-1] > energy[0] * (1 + GREW) + FLOOR
 
 
 def check_trace(trace: list[list[float]] | None, x_lr: float, T: int, logger) -> bool:
