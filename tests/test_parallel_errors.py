@@ -117,6 +117,29 @@ def test_dead_store_host_in_a_collective_still_names_the_group():
     assert time.monotonic() - t0 < 45
 
 
+def hang_in_the_metrics_reduce(rank, world, timeout_s, gave_up):
+    tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
+    tr.step(x, y)
+    if rank == 1:  # never joins the reduce, until rank 0 has given up
+        deadline = time.monotonic() + 3 * timeout_s
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    try:
+        tr.parallel.sum_to_logging([1.0])
+    finally:
+        open(gave_up, "w").close()
+
+
+def test_a_peer_that_stalls_a_log_point_collective_is_named_within_the_timeout(tmp_path):
+    """The log points' collectives (metrics and energy reduces, the data-axis sums) are posted and waited for
+    within parallel.timeout_s, inside collective(): a stalled peer is one PeerError naming the collective and the
+    ranks (under NCCL the blocking call returned once queued, and the stall surfaced at the next host read)."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 0: the metrics reduce over ranks \[0, 1\] failed or timed out"):
+        run(hang_in_the_metrics_reduce, 2, 4.0, str(tmp_path / "gave-up"), timeout=60)
+    assert time.monotonic() - t0 < 45
+
 def exited(pid: int) -> bool:
     """The process has ended: gone, or a zombie its stopped parent has not reaped."""
     try:

@@ -243,13 +243,19 @@ class Parallel(LayerExchange):
         with collective("the skipped-update all-reduce"):
             dist.all_reduce(t)
 
+    def _timed(self, work) -> None:
+        """Wait for a collective posted with async_op=True within ``parallel.timeout_s``, so that a stalled peer
+        raises inside ``collective()`` (which names the ranks): NCCL's blocking calls return once queued, and a
+        stall surfaced at the next host read, or as the watchdog's abort (gloo's raise either way)."""
+        work.wait(self.timeout)
+
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
         """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
         vec = torch.tensor(values, dtype=torch.float64, device=device)
         if self.logging_rank is None:
             return vec.tolist()
         with collective("the metrics reduce"):
-            dist.reduce(vec, dst=self.logging_rank)
+            self._timed(dist.reduce(vec, dst=self.logging_rank, async_op=True))
         return vec.tolist() if self.is_logging else None
 
     # -- data axis ----------------------------------------------------------------
@@ -279,8 +285,8 @@ class Parallel(LayerExchange):
         if self.data_group is None:
             return
         with collective("the data-axis sum", self.data_group):
-            for t in tensors:
-                dist.all_reduce(t, group=self.data_group)
+            for work in [dist.all_reduce(t, group=self.data_group, async_op=True) for t in tensors]:
+                self._timed(work)
 
     def gather_layer_energies(self, local: Tensor, local_batch: int, first_index: int | None = None) -> Tensor | None:
         """The whole network's batch-mean energies [..., L + 1] on the logging rank (None elsewhere): entry 0
@@ -294,7 +300,7 @@ class Parallel(LayerExchange):
         if self.layer_rank == 0:
             vec[..., -1] = local_batch
         with collective("the energy reduce"):
-            dist.reduce(vec, dst=self.logging_rank)
+            self._timed(dist.reduce(vec, dst=self.logging_rank, async_op=True))
         return vec[..., :-1] / vec[..., -1:] if self.is_logging else None
 
     def gather_nodes(self, own: dict[int, Tensor], num_layers: int) -> list[Tensor] | None:
