@@ -322,6 +322,7 @@ def bf16_trainer(model):
 def interpreter_runs() -> str:
     """'' where the interpreter runs a loop over a kernel argument; else why not (Triton 3.6's interpreter
     with numpy 2.4 or later cannot: it converts a one-element array to an int)."""
+    global tl  # an older Triton's interpreter (3.0) finds triton.language only among the kernel's module globals
     import triton
     import triton.language as tl
 

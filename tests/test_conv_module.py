@@ -385,8 +385,11 @@ def test_auto_stores_channels_last_on_a_gpu_only_where_its_convolutions_run_on_t
     specs = conv_specs((3, 8, 8), [(4, 3, 1, "max"), (5, 3, 1, None)], [], 3, "relu")
     L, gpu, f32, bf16 = len(specs), torch.device("cuda"), torch.float32, torch.bfloat16
     conv_nodes = frozenset({0, 1, 2})  # the image nodes the two convolutions read, and the dense layer's input
-    flags = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
-    before = [f.fp32_precision for f in flags]  # process-wide: restored after the test
+    if hasattr(torch.backends.cudnn, "conv"):  # torch's newer TF32 settings (fp32_precision)
+        flags, attr = (torch.backends.cuda.matmul, torch.backends.cudnn.conv), "fp32_precision"
+    else:  # an older torch has only the allow_tf32 switches
+        flags, attr = (torch.backends.cuda.matmul, torch.backends.cudnn), "allow_tf32"
+    before = [getattr(f, attr) for f in flags]  # process-wide: restored after the test
     try:
         set_tf32(False)
         assert not tf32_convolutions()
@@ -405,7 +408,7 @@ def test_auto_stores_channels_last_on_a_gpu_only_where_its_convolutions_run_on_t
         assert channels_last_nodes(specs, 1, L + 1, f32, gpu, bf16) == frozenset()
     finally:
         for f, v in zip(flags, before):
-            f.fp32_precision = v
+            setattr(f, attr, v)
 
 
 CL_OPTS = {"newton": dict(init="newton"), "backward-adam": dict(init="backward", value_optimizer="adam"),

@@ -77,10 +77,12 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
 
 
 OWN_GROUP = """
+import os
 import torch.distributed as dist, pcdist
 dist.init_process_group("gloo")  # the script's own group, on the keys every attempt shares
 pcdist.init_distributed()
 dist.destroy_process_group()
+print("agent store", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
 """
 
 
@@ -93,7 +95,10 @@ def test_a_group_created_outside_pcdist_is_warned_about_under_restarts(tmp_path)
                           "--max-restarts=1", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == 1
+    # torchrun hands its workers the agent's store from torch 2.5 on (torch 2.4's workers make their own: no warning)
+    shared = out.stdout.split()[-1] == "True"
+    assert shared or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5), out.stdout
+    assert out.stderr.count("call pcdist.init_distributed() instead of init_process_group") == int(shared)
 
 
 def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_path, monkeypatch):

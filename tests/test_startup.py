@@ -68,7 +68,8 @@ def test_the_optimizers_step_as_torchs_own_and_hand_over_to_the_compiler_once_it
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "not torch's numbers"
         assert len(breaks) == 2 * 4 * 4, len(breaks)
         cached = torch.optim.Optimizer.add_param_group.__wrapped__.__dynamo_disable
-        assert cached.__module__.startswith("torch._dynamo"), cached
+        # the compiler's skipping wrapper (torch 2.4's, made without wrapping=False, keeps the method's __module__)
+        assert cached.__module__.startswith("torch._dynamo") or getattr(cached, "_torchdynamo_disable", False), cached
         print("ok")
     """)
     assert out.strip() == "ok", out

@@ -18,6 +18,7 @@ torch version), it leaves them as they are.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 import torch
@@ -43,7 +44,9 @@ def _lazy_disable(wrapper) -> None:
             return fn(*args, **kwargs)
         import torch._dynamo
 
-        real = torch._dynamo.disable(fn, True, wrapping=False)
+        # as torch's own wrapper makes it: wrapping=False where this torch has it (2.8 and later)
+        kw = {"wrapping": False} if "wrapping" in inspect.signature(torch._dynamo.disable).parameters else {}
+        real = torch._dynamo.disable(fn, True, **kw)
         fn.__dynamo_disable = real  # as torch's wrapper caches it
         return real(*args, **kwargs)
 
