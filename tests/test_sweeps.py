@@ -115,4 +115,9 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
     said = refused("--multirun", "pc.T=4,8", "model.dims=[64,10],[40,10]", *QUICK, f"hydra.sweep.dir={sweep}",
                    cwd=tmp_path)
     assert said.startswith("error: sweep job 1 (pc.T=4 model.dims=[40,10]): data digits has 64 input features"), said
+    said = refused("--multirun", "optim.schedule=cosine,constant", "optim.final_lr_ratio=0.1", *QUICK,
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # a key one job does not read, as a run refuses it
+    assert said == ("error: sweep job 1 (optim.schedule=constant): optim.final_lr_ratio=0.1: optim.schedule=constant "
+                    "does not read optim.final_lr_ratio (cosine does), so it would change nothing; drop it or set "
+                    "optim.schedule=cosine; no job was started\n"), said
     assert not sweep.exists() and sorted(tmp_path.iterdir()) == []

@@ -1,5 +1,7 @@
 """What a launch checks before any process group exists: the (data, layer) mesh for the world size
-(``choose_mesh``), the device, backend, logger and data files (``check``), and the run's length (``check_length``)."""
+(``choose_mesh``), the device, backend, logger and data files (``check``), the run's length (``check_length``),
+and all of it as a launch will run, before it starts (``check_as_launched``: ``train.py --check`` and a sweep's
+jobs)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ from ..distributed.parallel import ParallelDims
 from ..errors import ConfigError
 from .config import Config, num_layers
 from .data import DataError, check_files
+from .datachecks import check_model_on_data
 from .device import pick_device
 from .metrics import check_logger
+from .models import check_model_keys
+from .optimizer import check_optim_keys
+from .rundir import find_resume
 
 
 def check(c: Config, world: int) -> str:
@@ -33,6 +39,26 @@ def check(c: Config, world: int) -> str:
         raise DataError(f"data.path={c.data.path}: no such file or folder; expected an .npz with x_train, y_train, "
                         f"x_val, y_val or a folder of those four .npy files")
     return mesh
+
+
+def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_dir: Path | None = None,
+                      sweep: bool = False, loaded: dict | None = None) -> tuple[Config, str]:
+    """What the launch of ``c`` (``passed``: the keys the user sets) on ``world`` ranks will run, checked before it
+    starts, in the order a run checks it: where ``run_dir`` already holds a run, that run's own settings (or
+    find_resume's refusal; ``sweep``: a sweep's job continues only its own run), then the run's length, the model
+    and optim keys the user sets, the mesh, device, logger and files (``check``) and the data against the model
+    (``loaded``: data sets read already, each read once). Returns the config as it will run and how the mesh was
+    chosen."""
+    if run_dir is not None:
+        c.run_dir = str(run_dir)
+        if run_dir.is_dir():
+            c = find_resume(c, run_dir, passed, sweep).config
+    check_length(c, passed)
+    check_model_keys(c, passed)
+    check_optim_keys(c, passed)
+    mesh = check(c, world)
+    check_model_on_data(c, loaded)
+    return c, mesh
 
 
 def check_length(c: Config, passed: dict[str, str] | None) -> None:

@@ -131,13 +131,9 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     if not (args.help or check):
         return
 
-    from .data import DataError
-    from .checks import check as check_run, check_length
-    from .datachecks import check_model_on_data
+    from .checks import check_as_launched
     from .config import passed_settings
-    from .models import check_model_keys
-    from .optimizer import check_optim_keys
-    from .rundir import find_resume
+    from .data import DataError
 
     from omegaconf import open_dict
 
@@ -154,15 +150,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
             run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
             with open_dict(composed):
                 composed.pop("hydra")
-            cfg = load_config(composed)
-            if run_dir is not None and run_dir.is_dir():  # a resume: the run's own settings, or its refusal
-                cfg.run_dir = str(run_dir)
-                cfg = find_resume(cfg, run_dir, passed).config
-            check_length(cfg, passed)  # what a launch checks before its data: as every rank would
-            check_model_keys(cfg, passed)
-            check_optim_keys(cfg, passed)
-            mesh = check_run(cfg, int(world))
-            check_model_on_data(cfg)  # the data's shape, labels and size against the model, as each rank reads them
+            mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)[1]
             print(f"ok: {mesh}")
     except HydraException as e:
         fail(" ".join(str(e).split()))

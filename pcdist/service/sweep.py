@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .config import load_config, passed_settings
 from .data import DataError
-from .rundir import find_resume, run_files
+from .rundir import run_files
 
 __all__ = ["check_sweep"]
 
@@ -49,8 +49,7 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     """Job ``num`` of the sweep: its config valid for this launch and its data, its directory free or holding its
     own run (``loaded``: the data sets read so far, each once). Returns the directory (None where Hydra names
     it only as it launches the job)."""
-    from .checks import check, check_length
-    from .datachecks import check_model_on_data
+    from .checks import check_as_launched
 
     from omegaconf import open_dict
 
@@ -63,14 +62,8 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
         composed.pop("hydra")  # Hydra's own section resolves only in a running job
     values = " ".join(o for o in job if o.split("=", 1)[0] in swept)
     try:
-        c = load_config(composed)
-        passed = passed_settings(job)
-        if job_dir is not None:  # as the job will run: its run's own settings where it continues one
-            c.run_dir = str(job_dir)
-            c = find_resume(c, job_dir, passed, sweep=True).config
-        check_length(c, passed)
-        check(c, int(os.environ.get("WORLD_SIZE", "1")))
-        check_model_on_data(c, loaded)
+        check_as_launched(load_config(composed), passed_settings(job), int(os.environ.get("WORLD_SIZE", "1")),
+                          job_dir, sweep=True, loaded=loaded)
     except (ConfigError, DataError) as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
