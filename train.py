@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume)
 
+PCDIST_COMMAND_LINE = True  # a Ctrl-C while pcdist imports is one line, not a traceback (pcdist/__init__.py)
+
 from pcdist.service.cli import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -26,7 +26,26 @@ if "torch" not in _sys.modules:  # OpenMP reads its wait policy once, when torch
     # spinning threads made CPU runs 6-13x slower (docs/service.md, "Threads on CPU"). ACTIVE: spin (dedicated cores).
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import gc as _gc
+
+
+def _interrupted_while_starting(signum, frame):
+    """Ctrl-C while the command line imports torch and pcdist (a second or two, before anything runs or is
+    written): one line and status 130, as a Ctrl-C later in the run, not a traceback of the imports. It ends the
+    process at once: an exception raised here can be swallowed (torch's C++ clears any error of its numpy import,
+    which left numpy half-imported and the run going on, to fail later or not at all)."""
+    print("interrupted (Ctrl-C) while starting: nothing was run", file=_sys.stderr, flush=True)
+    _sys.stdout.flush()
+    _os._exit(130)
+
+
+if (_sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0]) == "pcdist-train"
+        or getattr(_sys.modules.get("__main__"), "PCDIST_COMMAND_LINE", False)):  # the command line (train.py)
+    import signal as _signal  # (pcdist.service.cli.main gives Ctrl-C back its KeyboardInterrupt)
+
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:  # (not where it is ignored)
+        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
+import gc as _gc  # noqa: E402 - after the handler above
 
 # Importing torch and pcdist makes ~300k objects (modules, functions, classes: no garbage), and the garbage
 # collector would pass over them again and again as they are made: off while they import, then as it was.

@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 import pcdist
 from pcdist.service.checkpoint import latest_checkpoint
 from pcdist.service.metrics import read_metrics
@@ -164,3 +166,39 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("second Ctrl-C: stopped at once"), out.stderr[-3000:]
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000004"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
+
+
+CTRL_C_AT_IMPORT = textwrap.dedent("""
+    import os, runpy, signal, sys
+    module, entry, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    class CtrlC:  # Ctrl-C as `module` starts importing, the first time
+        def find_spec(self, name, path=None, target=None):
+            if name == module:
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGINT)
+    sys.meta_path.insert(0, CtrlC())
+    if entry == "-m":  # as python -m pcdist: argv[0] is "-m" while the package imports
+        sys.argv = ["-m", *args]
+        runpy.run_module("pcdist", run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [entry, *args]
+        runpy.run_path(entry, run_name="__main__")
+""")
+
+
+@pytest.mark.parametrize("entry,module,said", [
+    ("train.py", "numpy", "interrupted (Ctrl-C) while starting: nothing was run"),  # inside torch's own import
+    ("-m", "numpy", "interrupted (Ctrl-C) while starting: nothing was run"),
+    ("train.py", "torch.nn", "interrupted (Ctrl-C) while starting: nothing was run"),
+    ("train.py", "pcdist.service.commands", "interrupted (Ctrl-C)"),  # the command line's checks, before the run
+])
+def test_ctrl_c_while_the_command_line_starts_is_one_line_and_leaves_nothing(tmp_path, entry, module, said):
+    """Ctrl-C while train.py or python -m pcdist imports torch and pcdist, or checks its command line: status
+    130, one line, no traceback, no run directory. Inside torch's import of numpy the KeyboardInterrupt was
+    swallowed (torch's C++ clears that import's error): the run went on with numpy half-imported."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT, module, str(ROOT / entry) if entry != "-m" else entry,
+                          "trainer.max_steps=5", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert (out.returncode, out.stderr) == (130, said + "\n"), out.stdout[-2000:] + out.stderr[-3000:]
+    assert not run_dir.exists() and "new run in" not in out.stdout

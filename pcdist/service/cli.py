@@ -271,9 +271,15 @@ def _remove_new_dirs_on_sigterm() -> None:
 
 def main() -> None:
     """The program: check the command line, then parse it as Hydra overrides and train; then end the process."""
+    if signal.getsignal(signal.SIGINT) is sys.modules["pcdist"]._interrupted_while_starting:  # imports done
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _main()
         status = 0
+    except KeyboardInterrupt:  # Ctrl-C in the checks before a run, or in an after-training command
+        _remove_new_dirs()
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        status = 130
     except BrokenPipeError:  # `python -m pcdist --help | head`: the reader has gone, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 1
