@@ -27,7 +27,6 @@ if "torch" not in _sys.modules:  # OpenMP reads its wait policy once, when torch
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-
 def _interrupted_while_starting(signum, frame):
     """Ctrl-C while the command line imports torch and pcdist (a second or two, before anything runs or is
     written): one line and status 130, as a Ctrl-C later in the run, not a traceback of the imports. It ends the
