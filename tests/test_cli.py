@@ -186,15 +186,15 @@ def test_the_service_makes_waiting_openmp_threads_sleep_unless_told_otherwise(en
 
 
 def test_train_keeps_the_users_omp_num_threads(tmp_path, monkeypatch):
-    """A user's OMP_NUM_THREADS is what the run uses (it used to be replaced by cores / local ranks)."""
+    """A user's OMP_NUM_THREADS is what the run uses (it used to be replaced by cores / local ranks), and the
+    caller's own thread count is what it leaves (pcdist.train from a notebook or a script)."""
     n = torch.get_num_threads()
     want = 1 if n > 1 else 2
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", str(want))
-        pcdist.train(composed(*SMALL, "trainer.max_steps=1", f"run_dir={tmp_path}"))
-        assert torch.get_num_threads() == want
-    finally:
-        torch.set_num_threads(n)
+    used, set_threads = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda k: (used.append(k), set_threads(k)))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(want))
+    pcdist.train(composed(*SMALL, "trainer.max_steps=1", f"run_dir={tmp_path}"))
+    assert used[0] == want and torch.get_num_threads() == n, (used, torch.get_num_threads())
 
 
 @pytest.mark.parametrize("status, code, stderr", [(3, 3, ""), ("a message", 1, "a message\n")])

@@ -44,8 +44,10 @@ def test_bf16_with_float64_master_weights_is_one_line(tmp_path):
 def test_backprop_under_bf16_runs_its_products_in_bfloat16(tmp_path):
     """pc.algorithm=bp (PC's twin of the same settings) honours trainer.precision: bf16 runs its forward pass under
     autocast (bfloat16 products, float32 weights and loss), so its energy moves off float32's by bfloat16's
-    rounding and no further; and a run leaves the caller's TF32 switches as it found them."""
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    rounding and no further; and a run leaves the caller's TF32 switches and torch threads as it found them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # not what a run on this machine sets (its cores, or OMP_NUM_THREADS)
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.get_num_threads()
     bf16 = train(tmp_path / "bf16", max_steps=30, eval_every=30, ckpt_every=30)
     fp32 = pcdist.train({**COMMON, "pc": {"algorithm": "bp"}, "run_dir": str(tmp_path / "fp32"),
                          "trainer": {**COMMON["trainer"], "precision": "fp32", "max_steps": 30, "eval_every": 30,
@@ -55,4 +57,6 @@ def test_backprop_under_bf16_runs_its_products_in_bfloat16(tmp_path):
     assert bp16["train/energy"] != fp32["train/energy"], "the products ran in bfloat16"
     assert bp16["train/energy"] == pytest.approx(fp32["train/energy"], rel=0.02)
     assert abs(bp16["val/accuracy"] - fp32["val/accuracy"]) <= 0.02 and bf16["step"] == 30
-    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+    after = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    assert after == before

@@ -16,6 +16,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ..distributed.exchange import report_failure
@@ -95,16 +96,16 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
                           f"and none was passed")
     mesh = check(c, world)
     device = pick_device(c)
+    # the caller's TF32 switches, torch threads and cuDNN search, put back when the run ends (the run sets its own)
+    tf32, caller = tf32_state(), (torch.get_num_threads(), torch.backends.cudnn.benchmark)
     threads = use_device(c, device)
     distributed = world > 1
-    if distributed:
-        init_distributed(device, timeout_s=c.parallel.timeout_s,
-                         backend=None if c.parallel.backend == "auto" else c.parallel.backend)
     torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     failed = True  # until the run ends or stops as every rank does (pre-empted: after the same step)
-    tf32 = tf32_state()  # the caller's TF32 switches, put back when the run ends (a GPU run sets its own)
     try:
         if distributed:
+            init_distributed(device, timeout_s=c.parallel.timeout_s,
+                             backend=None if c.parallel.backend == "auto" else c.parallel.backend)
             _check_same_settings(c)
         trainer = ServiceTrainer(c, device, distributed, data, user=user, resume=resume,
                                  mesh_line=mesh + threads if torchrun else None)
@@ -123,6 +124,8 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
         raise
     finally:
         restore_tf32(tf32)
+        torch.set_num_threads(caller[0])
+        torch.backends.cudnn.benchmark = caller[1]
         if distributed and dist.is_initialized():
             leave_process_group(failed)
 
