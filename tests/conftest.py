@@ -24,8 +24,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # the workers share the cores: intra-op threads to fill them, no more
-    # (make test: 3 workers on CI's 2 cores, so 1 each; their threads handing off on a busy core cost 10-15% of the
-    # suite's CPU, 2026-11-28: 9 min 54 s of wall with one thread a worker, 10 min 48 s to 11 min 33 s without)
+    # (make test: 3 workers on CI's 2 cores, so 1 each; their threads handing off on busy cores cost the in-process
+    # tests about 5% of their time and half their system CPU: docs/testing.md)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 

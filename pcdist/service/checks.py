@@ -42,13 +42,12 @@ def check(c: Config, world: int) -> str:
 
 
 def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_dir: Path | None = None,
-                      sweep: bool = False, loaded: dict | None = None) -> tuple[Config, str]:
+                      sweep: bool = False, loaded: dict | None = None) -> str:
     """What the launch of ``c`` (``passed``: the keys the user sets) on ``world`` ranks will run, checked before it
     starts, in the order a run checks it: where ``run_dir`` already holds a run, that run's own settings (or
     find_resume's refusal; ``sweep``: a sweep's job continues only its own run), then the run's length, the model
     and optim keys the user sets, the mesh, device, logger and files (``check``) and the data against the model
-    (``loaded``: data sets read already, each read once). Returns the config as it will run and how the mesh was
-    chosen."""
+    (``loaded``: data sets read already, each read once). Returns how the mesh was chosen."""
     if run_dir is not None:
         c.run_dir = str(run_dir)
         if run_dir.is_dir():
@@ -58,7 +57,7 @@ def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_
     check_optim_keys(c, passed)
     mesh = check(c, world)
     check_model_on_data(c, loaded)
-    return c, mesh
+    return mesh
 
 
 def check_length(c: Config, passed: dict[str, str] | None) -> None:

@@ -150,7 +150,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
             run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
             with open_dict(composed):
                 composed.pop("hydra")
-            mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)[1]
+            mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
             print(f"ok: {mesh}")
     except HydraException as e:
         fail(" ".join(str(e).split()))
