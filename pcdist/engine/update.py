@@ -6,9 +6,9 @@ Every decision is taken on the device, so a step never waits for the host:
   layer's energy) is not finite or exceeds the limit. It is summed on the device over every rank by one
   tiny all-reduce, so every rank decides alike; fused Adam, AdamW and SGD skip
   the update themselves when handed it as ``found_inf`` (as under AMP's GradScaler), any other optimizer's
-  parameters and state are restored where it is set (state the optimizer creates in a skipped first
-  step is left at zeros: a fresh state for Adam, AdamW and SGD without dampening). Skipped updates are
-  counted on the device too.
+  parameters and state are restored where it is set. State any optimizer creates in a skipped first step
+  is left at zeros (a fresh state for Adam, AdamW and SGD without dampening; fused SGD would leave its
+  momentum buffers as allocated), on the state's own device. Skipped updates are counted on the device too.
 * The learning rate schedule advances once per optimizer step, skipped or not (the schedule counts
   training steps, as a resumed run positions it).
 * Under a captured step (``planned``) the learning rates are device tensors: before each step the host
@@ -49,6 +49,7 @@ class WeightUpdate:
         self._restore: dict = {}
         self._vote: Tensor | None = None
         self._bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._settled = False  # a fused optimizer has made all its state
 
     # -- host work, around a step's core --------------------------------------------------
     def prepare(self) -> None:
@@ -135,11 +136,17 @@ class WeightUpdate:
         """The step, with no effect where ``flag`` is set."""
         opt = self.optimizer
         if isinstance(opt, _FOUND_INF) and all(g.get("fused") for g in opt.param_groups):
-            opt.found_inf = self.flag  # the fused kernels skip the update (and undo the step count) themselves
+            # The fused kernels skip the update (and undo the step count) themselves, but leave state they
+            # create in a skipped step as allocated: fused SGD's momentum buffers come from empty_like.
+            # Looked for until a step creates none (the first, or the second after a skipped first).
+            before = None if self._settled else {key for key, _ in self._tensors()}
+            opt.found_inf = self.flag
             try:
                 self._step(i)
             finally:
                 del opt.found_inf
+            if before is not None:
+                self._settled = not self._zero_new_state(before, self._bad)
             return
         saved = {}
         for key, t in self._tensors():
@@ -151,9 +158,16 @@ class WeightUpdate:
         bad = self.flag > 0
         for key, t in self._tensors():
             if key in saved:
-                torch.where(bad, saved[key], t, out=t)
-            else:  # state the optimizer created in this step: as if never stepped (zeros)
-                t.masked_fill_(bad, 0)
+                torch.where(_on(bad, t), saved[key], t, out=t)
+        self._zero_new_state(saved, bad)
+
+    def _zero_new_state(self, before, bad: Tensor) -> bool:
+        """State the optimizer created in this step (keys not in ``before``) as if never stepped (zeros) where
+        the update was skipped (``bad``). Whether there was any."""
+        new = [t for key, t in self._tensors() if key not in before]
+        for t in new:
+            t.masked_fill_(_on(bad, t), 0)
+        return bool(new)
 
     def _tensors(self) -> list[tuple[tuple, Tensor]]:
         """Everything an optimizer step writes, keyed: the parameters and the tensors of their state."""
@@ -163,3 +177,9 @@ class WeightUpdate:
                 out.append(((i, j), p.data))
                 out += [((i, j, k), v) for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, Tensor)]
         return out
+
+
+def _on(mask: Tensor, t: Tensor) -> Tensor:
+    """``mask`` on ``t``'s device. A copy (a host read) only for state an optimizer keeps on the host beside
+    device parameters (a non-capturable Adam's ``step`` on a GPU), which is never inside a captured step."""
+    return mask if mask.device == t.device else mask.to(t.device)
