@@ -140,6 +140,36 @@ def test_a_peer_that_stalls_a_log_point_collective_is_named_within_the_timeout(t
         run(hang_in_the_metrics_reduce, 2, 4.0, str(tmp_path / "gave-up"), timeout=60)
     assert time.monotonic() - t0 < 45
 
+def stall_at_a_barrier(rank, world, gave_up):
+    from datetime import timedelta
+
+    from pcdist.distributed.parallel import barrier
+    from pcdist.distributed.rendezvous import join_process_group
+
+    # the host's waits 4 s (parallel.timeout_s); the group's own timeout far longer, as NCCL's watchdog's is
+    join_process_group("gloo", timedelta(seconds=4), timedelta(seconds=300))
+    if rank == 1:  # never arrives, until rank 0 has given up
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    try:
+        barrier("the checkpoint barrier")
+    finally:
+        open(gave_up, "w").close()
+
+
+def test_a_peer_that_never_reaches_a_barrier_is_named_within_the_hosts_timeout(tmp_path):
+    """The service's barriers (the checkpoint's, the run directory's, a layer group's first) wait within
+    parallel.timeout_s, not the process group's own timeout (under NCCL 2 x timeout_s + 60 s, after which the
+    watchdog ends the process in NCCL's words): a peer that never arrives is one PeerError naming the barrier and
+    the ranks."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 0: the checkpoint barrier over ranks \[0, 1\] failed or timed out"):
+        run(stall_at_a_barrier, 2, str(tmp_path / "gave-up"), timeout=90)
+    assert time.monotonic() - t0 < 60
+
+
 def exited(pid: int) -> bool:
     """The process has ended: gone, or a zombie its stopped parent has not reaped."""
     try:

@@ -121,6 +121,16 @@ def collective(what: str, group=None):
                         f"{first_line(e)}") from e
 
 
+def barrier(what: str, group=None, device: torch.device | None = None) -> None:
+    """Every rank of ``group`` (default: the world) arrives, within the host's own wait (the rendezvous store's
+    timeout: ``parallel.timeout_s``). A stalled peer raises inside ``collective()``, naming the ranks, on NCCL as
+    on gloo: a blocking NCCL barrier would wait for the watchdog's abort, in NCCL's words. ``device``: the CUDA
+    device an NCCL barrier runs on."""
+    kw = {"device_ids": [device.index or 0]} if device is not None and device.type == "cuda" else {}
+    with collective(what, group):
+        dist.barrier(group=group, async_op=True, **kw).wait(dist.distributed_c10d._get_default_store().timeout)
+
+
 _STEPS_KEY = "pcdist/steps_begun/{}"
 
 
@@ -204,8 +214,7 @@ class Parallel(LayerExchange):
         # Every rank of the group joins one collective first: NCCL then has its
         # communicator before the first point-to-point batch.
         dev = torch.device(device)
-        with collective("the layer group's first barrier (every rank starting)", layer_group):
-            dist.barrier(group=layer_group, **({"device_ids": [dev.index or 0]} if dev.type == "cuda" else {}))
+        barrier("the layer group's first barrier (every rank starting)", layer_group, dev)
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
         costs = layer_costs(specs) if all(isinstance(s, LayerKind) for s in specs) else [int(c) for c in specs]
         slices = partition_layers(costs, P)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.network import PCNetwork, legacy_signature
-from ..distributed.parallel import collective
+from ..distributed.parallel import barrier
 from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
@@ -111,14 +111,12 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     if distributed:
-        with collective("the checkpoint barrier", group):
-            dist.barrier(group=group)
+        barrier("the checkpoint barrier", group)
     if writer:
         state = {"layers": net.layer_state_dict(), "optimizer": _layer_optimizer_state(net, optimizer)}
         _atomic_save(state, tmp / f"layers-{net.first:04d}-{net.stop:04d}.pt")
     if distributed:
-        with collective("the checkpoint barrier", group):
-            dist.barrier(group=group)
+        barrier("the checkpoint barrier", group)
     if leader:
         _atomic_save(meta, tmp / "meta.pt")
         files = sorted(p.name for p in tmp.iterdir() if not p.name.endswith(".part"))
@@ -134,8 +132,7 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         for old in [k for k in _checkpoints(ckdir) if _step_of(k) <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if distributed:
-        with collective("the checkpoint barrier", group):
-            dist.barrier(group=group)
+        barrier("the checkpoint barrier", group)
     return final
 
 

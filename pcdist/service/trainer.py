@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..distributed.parallel import Parallel, ParallelDims, collective
+from ..distributed.parallel import Parallel, ParallelDims, barrier
 from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from ..engine.trainer import PCTrainer
@@ -115,8 +115,7 @@ class ServiceTrainer:
         every rank looks before any rank writes into it."""
         resume = find_resume(self.config, self.run_dir, None)
         if self.distributed:
-            with collective("the run-directory barrier"):
-                dist.barrier()
+            barrier("the run-directory barrier")
         return resume
 
     def _model_specs(self) -> list:
