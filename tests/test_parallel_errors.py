@@ -140,7 +140,7 @@ def test_a_peer_that_stalls_a_log_point_collective_is_named_within_the_timeout(t
         run(hang_in_the_metrics_reduce, 2, 4.0, str(tmp_path / "gave-up"), timeout=60)
     assert time.monotonic() - t0 < 45
 
-def stall_at_a_barrier(rank, world, gave_up):
+def stall_at_a_host_wait(rank, world, where, gave_up):
     from datetime import timedelta
 
     from pcdist.distributed.parallel import barrier
@@ -148,25 +148,30 @@ def stall_at_a_barrier(rank, world, gave_up):
 
     # the host's waits 4 s (parallel.timeout_s); the group's own timeout far longer, as NCCL's watchdog's is
     join_process_group("gloo", timedelta(seconds=4), timedelta(seconds=300))
+    par = Parallel.from_mesh(ParallelDims(1, 2), pcdist.mlp_specs((6, 8, 8, 4)), timeout_s=4)
     if rank == 1:  # never arrives, until rank 0 has given up
         deadline = time.monotonic() + 60
         while not os.path.exists(gave_up) and time.monotonic() < deadline:
             time.sleep(0.05)
         os._exit(0)
     try:
-        barrier("the checkpoint barrier")
+        if where == "the checkpoint barrier":
+            barrier(where)
+        else:  # test-time predictions, from every slice that holds some, onto the logging rank (rank 1)
+            par.gather_batch(torch.ones(3, 2))
     finally:
         open(gave_up, "w").close()
 
 
-def test_a_peer_that_never_reaches_a_barrier_is_named_within_the_hosts_timeout(tmp_path):
-    """The service's barriers (the checkpoint's, the run directory's, a layer group's first) wait within
-    parallel.timeout_s, not the process group's own timeout (under NCCL 2 x timeout_s + 60 s, after which the
-    watchdog ends the process in NCCL's words): a peer that never arrives is one PeerError naming the barrier and
-    the ranks."""
+@pytest.mark.parametrize("where", ["the checkpoint barrier", "the batch gather"])
+def test_a_peer_that_never_reaches_a_barrier_or_gather_is_named_within_the_hosts_timeout(where, tmp_path):
+    """The service's barriers (the checkpoint's, the run directory's, a layer group's first) and object gathers
+    (test-time predictions, value nodes) wait within parallel.timeout_s, not the process group's own timeout
+    (under NCCL 2 x timeout_s + 60 s, after which the watchdog ends the process in NCCL's words): a peer that never
+    arrives is one PeerError naming the collective and the ranks."""
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 0: the checkpoint barrier over ranks \[0, 1\] failed or timed out"):
-        run(stall_at_a_barrier, 2, str(tmp_path / "gave-up"), timeout=90)
+    with pytest.raises(WorkerError, match=rf"rank 0: {where} over ranks \[0, 1\] failed or timed out"):
+        run(stall_at_a_host_wait, 2, where, str(tmp_path / "gave-up"), timeout=90)
     assert time.monotonic() - t0 < 60
 
 

@@ -13,6 +13,7 @@ The PC maths lives in ``engine.Stage``; this module only places the rank and mov
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -258,6 +259,25 @@ class Parallel(LayerExchange):
         stall surfaced at the next host read, or as the watchdog's abort (gloo's raise either way)."""
         work.wait(self.timeout)
 
+    def _gather_object(self, obj, what: str) -> list | None:
+        """Every rank's ``obj`` on the logging rank, in rank order (None elsewhere): ``dist.gather_object`` with
+        each wait within ``parallel.timeout_s`` (its sizes, then its bytes), so that a stalled peer is a PeerError
+        naming ``what`` under NCCL too, whose blocking gather would wait for the watchdog."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+        with collective(what):
+            self._timed(dist.all_gather(sizes, size, async_op=True))
+            longest = int(max(sizes).item())
+            padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+            padded[:data.numel()] = data
+            parts = [torch.empty_like(padded) for _ in sizes] if self.is_logging else None
+            self._timed(dist.gather(padded, parts, dst=self.logging_rank, async_op=True))
+        if not self.is_logging:
+            return None
+        return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
     def sum_to_logging(self, values: list[float], device: torch.device | str = "cpu") -> list[float] | None:
         """Sum per-rank values over the whole world onto the logging rank (None elsewhere)."""
         vec = torch.tensor(values, dtype=torch.float64, device=device)
@@ -317,9 +337,7 @@ class Parallel(LayerExchange):
         rank's own {node: [B_local, ...]} (data shards joined in data-rank order)."""
         if self.logging_rank is None:
             return [own[n] for n in range(num_layers + 1)]
-        parts = [None] * dist.get_world_size() if self.is_logging else None
-        with collective("the value-node gather"):
-            dist.gather_object(({n: t.cpu() for n, t in own.items()}, self.data_rank), parts, dst=self.logging_rank)
+        parts = self._gather_object(({n: t.cpu() for n, t in own.items()}, self.data_rank), "the value-node gather")
         if not self.is_logging:
             return None
         device = next(iter(own.values())).device
@@ -334,9 +352,7 @@ class Parallel(LayerExchange):
         on the logging rank (None elsewhere): e.g. predictions the last layer slice of each data replica made."""
         if self.logging_rank is None:
             return t
-        parts = [None] * dist.get_world_size() if self.is_logging else None
-        with collective("the batch gather"):
-            dist.gather_object(None if t is None else (self.data_rank, t.cpu()), parts, dst=self.logging_rank)
+        parts = self._gather_object(None if t is None else (self.data_rank, t.cpu()), "the batch gather")
         if not self.is_logging:
             return None
         shards = sorted((p for p in parts if p is not None), key=lambda p: p[0])
