@@ -37,7 +37,7 @@ batch of calls); each ratio is the median over rounds of the ratio within a roun
 
     python benchmarks/gpu.py                 # everything this device can run (GPU: ~10 min)
     python benchmarks/gpu.py --quick         # fewer rounds, the depth sweep to 128
-    python benchmarks/gpu.py --only table    # one section: table, depth, wide, ops
+    python benchmarks/gpu.py --only table    # sections: table, depth, wide, ops (--only table,depth)
     python benchmarks/gpu.py --tiny          # tiny shapes: a smoke test of the script (not a measurement)
 
 Writes benchmarks/results/gpu_<device>.json and gpu_<device>_{depth,table}.png (device: cuda or cpu).
@@ -265,7 +265,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds, depth sweep to 128")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of the script, not a measurement")
-    ap.add_argument("--only", choices=("table", "depth", "wide", "ops"), help="one section")
+    ap.add_argument("--only", type=_sections, help="comma-separated sections to run: table, depth, wide, ops "
+                    "(default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     ap.add_argument("--networks", help="comma-separated table networks to run (default: all)")
@@ -282,7 +283,7 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(os.cpu_count() or 1)
     rounds, min_time = (2, 0.01) if args.tiny else (3, 0.2) if args.quick else (7, 0.5)
-    want = lambda section: args.only in (None, section)  # noqa: E731
+    want = lambda section: args.only is None or section in args.only  # noqa: E731
     result = {"config": {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                          "torch": torch.__version__, "dtype": "float32", "precision": args.precision,
                          "quick": args.quick, "tiny": args.tiny,
@@ -293,8 +294,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_{device.type}" + ("" if args.precision == "fp32" else f"_{args.precision}")
 
-    def save() -> None:  # after every network: a run cut short keeps what it measured
+    def save(pictures: bool = False) -> None:  # after every network: a run cut short keeps what it measured
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+        if pictures:  # after every section
+            plot(result, args.out / stem)
 
     if want("table"):
         result["table"] = {}
@@ -306,6 +309,7 @@ def main() -> None:
             result["table"][name] = measure(name, spec, device, rounds, min_time, loop=len(spec[0]) <= 40,
                                             without=args.without.split(","), precision=args.precision)
             save()
+        save(pictures=True)
     if want("depth"):
         result["depth"] = {}
         depths = [2, 4] if args.tiny else [4, 8, 16, 32, 64, 128] + ([256, 512] if cuda and not args.quick else [])
@@ -316,6 +320,7 @@ def main() -> None:
             result["depth"][n] = measure(f"depth {n}", spec, device, rounds, min_time, loop=n <= 64,
                                          precision=args.precision)
             save()
+        save(pictures=True)
     if want("wide") and (cuda or args.tiny):
         result["wide"] = {}
         width, B, L = (16, 8, 3) if args.tiny else (1024, 1024, 32)
@@ -324,6 +329,7 @@ def main() -> None:
             result["wide"][precision] = measure(f"wide {precision}", spec, device, rounds, min_time, loop=False,
                                                 precision=precision)
             save()
+        save(pictures=True)
     if want("ops"):
         result["ops"] = {}  # host work per step against depth: flat when replayed, linear when eager
         os.environ["PCDIST_NATIVE"] = "0"  # count the ops a GPU runs: no fused CPU kernel
@@ -333,9 +339,17 @@ def main() -> None:
             print(f"ops per step, {n} hidden layers: eager {work['eager']['ops']} ({work['eager']['kernels']} "
                   f"kernels), graph {work['graph']['ops']}; host reads {work['eager']['reads']} / "
                   f"{work['graph']['reads']}", flush=True)
-    save()
-    plot(result, args.out / stem)
+    save(pictures=True)
     print(f"wrote {args.out / (stem + '.json')} and its pictures")
+
+
+def _sections(text: str) -> list[str]:
+    """--only's value: sections of this script, refused by name otherwise."""
+    sections = [s for s in text.split(",") if s]
+    bad = [s for s in sections if s not in ("table", "depth", "wide", "ops")]
+    if bad or not sections:
+        raise argparse.ArgumentTypeError(f"{text!r}: sections are table, depth, wide, ops (comma-separated)")
+    return sections
 
 
 def profile(spec, device, steps: int = 5) -> None:
