@@ -269,7 +269,7 @@ class Parallel(LayerExchange):
         sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
         with collective(what):
             self._timed(dist.all_gather(sizes, size, async_op=True))
-            longest = int(max(sizes).item())
+            longest = int(torch.cat(sizes).max())
             padded = torch.zeros(longest, dtype=torch.uint8, device=device)
             padded[:data.numel()] = data
             parts = [torch.empty_like(padded) for _ in sizes] if self.is_logging else None
