@@ -137,8 +137,8 @@ class WeightUpdate:
         opt = self.optimizer
         if isinstance(opt, _FOUND_INF) and all(g.get("fused") for g in opt.param_groups):
             # The fused kernels skip the update (and undo the step count) themselves, but leave state they
-            # create in a skipped step as allocated: fused SGD's momentum buffers come from empty_like.
-            # Looked for until a step creates none (the first, or the second after a skipped first).
+            # create in a skipped step as allocated (fused SGD's momentum buffers come from empty_like): zeroed
+            # here. Looked for until a step creates none.
             before = None if self._settled else {key for key, _ in self._tensors()}
             opt.found_inf = self.flag
             try:
@@ -159,10 +159,11 @@ class WeightUpdate:
         for key, t in self._tensors():
             if key in saved:
                 torch.where(_on(bad, t), saved[key], t, out=t)
-        self._zero_new_state(saved, bad)
+            else:  # state the optimizer created in this step: as if never stepped (zeros)
+                t.masked_fill_(_on(bad, t), 0)
 
-    def _zero_new_state(self, before, bad: Tensor) -> bool:
-        """State the optimizer created in this step (keys not in ``before``) as if never stepped (zeros) where
+    def _zero_new_state(self, before: set, bad: Tensor) -> bool:
+        """State a fused optimizer created in this step (keys not in ``before``) as if never stepped (zeros) where
         the update was skipped (``bad``). Whether there was any."""
         new = [t for key, t in self._tensors() if key not in before]
         for t in new:
