@@ -243,6 +243,8 @@ def test_buffers_past_int32_offsets_keep_the_torch_ops(monkeypatch):
     one just below runs them. Meta tensors: nothing is allocated."""
     from pcdist.engine.activations import Activation
 
+    if torch.cuda.is_available():  # this worker's kernels made compiled first: Triton reads TRITON_INTERPRET as it
+        chain._triton()  # decorates them, so set below at their first import it would leave them interpreted
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' own conditions, as on a GPU
     tanh = Activation("tanh")
     big = torch.empty(129, 65536, 256, device="meta")
