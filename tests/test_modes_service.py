@@ -90,6 +90,22 @@ def test_generative_mode_over_two_layer_ranks_under_torchrun_equals_one_process(
     assert one["val/accuracy"] == rows[12]["val/accuracy"]
 
 
+def test_mcpc_samples_are_drawn_on_a_data_axis(tmp_path):
+    """Generative MCPC over parallel.data=2 (2 gloo ranks): each data rank samples h_L for every label, so the
+    value noise of the samples' inference is drawn for a global batch of ranks x classes; the evaluation draws
+    samples.png and the run ends."""
+    from spawn import run
+    from test_service import _train_worker
+
+    cfg = {**QUICK, "trainer.max_steps": 6, "experiment": "generative_digits", "parallel.data": 2,
+           "pc.value_noise": 0.01, "pc.eval_T": 5, "run_dir": str(tmp_path / "run")}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        run(_train_worker, 2, cfg, timeout=240)
+    assert (tmp_path / "run" / "samples.png").read_bytes()[:8] == PNG
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "val/accuracy" in r] == [6]
+
+
 def test_the_conv_decoder_preset_trains_on_mnist_shaped_files(tmp_path):
     """experiment=deconv_mnist on standard IDX files (random 28 x 28 images): a conv decoder from the label to
     1 x 28 x 28 under the Bernoulli energy, its samples drawn per class."""

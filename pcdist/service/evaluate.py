@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..engine.energies import energy_of
+from ..engine.precision import restore_tf32, tf32_state
 from ..engine.trainer import PCTrainer
 from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, literal, load_config
 from .data import Dataset, StreamedData, load_dataset
@@ -84,13 +85,17 @@ def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> di
     runs during training, with the per-class accuracy and confusion matrix) on held-out inputs ``x`` (raw, as
     loaded) and ``labels``, in chunks of 1024, in this process."""
     test_of, net = EVALUATORS[mode], run.network
-    trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),  # as validation runs it:
-                        precision=c.trainer.precision, **method_options(c, resolve_x_lr(c, run.run_dir)))
-    test, xs, device = test_of(c, trainer, full=True), run.preprocess(x), next(net.parameters()).device
-    for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
-        test.add(xb.to(device), lb)
-    test.reduce(device)
-    return test.report()
+    tf32 = tf32_state()  # a trainer under trainer.precision sets the TF32 switches on a GPU: the caller's put back
+    try:
+        trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),  # as validation:
+                            precision=c.trainer.precision, **method_options(c, resolve_x_lr(c, run.run_dir)))
+        test, xs, device = test_of(c, trainer, full=True), run.preprocess(x), next(net.parameters()).device
+        for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
+            test.add(xb.to(device), lb)
+        test.reduce(device)
+        return test.report()
+    finally:
+        restore_tf32(tf32)
 
 
 def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = True, layers=None,

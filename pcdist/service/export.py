@@ -61,6 +61,7 @@ def _first_failing_layer(run: Run, example: Tensor) -> str:
     if h.flatten:
         x = x.flatten(1)
     for l, m in enumerate(run.network.to_layers(), start=1):
+        m = m.to(x.device)  # a run loaded on a GPU: its layers beside the example (the export runs on the CPU)
         try:
             torch.export.export(m, (x,))
         except Exception as e:  # noqa: BLE001 - any tracing failure is reported, not raised

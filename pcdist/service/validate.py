@@ -47,7 +47,8 @@ def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_di
             rows = [forward_mean(trainer, onehot)]
             if c.pc.value_noise > 0:  # MCPC: Langevin samples of h_L given each label, from the feed-forward init
                 for _ in range(3):
-                    own = trainer.infer(onehot, None, c.pc.eval_T, noise=c.pc.value_noise, gather=False)
+                    own = trainer.infer(onehot, None, c.pc.eval_T, noise=c.pc.value_noise, gather=False,
+                                        global_batch=num_classes * par.data_size)  # each data rank: every label
                     rows.append(own.get(trainer.net.num_layers))
             if par.is_logging:
                 labels = ["mean"] + [f"MCPC sample (tau {c.pc.value_noise:g})"] * (len(rows) - 1)
