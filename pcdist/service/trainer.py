@@ -100,6 +100,7 @@ class ServiceTrainer:
         self.result: dict = {"step": self.step}
         self._started = False
         self._first = self.step + 1  # this attempt's first step says so at once (``train_step``)
+        self._vote: StopVote | None = None  # made by the first ``_steps``: on GPUs a gloo group, made once
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
@@ -258,7 +259,8 @@ class ServiceTrainer:
         (``catch_stop_signals``), which every rank votes on (``StopVote``) so that all stop after the same step."""
         c = self.config
         self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds}
-        self._vote = StopVote(self.parallel.logging_rank is not None, self.device)
+        if self._vote is None:  # every rank makes it at the same call, as a new group must be
+            self._vote = StopVote(self.parallel.logging_rank is not None, self.device)
         self._diagnostics = Diagnostics(c, self.run_dir, self.logger) if c.pc.diagnostics else None  # diagnostics.py
         batches = step_batches(c, self.data, self.parallel, self.step, last, self.device, self.dtype)
         try:
