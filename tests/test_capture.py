@@ -22,7 +22,9 @@ precision schedules) must happen on the device with the same result as on the ho
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -358,6 +360,29 @@ def test_a_value_step_changed_between_steps_is_the_one_a_step_uses_noise_include
         assert changed.step(x, y)["energy"] == fresh.step(x, y)["energy"]
     a, b = changed.infer(x, y, noise=0.5), fresh.infer(x, y, noise=0.5)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_inference_over_ever_new_batch_sizes_keeps_a_bounded_number_of_stages_and_frees_the_rest():
+    """infer over 20 batch sizes, a training step at one size between each: the trainer keeps its max_stages most
+    recently used stages (the training one never leaves), and the others, with all the runner counted or captured
+    for them, are freed. A stage made again computes what it computed the first time."""
+    net = network("mlp")
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=4, compile="graph")
+    x6, y6 = batch(net, "xy", 6, 0)
+    tr.step(x6, y6)
+    training = tr._stage
+    first, made = {}, []
+    for B in range(7, 27):
+        first[B] = tr.infer(batch(net, "xy", B, B)[0], None)
+        made.append(weakref.ref(tr._stage))
+        tr.step(x6, y6)
+    gc.collect()
+    kept = [st for _, st in tr._stages.values()]
+    assert len(kept) == tr.max_stages and training in kept and tr._stage is training
+    assert [B for B, ref in zip(range(7, 27), made) if ref() is not None] == list(range(27 - tr.max_stages + 1, 27))
+    assert {k[1] for k in (*tr.runner.calls, *tr.runner.programs, *tr.runner.eager)} <= set(kept)
+    again = tr.infer(batch(net, "xy", 7, 7)[0], None)
+    assert all(torch.equal(a, b) for a, b in zip(first[7], again))
 
 
 def test_bfloat16_products_on_a_cpu_are_rounded_to_bfloat16_then_summed_in_float32():

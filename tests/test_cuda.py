@@ -294,6 +294,26 @@ def test_a_value_step_or_noise_changed_after_the_capture_is_the_one_replayed():
     assert len(tr.runner.programs) == 3, "a capture per value step and noise"
 
 
+def test_inference_at_more_step_counts_than_a_runner_keeps_drops_the_oldest_and_captures_it_again():
+    """infer at MAX_PROGRAMS + 3 step counts T, each called until captured: the runner keeps MAX_PROGRAMS captures
+    (the least recently replayed go, their graphs and memory with them); the first T, dropped, is captured again
+    on its return and still equals eager inference."""
+    from pcdist.engine.capture import MAX_PROGRAMS
+
+    nets = [network("mlp").cuda(), network("mlp").cuda()]
+    (tr, notes), (eager, _) = (cuda_trainer(net, compile, {}, 1) for net, compile in zip(nets, ("graph", "none")))
+    x, _ = batch(nets[0], "xy", 8, 0)
+    Ts = list(range(1, MAX_PROGRAMS + 4))
+    for i, T in enumerate([*Ts, 1]):
+        for _ in range(4):  # eager, checked, warm-up, captured
+            got = tr.infer(x.cuda(), None, T=T)
+        assert len(tr.runner.programs) == min(i + 1, MAX_PROGRAMS)
+    assert notes == [] and tr.runner.eager == {}
+    assert [k[2] for k in tr.runner.programs] == [*Ts[-(MAX_PROGRAMS - 1):], 1]
+    want = eager.infer(x.cuda(), None, T=1)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])
 def test_a_default_adam_is_captured_and_replays_as_eager(optimizer):
     """A non-fused Adam / AdamW (torch's default) is made capturable before its state exists: both stages are

@@ -23,7 +23,7 @@ a CPU can measure.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Callable
 
 import torch
@@ -34,6 +34,9 @@ __all__ = ["COMPILE", "HostReads", "Program", "Runner", "on_host", "compile_mode
 
 COMPILE = ("auto", "none", "graph")
 WARMUP = 2  # eager calls on the capture stream before a stage is captured (lazy init: optimizer state, cuBLAS)
+MAX_PROGRAMS = 16
+"""Captured cores a Runner keeps (each holds its graphs and their memory pool): past it, the least recently
+replayed one is dropped, and captured again if it comes back (a sweep over many T at test time, say)."""
 
 _recording: "Program | None" = None
 
@@ -255,8 +258,9 @@ class Program:
 
 
 class Runner:
-    """Runs the core of each stage (``key``): eagerly (``mode="none"``), or checked, warmed up, captured and
-    replayed (``"graph"``; see the module docstring). ``say``: where the one-line notes go.
+    """Runs the core of each stage (``key``, a tuple: what runs, its Stage, then what the core's constants
+    are): eagerly (``mode="none"``), or checked, warmed up, captured and replayed (``"graph"``; see the module
+    docstring), keeping at most ``MAX_PROGRAMS`` captures. ``say``: where the one-line notes go.
 
     ``prepare()``: called on a CUDA device before each stage's first call and before it is captured (the optimizer
     made capturable: a non-fused Adam's step reads its tensor learning rate on the host otherwise)."""
@@ -266,7 +270,7 @@ class Runner:
         self.mode, self.device, self.say = mode, torch.device(device), say
         self.generators, self.prepare = generators, prepare
         self.calls: Counter = Counter()
-        self.programs: dict = {}
+        self.programs: OrderedDict = OrderedDict()  # key -> its Program, the least recently replayed first
         self.eager: dict = {}  # key -> why that stage runs eagerly
         self._stream = None
 
@@ -276,6 +280,7 @@ class Runner:
             return
         program = self.programs.get(key)
         if program is not None:
+            self.programs.move_to_end(key)
             program.replay()
             return
         n = self.calls[key]
@@ -328,8 +333,21 @@ class Runner:
             fn()
             return
         cur.wait_stream(s)
+        if len(self.programs) >= MAX_PROGRAMS:
+            self._drop([next(iter(self.programs))])
         self.programs[key] = program
         program.replay()
+
+    def forget(self, stage) -> None:
+        """Drop all the runner keeps for ``stage`` (its trainer let the stage go): its programs with their graphs
+        and memory, its call counts and eager notes, none of which would be used again."""
+        self._drop([k for k in {*self.programs, *self.calls, *self.eager} if k[1] is stage])
+
+    def _drop(self, keys) -> None:
+        if self.device.type == "cuda" and any(k in self.programs for k in keys):
+            torch.cuda.synchronize(self.device)  # no replay of theirs still running when their memory is reused
+        for k in keys:
+            self.programs.pop(k, None), self.calls.pop(k, None), self.eager.pop(k, None)
 
     def _fallback(self, key, why: str) -> None:
         self.eager[key] = why

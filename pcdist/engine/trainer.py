@@ -100,6 +100,10 @@ class PCTrainer:
         self.runner = Runner(self.compile, device, say, (self._generator,) if device.type == "cuda" else (),
                              self.update.make_capturable)
 
+    max_stages = 8
+    """Stages (batch size, free ends) kept at once; a training run uses two or three (its batch size, the last
+    partial batch, evaluation chunks)."""
+
     optimizer = property(lambda self: self.update.optimizer, lambda self, o: setattr(self.update, "optimizer", o))
     scheduler = property(lambda self: self.update.scheduler, lambda self, s: setattr(self.update, "scheduler", s))
 
@@ -110,17 +114,24 @@ class PCTrainer:
 
     def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
-        storage changes (e.g. after ``net.to(...)``)."""
+        storage changes (e.g. after ``net.to(...)``). The trainer keeps the ``max_stages`` most recently used
+        (each holds its batch's buffers and, replayed, its graphs): inference over ever new batch sizes
+        does not grow memory without bound."""
         net = self.mixed.compute
         ptrs = tuple(p.data_ptr() for p in self._params)
         key = (batch_size, free_bottom, free_top)
-        cached = self._stages.get(key)
+        cached = self._stages.pop(key, None)  # put back last: the most recently used
         if cached is None or cached[0] != ptrs:
+            if cached is not None:
+                self.runner.forget(cached[1])
             # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
             st = Stage(net, batch_size, self.rule, self.init, static_weights=self.algorithm == "pc",
                        free_bottom=free_bottom, free_top=free_top,
                        dynamic_precision=self.precision_schedule is not None, dtype=self.mixed.master_dtype)
-            cached = self._stages[key] = (ptrs, st)
+            cached = (ptrs, st)
+        self._stages[key] = cached
+        if len(self._stages) > self.max_stages:  # the least recently used goes, with what the runner keeps for it
+            self.runner.forget(self._stages.pop(next(iter(self._stages)))[1])
         self._stage = cached[1]
         return self._stage
 
