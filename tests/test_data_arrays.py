@@ -463,6 +463,30 @@ def test_a_dataloader_is_refused_with_the_reason():
         StreamedData(loader, loader, 2)
 
 
+class CountedSamples(Samples):
+    """Samples that count how often each index is read (num_workers=0: read in this process)."""
+
+    def __init__(self, x, labels):
+        super().__init__(x, labels)
+        self.reads = [0] * len(labels)
+
+    def __getitem__(self, i):
+        self.reads[i] += 1
+        return super().__getitem__(i)
+
+
+def test_each_evaluation_of_streamed_data_reads_every_validation_sample_once(tmp_path):
+    """A supervised run evaluated twice reads each validation sample exactly twice: nothing beyond what
+    validation uses (the pictures' first chunk, which supervised runs never draw, was read at every evaluation)."""
+    ds = digits_dataset()
+    val = CountedSamples(ds.x_val, ds.y_val)
+    result = pcdist.train(small_cfg(tmp_path, trainer={"eval_every": 4}, data={"num_workers": 0}),
+                          data=StreamedData(Samples(ds.x_train, ds.y_train), val, 10))
+    evaluations = sum("val/accuracy" in row for row in read_metrics(tmp_path / "metrics.jsonl"))
+    assert result["step"] == 8 and evaluations == 2
+    assert set(val.reads) == {evaluations}, sorted(set(val.reads))
+
+
 def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(in_memory, npy_folder, tmp_path):
     """The real torchrun, three layer slices (first, middle, last) each streaming an .npy folder through a
     DataLoader worker: every slice agrees on every batch, so the weights equal one in-memory process to 1e-9

@@ -355,13 +355,22 @@ class ServiceTrainer:
         and unsupervised modes; None on a rank that logs nothing."""
         c, par = self.config, self.parallel
         val = validate(c, val_chunks(self.data, par, self.device, self.dtype), self.engine, self.device)
-        images = pictures(c, next(val_chunks(self.data, par, self.device, self.dtype))[0], self.engine,
-                          tuple(self.inputs.sample_shape), self.data.num_classes, self.run_dir)
+        images = pictures(c, self._first_val_inputs, self.engine, tuple(self.inputs.sample_shape),
+                          self.data.num_classes, self.run_dir, self.device, self.dtype)
         if val is not None:
             self.logger.log(val, done)
             self.logger.log_images(images, done)
             self.result.update(val)
         return val
+
+    def _first_val_inputs(self) -> torch.Tensor:
+        """This rank's first validation chunk's inputs (read only where a picture needs them: streamed data restart
+        their validation loader for it)."""
+        chunks = val_chunks(self.data, self.parallel, self.device, self.dtype)
+        try:
+            return next(chunks)[0]
+        finally:
+            chunks.close()
 
     def _checkpoint(self, done: int) -> Path:
         """Checkpoint after step ``done``: the weights, the optimizer, the schedule, the RNG and the config."""

@@ -12,6 +12,7 @@ by the logging rank into the run directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -32,18 +33,19 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
     return test.metrics() if test.reduce(device) else None
 
 
-def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_dir: Path) -> dict[str, Path]:
-    """samples.png (generative) or reconstructions.png (unsupervised) of image data, drawn on the logging rank
-    (every rank takes part); {name: path} there, {} elsewhere, for data that are not images and with
-    logger.plots=false (the same config on every rank: all skip the collective inference together)."""
+def pictures(c, held_out: Callable[[], torch.Tensor], trainer: PCTrainer, image_shape, num_classes: int,
+             run_dir: Path, device, dtype) -> dict[str, Path]:
+    """samples.png (generative) or reconstructions.png (unsupervised: of the first held-out inputs, which
+    ``held_out()`` reads) of image data in ``dtype`` on ``device``, drawn on the logging rank (every rank takes
+    part); {name: path} there, {} elsewhere, for data that are not images and with logger.plots=false (the same
+    config on every rank: all skip the collective inference together)."""
     mode, par = c.pc.mode, trainer.parallel
     if mode == "supervised" or not c.logger.plots or len(image_shape) != 3 or image_shape[0] not in (1, 3):
         return {}
     out: dict[str, Path] = {}
-    dev, dt = x_val.device, x_val.dtype
     with torch.no_grad():
         if mode == "generative":
-            onehot = torch.eye(num_classes, dtype=dt, device=dev)
+            onehot = torch.eye(num_classes, dtype=dtype, device=device)
             rows = [forward_mean(trainer, onehot)]
             if c.pc.value_noise > 0:  # MCPC: Langevin samples of h_L given each label, from the feed-forward init
                 for _ in range(3):
@@ -56,7 +58,7 @@ def pictures(c, x_val, trainer: PCTrainer, image_shape, num_classes: int, run_di
                                            f"Generated digits per class (columns 0..{num_classes - 1})",
                                            Path(run_dir) / "samples.png")
             return out
-        x = x_val[:10]  # unsupervised
+        x = held_out()[:10]  # unsupervised
         own = trainer.infer(None, x, c.pc.eval_T, gather=False)
         recon = forward_mean(trainer, own.get(0, x))
         if par.is_logging:
