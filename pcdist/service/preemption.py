@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -67,11 +68,14 @@ class StopVote:
     the vote never holds a rank up (a blocking all-reduce per step would line the ranks up at every step).
     Every rank reads the same votes in the same steps, so all stop after the same step, at most two steps
     after the signal, and agree on which signal it was (the largest number: a pre-emption over a Ctrl-C).
-    The vote is a host tensor over a gloo group (on GPUs too), so reading it never waits for the device."""
+    The vote is a host tensor over a gloo group (on GPUs too), so reading it never waits for the device; a
+    vote that does not complete within ``timeout`` (parallel.timeout_s) names the ranks, as the other
+    collectives do."""
 
-    def __init__(self, distributed: bool, device: torch.device):
-        self.distributed = distributed
-        self.group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
+    def __init__(self, distributed: bool, device: torch.device, timeout: timedelta | None = None):
+        self.distributed, self.timeout = distributed, timeout
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed and device.type == "cuda" \
+            else None
         self._posted: tuple | None = None
 
     def __call__(self, signum: int) -> int:
@@ -94,5 +98,5 @@ class StopVote:
         if work is None:
             return int(t)
         with collective("the stop-signal all-reduce"):
-            work.wait()
+            work.wait(self.timeout) if self.timeout is not None else work.wait()
         return int(t.item())
