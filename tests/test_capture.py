@@ -385,6 +385,23 @@ def test_inference_over_ever_new_batch_sizes_keeps_a_bounded_number_of_stages_an
     assert all(torch.equal(a, b) for a, b in zip(first[7], again))
 
 
+@pytest.mark.parametrize("name", ["mlp-ipc-ce-momentum-schedule-skip", "generative-pc-noise-skip", "conv-pc-ce-adam"])
+def test_a_trainer_that_keeps_one_stage_trains_exactly_as_one_that_keeps_them_all(name):
+    """Batch sizes alternating 6 and 10 with max_stages = 1: each step's stage is made anew (the other evicted),
+    and the run equals one whose stages all stay, bit for bit (a stage holds nothing a step carries over)."""
+    kind, net_kw, opts, ends = CASES[name]
+    runs = []
+    for keep in (1, pcdist.PCTrainer.max_stages):
+        net = network(kind, **net_kw)
+        tr, _ = trainer_for(net, "graph", opts)
+        tr.max_stages = keep
+        energies = [tr.step(*batch(net, ends, 10 if s % 2 else 6, 100 + s))["energy"] for s in range(6)]
+        runs.append((energies, [p.detach().clone() for p in net.parameters()], len(tr._stages)))
+    (e1, w1, n1), (e8, w8, n8) = runs
+    assert (n1, n8) == (1, 2) and e1 == e8
+    assert all(torch.equal(a, b) for a, b in zip(w1, w8))
+
+
 def test_bfloat16_products_on_a_cpu_are_rounded_to_bfloat16_then_summed_in_float32():
     """Where the GEMM cannot write float32 from bfloat16 operands (a CPU: base.f32_products is False; a GPU's
     float32 products are tests/test_cuda.py's), a product is rounded to bfloat16 and then added in float32:

@@ -172,9 +172,10 @@ def stall_at_a_host_wait(rank, world, where, gave_up):
 @pytest.mark.parametrize("where", ["the checkpoint barrier", "the batch gather", "the stop-signal all-reduce"])
 def test_a_peer_that_never_reaches_a_barrier_or_gather_is_named_within_the_hosts_timeout(where, tmp_path):
     """The service's barriers (the checkpoint's, the run directory's, a layer group's first), object gathers
-    (test-time predictions, value nodes) and stop vote wait within parallel.timeout_s, not the process group's own timeout
-    (under NCCL 2 x timeout_s + 60 s, after which the watchdog ends the process in NCCL's words): a peer that never
-    arrives is one PeerError naming the collective and the ranks."""
+    (test-time predictions, value nodes) and stop vote wait within parallel.timeout_s, not the process group's own
+    timeout (under NCCL 2 x timeout_s + 60 s, after which the watchdog ends the process in NCCL's words; the vote's
+    gloo group on GPUs: torch's 30 minutes): a peer that never arrives is one PeerError naming the collective and
+    the ranks."""
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=rf"rank 0: {where} over ranks \[0, 1\] failed or timed out"):
         run(stall_at_a_host_wait, 2, where, str(tmp_path / "gave-up"), timeout=90)
