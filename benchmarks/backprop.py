@@ -92,7 +92,7 @@ def run_pair(name: str, steps: int, batch: int | None, data, tmp: Path, tiny: bo
              "trainer.ckpt_every": steps, "trainer.progress": "off", "optim.warmup_steps": min(warm, steps),
              "logger": "none", "trainer.threads": 1}
     if tiny:
-        extra.update({"pc.T": min(c.pc.T, 3)})
+        extra.update({"pc.T": min(c.pc.T, 3), "logger.plots": False})  # each run's metric plots: not looked at
     out = {"steps": steps, "batch": B}
     for algo in ("pc", "bp"):
         cfg = {**({} if name == "default" else {"experiment": name}), **extra, "pc.algorithm": algo if algo == "bp"

@@ -62,7 +62,7 @@ METHODS = {  # name: service overrides on top of the network's recipe
     "backward": ["pc.init=backward"],
 }
 ADAM_LR = 0.02
-REPEAT = 5  # training steps per timed sample
+REPEAT = 5  # training steps per timed sample (1 with --tiny)
 ACCURACY_METHODS = ("euler", "heun", "newton", "backward")
 TOLS = (1e-1, 1e-2, 1e-3)
 
@@ -98,6 +98,7 @@ def build(net: str, method: str, T: int, tiny: bool):
 def trace_part(nets: list[str], methods: list[str], rounds: int, tiny: bool) -> dict:
     """Energy per inference step and the step's time at T = 1 and T = 20, per network and method."""
     T_max = 3 if tiny else 20
+    repeat = 1 if tiny else REPEAT  # --tiny: one training step per timed sample (newton_cr's take 0.1 s each)
     out = {}
     for net in nets:
         row = {"title": NETWORKS[net][0], "methods": {}}
@@ -120,11 +121,11 @@ def trace_part(nets: list[str], methods: list[str], rounds: int, tiny: bool) -> 
                 for T in Ts:
                     tr.T = T
                     t0, c0 = time.perf_counter(), time.process_time()
-                    for _ in range(REPEAT):
+                    for _ in range(repeat):
                         tr.step(x, y, log=False)
                     if r:
-                        times[(m, T)].append((time.process_time() - c0) / REPEAT)
-                        walls[(m, T)].append((time.perf_counter() - t0) / REPEAT)
+                        times[(m, T)].append((time.process_time() - c0) / repeat)
+                        walls[(m, T)].append((time.perf_counter() - t0) / repeat)
         for m in trainers:  # CPU seconds of the one thread (median of the rounds): the work, whatever else runs
             best = {T: statistics.median(times[(m, T)]) for T in Ts}
             per = (best[T_max] - best[1]) / (T_max - 1)
@@ -170,7 +171,8 @@ def accuracy_part(nets: list[str], Ts: list[int], methods: list[str], tiny: bool
                     continue
                 over = settings(net, m, T) + QUIET + ["trainer.seed=0"]
                 if tiny:
-                    over += ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.log_every=2"]
+                    over += ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.log_every=2",
+                             "logger.plots=false"]  # each run's metric plots: half its time, not looked at
                     if net == "mupc64":
                         over += ["model.depth=4", "model.width=32"]
                 t0 = time.perf_counter()
