@@ -480,8 +480,8 @@ def test_each_evaluation_of_streamed_data_reads_every_validation_sample_once(tmp
     validation uses (the pictures' first chunk, which supervised runs never draw, was read at every evaluation)."""
     ds = digits_dataset()
     val = CountedSamples(ds.x_val, ds.y_val)
-    result = pcdist.train(small_cfg(tmp_path, trainer={"eval_every": 4}, data={"num_workers": 0}),
-                          data=StreamedData(Samples(ds.x_train, ds.y_train), val, 10))
+    cfg = small_cfg(tmp_path, trainer={"eval_every": 4}, data={"num_workers": 0}, logger={"plots": False})
+    result = pcdist.train(cfg, data=StreamedData(Samples(ds.x_train, ds.y_train), val, 10))
     evaluations = sum("val/accuracy" in row for row in read_metrics(tmp_path / "metrics.jsonl"))
     assert result["step"] == 8 and evaluations == 2
     assert set(val.reads) == {evaluations}, sorted(set(val.reads))
