@@ -297,21 +297,46 @@ def test_a_value_step_or_noise_changed_after_the_capture_is_the_one_replayed():
 def test_inference_at_more_step_counts_than_a_runner_keeps_drops_the_oldest_and_captures_it_again():
     """infer at MAX_PROGRAMS + 3 step counts T, each called until captured: the runner keeps MAX_PROGRAMS captures
     (the least recently replayed go, their graphs and memory with them); the first T, dropped, is captured again
-    on its return and still equals eager inference."""
+    at its first call back (its warm-up done before) and still equals eager inference."""
     from pcdist.engine.capture import MAX_PROGRAMS
 
     nets = [network("mlp").cuda(), network("mlp").cuda()]
     (tr, notes), (eager, _) = (cuda_trainer(net, compile, {}, 1) for net, compile in zip(nets, ("graph", "none")))
     x, _ = batch(nets[0], "xy", 8, 0)
     Ts = list(range(1, MAX_PROGRAMS + 4))
-    for i, T in enumerate([*Ts, 1]):
+    for i, T in enumerate(Ts):
         for _ in range(4):  # eager, checked, warm-up, captured
-            got = tr.infer(x.cuda(), None, T=T)
+            tr.infer(x.cuda(), None, T=T)
         assert len(tr.runner.programs) == min(i + 1, MAX_PROGRAMS)
+    got = tr.infer(x.cuda(), None, T=1)
     assert notes == [] and tr.runner.eager == {}
     assert [k[2] for k in tr.runner.programs] == [*Ts[-(MAX_PROGRAMS - 1):], 1]
     want = eager.infer(x.cuda(), None, T=1)
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("name", ["mlp-ipc-ce-momentum-schedule-skip", "generative-pc-noise-skip"])
+def test_a_stage_evicted_and_made_again_is_captured_again_and_trains_as_eager(name):
+    """max_stages = 1 and blocks of 5 steps at batch sizes 6, 10, 6: each block's stage is made anew (the other
+    evicted with its captured step), captured at its 4th step and replayed at its 5th, and the run equals eager
+    (the optimizer made capturable again, its learning-rate table, the skip, the noise generator registered with
+    the new graphs)."""
+    kind, net_kw, opts, ends = CASES[name]
+    runs = {}
+    for compile in ("graph", "none"):
+        net = network(kind, **net_kw).cuda()
+        tr, notes = cuda_trainer(net, compile, opts, 15)
+        tr.max_stages = 1
+        energies = []
+        for s in range(15):
+            x, y = (t.cuda() for t in batch(net, ends, 10 if s // 5 == 1 else 6, 100 + s))
+            energies.append(tr.step(x, y)["energy"])
+            if compile == "graph" and s % 5 == 4:
+                assert len(tr._stages) == 1 and len(tr.runner.programs) == 1, "this block's step captured"
+        runs[compile] = energies, [p.detach().clone() for p in net.parameters()], notes
+    (eg, wg, notes), (ee, we, _) = runs["graph"], runs["none"]
+    assert notes == [] and eg == pytest.approx(ee, rel=1e-9, abs=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(wg, we))
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])

@@ -36,7 +36,8 @@ COMPILE = ("auto", "none", "graph")
 WARMUP = 2  # eager calls on the capture stream before a stage is captured (lazy init: optimizer state, cuBLAS)
 MAX_PROGRAMS = 16
 """Captured cores a Runner keeps (each holds its graphs and their memory pool): past it, the least recently
-replayed one is dropped, and captured again if it comes back (a sweep over many T at test time, say)."""
+replayed one is dropped, its memory given back, and captured again at once if it comes back (a sweep over many
+T at test time, say)."""
 
 _recording: "Program | None" = None
 
@@ -320,6 +321,8 @@ class Runner:
     def _capture(self, key, fn) -> None:
         if self.prepare is not None:
             self.prepare()
+        if len(self.programs) >= MAX_PROGRAMS:  # before the capture, so that it can use the memory freed
+            self._drop_programs([next(iter(self.programs))])  # its count kept: captured at once if it comes back
         cur = torch.cuda.current_stream(self.device)
         s = self._capture_stream()
         s.wait_stream(cur)
@@ -333,21 +336,26 @@ class Runner:
             fn()
             return
         cur.wait_stream(s)
-        if len(self.programs) >= MAX_PROGRAMS:
-            self._drop([next(iter(self.programs))])
         self.programs[key] = program
         program.replay()
 
     def forget(self, stage) -> None:
         """Drop all the runner keeps for ``stage`` (its trainer let the stage go): its programs with their graphs
         and memory, its call counts and eager notes, none of which would be used again."""
-        self._drop([k for k in {*self.programs, *self.calls, *self.eager} if k[1] is stage])
-
-    def _drop(self, keys) -> None:
-        if self.device.type == "cuda" and any(k in self.programs for k in keys):
-            torch.cuda.synchronize(self.device)  # no replay of theirs still running when their memory is reused
+        keys = [k for k in {*self.programs, *self.calls, *self.eager} if k[1] is stage]
+        self._drop_programs([k for k in keys if k in self.programs])
         for k in keys:
-            self.programs.pop(k, None), self.calls.pop(k, None), self.eager.pop(k, None)
+            self.calls.pop(k, None), self.eager.pop(k, None)
+
+    def _drop_programs(self, keys) -> None:
+        """Free captured programs: their graphs, and their memory pools given back to the device (a dropped
+        pool's cached blocks serve no other allocation, and none at all while a capture runs, until released)."""
+        if not keys:
+            return
+        torch.cuda.synchronize(self.device)  # no replay of theirs still running
+        for k in keys:
+            del self.programs[k]
+        torch.cuda.empty_cache()
 
     def _fallback(self, key, why: str) -> None:
         self.eager[key] = why
