@@ -100,9 +100,7 @@ class PCTrainer:
         self.runner = Runner(self.compile, device, say, (self._generator,) if device.type == "cuda" else (),
                              self.update.make_capturable)
 
-    max_stages = 8
-    """Stages (batch size, free ends) kept at once; a training run uses two or three (its batch size, the last
-    partial batch, evaluation chunks)."""
+    max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three
 
     optimizer = property(lambda self: self.update.optimizer, lambda self, o: setattr(self.update, "optimizer", o))
     scheduler = property(lambda self: self.update.scheduler, lambda self, s: setattr(self.update, "scheduler", s))
@@ -114,25 +112,9 @@ class PCTrainer:
 
     def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
-        storage changes (e.g. after ``net.to(...)``). The trainer keeps the ``max_stages`` most recently used
-        (each holds its batch's buffers and, replayed, its graphs): inference over ever new batch sizes
-        does not grow memory without bound."""
-        net = self.mixed.compute
-        ptrs = tuple(p.data_ptr() for p in self._params)
-        key = (batch_size, free_bottom, free_top)
-        cached = self._stages.pop(key, None)  # put back last: the most recently used
-        if cached is None or cached[0] != ptrs:
-            if cached is not None:
-                self.runner.forget(cached[1])
-            # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
-            st = Stage(net, batch_size, self.rule, self.init, static_weights=self.algorithm == "pc",
-                       free_bottom=free_bottom, free_top=free_top,
-                       dynamic_precision=self.precision_schedule is not None, dtype=self.mixed.master_dtype)
-            cached = (ptrs, st)
-        self._stages[key] = cached
-        if len(self._stages) > self.max_stages:  # the least recently used goes, with what the runner keeps for it
-            self.runner.forget(self._stages.pop(next(iter(self._stages)))[1])
-        self._stage = cached[1]
+        storage changes (e.g. after ``net.to(...)``); the ``max_stages`` most recently used are kept
+        (``cached_stage``)."""
+        self._stage = cached_stage(self, (batch_size, free_bottom, free_top))
         return self._stage
 
     @torch.no_grad()
@@ -243,6 +225,27 @@ class PCTrainer:
             raise RuntimeError("value_nodes() is only defined after a step()")
         st = self._stage
         return [st.node(n).clone() for n in range(self.net.first - 1, self.net.stop)]
+
+
+def cached_stage(tr: PCTrainer, key: tuple) -> Stage:
+    """``tr.stage``: the Stage for ``key`` (batch size, free ends), made where missing or where a parameter's storage
+    changed. The trainer keeps its ``max_stages`` most recently used (each holds its batch's buffers and, replayed,
+    its graphs), so that inference over ever new batch sizes does not grow memory without bound; a stage that goes
+    takes with it all the runner kept for it."""
+    ptrs = tuple(p.data_ptr() for p in tr._params)
+    cached = tr._stages.pop(key, None)  # put back last: the most recently used
+    if cached is None or cached[0] != ptrs:
+        if cached is not None:
+            tr.runner.forget(cached[1])
+        # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
+        B, free_bottom, free_top = key
+        cached = (ptrs, Stage(tr.mixed.compute, B, tr.rule, tr.init, static_weights=tr.algorithm == "pc",
+                              free_bottom=free_bottom, free_top=free_top,
+                              dynamic_precision=tr.precision_schedule is not None, dtype=tr.mixed.master_dtype))
+    tr._stages[key] = cached
+    if len(tr._stages) > tr.max_stages:
+        tr.runner.forget(tr._stages.pop(next(iter(tr._stages)))[1])
+    return cached[1]
 
 
 @torch.no_grad()
