@@ -1,7 +1,9 @@
 """The checks of tests/test_chain.py, run in a process of their own: on a CPU under Triton's interpreter
 (started with TRITON_INTERPRET=1: the interpreter must be on before triton is first imported), or compiled on
-a CUDA device (started without it). ``python tests/chain_checks.py kernels|errors|trainer``; exits 1 with the
-failures on stderr, 77 where this Triton's interpreter cannot run a loop at all (a Triton / numpy mismatch)."""
+a CUDA device (started without it). ``python tests/chain_checks.py kernels|errors|trainer [...]``; exits 1 with
+the failures on stderr, 77 where this Triton's interpreter cannot run a loop at all (a Triton / numpy mismatch).
+Several groups named: each runs in a fork of this process once it has imported torch, Triton and pcdist (the state
+of a process of its own, without its imports' CPU seconds), and each prints its own count."""
 
 import os
 import sys
@@ -342,10 +344,31 @@ def interpreter_runs() -> str:
     return "" if o.item() == 3.0 else f"Triton {triton.__version__}'s interpreter counts a loop of 3 as {o.item()}"
 
 
-def main(what: str) -> int:
+def main(whats: list[str]) -> int:
     if INTERPRETED and (why := interpreter_runs()):
         print(why, flush=True)
         return 77
+    if len(whats) == 1:
+        return check(whats[0])
+    failed = False
+    for what in whats:  # a fork each: every group starts from the state of a fresh process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = check(what)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        failed |= os.waitpid(pid, 0)[1] != 0
+    return 1 if failed else 0
+
+
+def check(what: str) -> int:
+    """Runs one group of checks; prints how many passed, and each failure on stderr (naming the group)."""
     failed = []
     # The interpreter in float32 only: its bfloat16 loads and stores are wrong (a copy doubles garbage). On a GPU,
     # bfloat16 too (and every group's kernel is checked against torch on first use, chain.checked).
@@ -363,11 +386,11 @@ def main(what: str) -> int:
         try:
             fn(*args)
         except Exception as e:  # report every failing case, not only the first
-            failed.append(f"{fn.__name__}{args}: {type(e).__name__}: {e}")
+            failed.append(f"{what}: {fn.__name__}{args}: {type(e).__name__}: {e}")
     print(f"{len(cases) - len(failed)} of {len(cases)} {what} checks passed", flush=True)
-    sys.stderr.write("\n".join(failed))
+    sys.stderr.write("".join(f + "\n" for f in failed))
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -3,8 +3,9 @@ elementwise passes of the dense, residual and conv kinds (pcdist/engine/errorpas
 
 On a GPU a group of K equal square layers runs its feed-forward init as one Triton kernel instead of
 ~2K small ones. The kernels run here on a CPU under Triton's interpreter, in a process started with
-TRITON_INTERPRET=1, and compiled where CUDA is present (tests/chain_checks.py; this file skips where Triton
-is not installed, and the interpreter's checks skip where that Triton's interpreter cannot run a loop). They must
+TRITON_INTERPRET=1 (each group of checks in a fork of it), and compiled where CUDA is present (a process per
+group; tests/chain_checks.py; this file skips where Triton is not installed, and the interpreter's checks skip
+where that Triton's interpreter cannot run a loop). They must
 write exactly what the torch chain writes (the pre-activations a gelu-like f needs, u, phi(h) and the
 input copies of μPC layers, the value nodes) for every activation and for a row range (the pipelined
 init's micro-batches), in float32 (the interpreter's bfloat16 loads are wrong; on a GPU every group's
@@ -27,28 +28,48 @@ triton = pytest.importorskip("triton")
 from pcdist.engine import chain, errorpass  # noqa: E402
 
 CHECKS = Path(__file__).with_name("chain_checks.py")
+WHATS = ["kernels", "errors", "trainer"]
+
+
+def launch(whats: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PCDIST_TRITON")}
+    env.update({"OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if interpret else {})})
+    return subprocess.run([sys.executable, str(CHECKS), *whats], env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def assert_passed(out: subprocess.CompletedProcess, what: str) -> None:
+    """The group ``what`` printed that all its checks passed (its failures, if any, are on stderr)."""
+    if out.returncode == 77:
+        pytest.skip(out.stdout.strip())
+    assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-6000:]
+    counts = [line.split() for line in out.stdout.splitlines() if line.endswith(f" {what} checks passed")]
+    assert len(counts) == 1 and counts[0][0] == counts[0][2], out.stdout[-2000:] + out.stderr[-6000:]
 
 
 def run_checks(what: str, interpret: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PCDIST_TRITON")}
-    env.update({"OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if interpret else {})})
-    out = subprocess.run([sys.executable, str(CHECKS), what], env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode == 77:
-        pytest.skip(out.stdout.strip())
+    out = launch([what], interpret)
+    assert_passed(out, what)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
-    assert " checks passed" in out.stdout
 
 
-@pytest.mark.parametrize("what", ["kernels", "errors", "trainer"])
-def test_the_kernels_under_the_interpreter(what):
+@pytest.fixture(scope="module")
+def interpreted():
+    """The three groups of checks, each in a fork of one process started with TRITON_INTERPRET=1 (its imports
+    paid once)."""
+    return launch(WHATS, interpret=True)
+
+
+@pytest.mark.parametrize("what", WHATS)
+def test_the_kernels_under_the_interpreter(what, interpreted):
     """kernels: every activation in float32, dense and μPC, a row range; errors: the dense, residual and conv
     passes, every activation and mode; trainer: an MLP, a μPC network and a CNN train with the kernels as without
     them (and their hidden groups did use them)."""
-    run_checks(what, interpret=True)
+    assert_passed(interpreted, what)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("what", ["kernels", "errors", "trainer"])
+@pytest.mark.parametrize("what", WHATS)
 def test_the_compiled_kernels_on_the_gpu(what):
     """The same checks compiled for the GPU, bfloat16 kernels too."""
     run_checks(what, interpret=False)
