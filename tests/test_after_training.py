@@ -87,7 +87,7 @@ def test_load_a_torchrun_layer_parallel_run_into_one_process_without_the_data(tm
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
            "parallel.layer=2", "trainer.max_steps=30", "trainer.eval_every=15", "trainer.ckpt_every=15",
-           "logger=none", "trainer.progress=off", f"data.normalize={str(normalize).lower()}",
+           "logger=none", "logger.plots=false", "trainer.progress=off", f"data.normalize={str(normalize).lower()}",
            f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -338,7 +338,7 @@ def make_layers():
 def _train_user_layers(rank, world, run_dir, stop_at, logger):
     cfg = {"trainer": {"max_steps": 20, "eval_every": 10, "log_every": 10, "ckpt_every": 10, "progress": "off",
                        "stop_at": stop_at}, "run_dir": run_dir, "parallel": {"layer": 2}, "logger": logger,
-           "pc": {"T": 5, "x_lr": 0.1}}  # see below
+           "logger.plots": False, "pc": {"T": 5, "x_lr": 0.1}}  # see below
     pcdist.train(cfg, layers=make_layers)
 
 
@@ -357,7 +357,7 @@ def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp
     try:  # one thread, as each spawned rank has
         pcdist.train({"trainer": {"max_steps": 20, "eval_every": 10, "log_every": 10, "ckpt_every": 10,
                                   "progress": "off", "threads": 1}, "run_dir": str(straight), "logger": "none",
-                      "pc": {"T": 5, "x_lr": 0.1}}, layers=make_layers)
+                      "logger.plots": False, "pc": {"T": 5, "x_lr": 0.1}}, layers=make_layers)
     finally:
         torch.set_num_threads(threads)
     assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
@@ -670,7 +670,8 @@ def test_backprop_twin_equals_a_hand_written_autograd_loop(tmp_path):
     cfg = {"pc": {"algorithm": "bp"}, "model": {"dims": [64, 32, 10], "activation": "tanh"},
            "optim": {"lr": lr, "warmup_steps": warm, "weight_decay": wd},
            "trainer": {"max_steps": steps, "log_every": 4, "eval_every": 12, "ckpt_every": 12, "seed": seed,
-                       "batch_size": B, "progress": "off"}, "logger": "none", "run_dir": str(tmp_path / "bp")}
+                       "batch_size": B, "progress": "off"}, "logger": "none", "logger.plots": False,
+           "run_dir": str(tmp_path / "bp")}
     result = pcdist.train(cfg)
 
     model = pcdist.PCNetwork.from_dims([64, 32, 10], "tanh", seed=seed).to_sequential()  # the seeded init
