@@ -80,7 +80,8 @@ def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path
 
 
 def cfg(run_dir, **over):
-    c = {"logger": {"name": "none"}, "run_dir": str(run_dir), "pc": {"T": 4}, "model": {"dims": [64, 32, 10]},
+    c = {"logger": {"name": "none", "plots": False}, "run_dir": str(run_dir), "pc": {"T": 4},
+         "model": {"dims": [64, 32, 10]},
          "trainer": {"max_steps": 24, "eval_every": 24, "log_every": 4, "ckpt_every": 12, "dtype": "float64",
                      "progress": "off", "batch_size": 32}, "optim": {"warmup_steps": 4}}
     for k, v in over.items():
@@ -234,7 +235,8 @@ def mupc_run(tmp_path_factory) -> Path:
     """A small μPC run made from a preset (experiment=mupc_digits) and stopped at step 2 of 4."""
     run_dir = tmp_path_factory.mktemp("mupc") / "run"  # made as train.py makes it (the command line as a list)
     pcdist.train(["experiment=mupc_digits", "model.depth=4", "trainer.max_steps=4", "trainer.stop_at=2",
-                  "trainer.ckpt_every=2", "logger=none", "trainer.progress=off", f"run_dir={run_dir}"])
+                  "trainer.ckpt_every=2", "logger=none", "logger.plots=false", "trainer.progress=off",
+                  f"run_dir={run_dir}"])
     return run_dir
 
 
