@@ -70,7 +70,7 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     console shows (the mesh, the new run, the value step pc.x_lr=auto chose, the progress, the end),
     time-stamped."""
     run_dir = tmp_path / "run"
-    out = run(["launch/local.sh", "logger=none", "trainer.max_steps=22", "trainer.log_every=11",
+    out = run(["launch/local.sh", "logger=none", "logger.plots=false", "trainer.max_steps=22", "trainer.log_every=11",
                "trainer.eval_every=22", f"hydra.run.dir={run_dir}"], NPROC="2", PYTHON=sys.executable,
               OMP_NUM_THREADS="1")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -247,7 +247,7 @@ def test_check_of_a_resume_checks_the_runs_own_settings(tmp_path, capsys, monkey
 
     run_dir = tmp_path / "run"
     pcdist.train({"model": {"dims": [64, 32, 10]}, "trainer": {"max_steps": 2, "batch_size": 32, "progress": "off"},
-                  "logger": "none", "run_dir": str(run_dir)})
+                  "logger": "none", "logger.plots": False, "run_dir": str(run_dir)})
     capsys.readouterr()
 
     def check(world: str, *argv: str) -> tuple[int, str]:
