@@ -37,7 +37,8 @@ def test_train_py_trains_on_an_npz_of_images_with_three_classes(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", f"data.path={npz}",
                           "model.dims=[64,32,3]", "trainer.max_steps=30", "trainer.eval_every=30",
-                          "trainer.batch_size=32", "logger=none", "trainer.progress=off", f"hydra.run.dir={run_dir}"],
+                          "trainer.batch_size=32", "logger=none", "logger.plots=false", "trainer.progress=off",
+                          f"hydra.run.dir={run_dir}"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(out.stdout.split("val/accuracy ")[1].split(";")[0])
@@ -101,13 +102,14 @@ def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tm
     transposed = save_npz(tmp_path / "cl.npz", *(a.transpose(0, 2, 1) if a.ndim == 3 else a for a in
                                                   np.load(signals).values()))
     assert pcdist.train({"data": {"name": "arrays", "path": str(transposed)}, "model": "cnn", "logger": "none",
-                         "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"},
+                         "logger.plots": False, "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"},
                          "run_dir": str(tmp_path / "ok")})["step"] == 2, "the layout said trains"
     assert "note:" not in (tmp_path / "ok" / "train.log").read_text(), "signals [1, 40] are signals"
     # one-channel images without their channel ([N, 8, 8]) train as signals of 8 channels: allowed, with a note
     gray = save_npz(tmp_path / "gray.npz", x_tr[:, 0], y_tr, x_va[:, 0], y_va)
     pcdist.train({"data": {"name": "arrays", "path": str(gray)}, "model": "cnn", "logger": "none",
-                  "trainer": {"max_steps": 1, "batch_size": 16, "progress": "off"}, "run_dir": str(tmp_path / "gray")})
+                  "logger.plots": False, "trainer": {"max_steps": 1, "batch_size": 16, "progress": "off"},
+                  "run_dir": str(tmp_path / "gray")})
     assert ("note: data arrays's samples [8, 8] are read as 1-D signals of 8 channels and length 8 (model.name=cnn "
             "builds Conv1d layers on [C, L]); if they are one-channel images, give them their channel: x[:, None], "
             "shape [N, 1, 8, 8]") in (tmp_path / "gray" / "train.log").read_text()
@@ -124,7 +126,7 @@ def test_own_arrays_with_the_default_mlp_get_both_fixes_at_once_and_a_note_on_la
                     "10; set model.dims=[40,128,128,5] (no label is below 1, so class 0 is empty: labels are class ids "
                     "from 0; if yours start at 1, subtract 1, y - 1)\n")
     assert pcdist.train({"data": {"name": "arrays", "path": str(own)}, "model": {"dims": [40, 128, 128, 5]},
-                         "logger": "none", "trainer": {"max_steps": 2, "progress": "off"},
+                         "logger": "none", "logger.plots": False, "trainer": {"max_steps": 2, "progress": "off"},
                          "run_dir": str(tmp_path / "ok")})["step"] == 2
 
 
@@ -347,7 +349,7 @@ class Samples(torch.utils.data.Dataset):
 
 
 def small_cfg(run_dir, **extra):
-    cfg = {"model": {"dims": [64, 16, 16, 16, 10]}, "logger": {"name": "none"}, "run_dir": str(run_dir),
+    cfg = {"model": {"dims": [64, 16, 16, 16, 10]}, "logger": {"name": "none", "plots": False}, "run_dir": str(run_dir),
            "trainer": {"max_steps": 8, "eval_every": 8, "log_every": 4, "ckpt_every": 8, "dtype": "float64",
                        "progress": "off", "batch_size": 32}, "pc": {"T": 4}, "data": {"num_workers": 2}}
     for k, v in extra.items():
