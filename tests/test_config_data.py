@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import pcdist
 from pcdist.service.data import DataError, load_dataset, read_idx
@@ -34,21 +35,27 @@ def test_presets_are_all_covered():
 
 @pytest.mark.parametrize("preset", [None, *PRESETS])
 def test_every_preset_composes_and_trains(preset, tmp_path):
-    """Each experiment file composes with Hydra and runs a few real steps (generated files where needed)."""
+    """Each experiment file composes with Hydra and runs a few real steps (generated files where needed: set
+    on the composed config, as the same overrides on the command line would set them; one composition)."""
     over = [*SMALL, f"run_dir={tmp_path / 'run'}"]
     if preset is not None:
         over.append(f"experiment={preset}")
     cfg = composed(*over)
+    light = {}
     if cfg.data.name in ("mnist", "fashion_mnist"):  # a batch and a half of 28 x 28 images, a small batch
-        over += [f"data.root={make_mnist(tmp_path / 'data', n_train=24)}", "trainer.batch_size=16"]
+        light.update({"data.root": str(make_mnist(tmp_path / "data", n_train=24)), "trainer.batch_size": 16})
     if cfg.pc.eval_T is not None and cfg.pc.eval_T > 10:  # the test-time inference runs, in fewer steps
-        over.append("pc.eval_T=10")
+        light["pc.eval_T"] = 10
+    if cfg.data.name == "digits":  # a small batch: deep_narrow's 128 layers at T=128 cost seconds per batch of 64
+        light["trainer.batch_size"] = 8
     if cfg.data.name == "synthetic":
-        over += ["data.synthetic_train=256", "data.synthetic_val=64", "trainer.batch_size=32"]
+        light.update({"data.synthetic_train": 256, "data.synthetic_val": 64, "trainer.batch_size": 32})
     if cfg.data.name in ("cifar10", "cifar100"):  # tiny files, a small batch: VGG on CPU costs seconds per image
         make = make_cifar10 if cfg.data.name == "cifar10" else make_cifar100
-        over += [f"data.root={make(tmp_path / 'data')}", "trainer.batch_size=8"]
-    result = pcdist.train(composed(*over))
+        light.update({"data.root": str(make(tmp_path / "data")), "trainer.batch_size": 4})
+    for key, value in light.items():
+        OmegaConf.update(cfg, key, value)
+    result = pcdist.train(cfg)
     assert result["step"] == 3
     if cfg.pc.mode == "unsupervised":  # no labels: its test is the reconstruction
         assert 0.0 < result["val/reconstruction_mse"] < float("inf")
