@@ -74,7 +74,7 @@ def test_epochs_and_max_steps_set_together_are_refused_naming_both(tmp_path):
     """trainer.epochs decides the length when set, so a trainer.max_steps passed beside it would be ignored
     (trainer.epochs=2 trainer.max_steps=50 trained 44 steps): refused in one line naming both and the way out,
     whether the epochs come from the same command, a preset or the run being resumed."""
-    small = {"logger": "none", "trainer": {"progress": "off", "eval_every": 1000}}
+    small = {"logger": "none", "logger.plots": False, "trainer": {"progress": "off", "eval_every": 1000}}
     with pytest.raises(pcdist.ConfigError, match=r"^trainer.epochs=2 and trainer.max_steps=50 both set how long the "
                                                  r"run trains, and trainer.epochs would win; set one: trainer.epochs="
                                                  r"null to train trainer.max_steps steps, or leave out "
