@@ -62,7 +62,7 @@ def test_an_unstable_inference_is_named_in_the_log_with_its_fix(diagnostics, tmp
     inference steps; the diagnostics (when on) and the end-of-run trace (always) say so in train.log with a
     smaller pc.x_lr; that smaller step, diagnosed on the same weights, makes the energy fall."""
     over = {"pc.x_lr": 3.0, "pc.T": 10, "trainer.max_steps": 2, "trainer.on_divergence": "skip",
-            "pc.diagnostics": diagnostics, "pc.diagnostics_every": 1}
+            "pc.diagnostics": diagnostics, "pc.diagnostics_every": 1, "logger.plots": False}  # no picture read
     pcdist.train(cfg(tmp_path, **over))
     log = (tmp_path / "run" / "train.log").read_text()
     lines = [line for line in log.splitlines() if "inference is unstable" in line]
@@ -106,7 +106,8 @@ def test_1d_signals_train_a_conv1d_network_end_to_end(tmp_path):
     runs = {}
     for flat in (False, True):
         path = signals_npz(tmp_path, flat)
-        over = {**CNN, "data": "arrays", "data.path": str(path), **({"data.signal": True} if flat else {})}
+        over = {**CNN, "data": "arrays", "data.path": str(path), **({"data.signal": True} if flat else {}),
+                "logger.plots": False}  # no picture read
         runs[flat] = pcdist.train(cfg(tmp_path / str(flat), **over))
     specs = runs[False].network.specs
     assert [type(s).__name__ for s in specs] == ["Conv", "Conv", "Conv", "Dense"]
