@@ -261,7 +261,7 @@ class ServiceTrainer:
         self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds}
         if self._vote is None:  # every rank makes it at the same call, as a new group must be
             self._vote = StopVote(self.parallel.logging_rank is not None, self.device,
-                                  getattr(self.parallel, "timeout", None))
+                                  self.parallel.timeout)
         self._diagnostics = Diagnostics(c, self.run_dir, self.logger) if c.pc.diagnostics else None  # diagnostics.py
         batches = step_batches(c, self.data, self.parallel, self.step, last, self.device, self.dtype)
         try:
