@@ -44,45 +44,85 @@ if (_sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0]) == "pcdist-train"
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:  # (not where it is ignored)
         _signal.signal(_signal.SIGINT, _interrupted_while_starting)
 
-import gc as _gc  # noqa: E402 - after the handler above
+import importlib as _importlib  # noqa: E402 - after the handler above
+import importlib.abc as _abc  # noqa: E402
 
-# Importing torch and pcdist makes ~300k objects (modules, functions, classes: no garbage), and the garbage
-# collector would pass over them again and again as they are made: off while they import, then as it was.
-_collecting = _gc.isenabled()
-_gc.disable()
-try:
-    from .engine.startup import defer_dynamo
+_API = {
+    ".distributed.parallel": ("Parallel", "ParallelDims", "init_distributed"),
+    ".engine.diagnostics": ("diagnose",),
+    ".engine.activations": ("ACTIVATIONS", "Activation", "get_activation"),
+    ".engine.energies": ("ENERGIES",),
+    ".engine.fuse": ("FusedModules", "fuse"),
+    ".engine.layers": ("AnyModule", "Conv", "Dense", "LayerKind", "LayerSpec", "ModuleKind", "Residual",
+                       "ResidualLinear", "mupc_layers", "mupc_specs"),
+    ".engine.layers.prior": ("Prior",),
+    ".engine.schedules": ("top_down",),
+    ".engine.network": ("PCNetwork", "mlp_specs"),
+    ".engine.trainer": ("ALGORITHMS", "PCTrainer", "warmup_cosine"),
+    ".engine.values": ("ValueRule",),
+    ".errors": ("ConfigError",),
+    ".service.config": ("compose",),
+    ".service.backprop": ("BackpropTrainer",),
+    ".service.compare": ("compare",),
+    ".service.evaluate": ("evaluate", "predict"),
+    ".service.export": ("export",),
+    ".service.load": ("Run", "RunError", "load"),
+    ".service.run": ("Preempted", "Result", "train"),
+}
+"""pcdist's API: where each name lives. ``import pcdist`` imports none of it (no torch: the command line checks
+its arguments and answers ``--help`` in ~0.5 s); the first name used imports it all, as one import would."""
 
-    defer_dynamo()  # torch.optim imports torch._dynamo (1.3 CPU-s) only once something compiles
-    from .distributed.parallel import Parallel, ParallelDims, init_distributed
-    from .engine import deeppcr, layers
-    from .engine.diagnostics import diagnose
-    from .engine.activations import ACTIVATIONS, Activation, get_activation
-    from .engine.energies import ENERGIES
-    from .engine.fuse import FusedModules, fuse
-    from .engine.layers import (AnyModule, Conv, Dense, LayerKind, LayerSpec, ModuleKind, Residual, ResidualLinear,
-                                mupc_layers, mupc_specs)
-    from .engine.layers.prior import Prior
-    from .engine.schedules import top_down
-    from .engine.network import PCNetwork, mlp_specs
-    from .engine.trainer import ALGORITHMS, PCTrainer, warmup_cosine
-    from .engine.values import ValueRule
-    from .errors import ConfigError
-    from .service import data
-    from .service.config import compose
-    from .service.backprop import BackpropTrainer
-    from .service.compare import compare
-    from .service.evaluate import evaluate, predict
-    from .service.export import export
-    from .service.load import Run, RunError, load
-    from .service.run import Preempted, Result, train
-finally:
-    if _collecting:
-        _gc.enable()
+_SHORT = {f"{__name__}.layers": ".engine.layers", f"{__name__}.data": ".service.data",
+          f"{__name__}.deeppcr": ".engine.deeppcr"}
+"""pcdist.layers, pcdist.data and pcdist.deeppcr: importable by their short names."""
 
-# pcdist.layers, pcdist.data and pcdist.deeppcr stay importable by their short names.
-for _name, _module in (("layers", layers), ("data", data), ("deeppcr", deeppcr)):
-    _sys.modules[f"{__name__}.{_name}"] = _module
+
+def _load() -> None:
+    """Import the whole API into the package (once)."""
+    import gc
+
+    # Importing torch and pcdist makes ~300k objects (modules, functions, classes: no garbage), and the garbage
+    # collector would pass over them again and again as they are made: off while they import, then as it was.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for module, names in _API.items():
+            loaded = _importlib.import_module(module, __name__)
+            globals().update({n: getattr(loaded, n) for n in names})
+        for short, module in _SHORT.items():
+            globals()[short.rpartition(".")[2]] = _importlib.import_module(module, __name__)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def __getattr__(name: str):
+    if any(name in names for names in _API.values()) or f"{__name__}.{name}" in _SHORT:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _ShortNames(_abc.MetaPathFinder, _abc.Loader):
+    """``import pcdist.layers`` (and .data, .deeppcr): the module of the long name, under the short one too."""
+
+    def find_spec(self, fullname, path, target=None):
+        from importlib.util import spec_from_loader
+
+        return spec_from_loader(fullname, self) if fullname in _SHORT else None
+
+    def create_module(self, spec):
+        return None  # a placeholder, replaced by exec_module
+
+    def exec_module(self, module):
+        _sys.modules[module.__name__] = _importlib.import_module(_SHORT[module.__name__], __name__)
+
+
+_sys.meta_path.append(_ShortNames())
 
 __version__ = "0.1.0"
 

@@ -116,6 +116,24 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     assert re.search(r"^  experiment +(\w+, )*deep_narrow\*", out.stdout, re.M), "the chosen preset is marked"
 
 
+@pytest.mark.parametrize("argv, status, says", [
+    (["trainer.batchsize=8"], 2, "error: unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
+    (["optim.lr=abc"], 2, "error: invalid config key optim.lr: Value 'abc' of type 'str' could not be converted"),
+    (["~model"], 2, "error: ~model: a config group cannot be left out"),
+    (["--help", "pc.T=7"], 0, ""),
+])
+def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, status, says):
+    """A mistyped key, a value of the wrong type and --help are answered from the config alone: torch (1.5 of
+    a refused command line's 2 CPU-s) is never imported (pcdist/__init__.py imports the API at its first use)."""
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            f"sys.argv = ['train.py', *{argv!r}]\n"
+            "runpy.run_path('train.py', run_name='__main__')")
+    out = run([sys.executable, "-c", code])
+    assert (out.returncode, out.stdout.splitlines()[-1]) == (status, "torch imported: False"), out.stderr[-3000:]
+    assert out.stderr.startswith(says) and ("pc.T = 7" in out.stdout if status == 0 else True), out.stderr
+
+
 def test_help_into_a_reader_that_has_gone_ends_without_a_traceback():
     """`python -m pcdist --help | head`: when the reader stops reading (here: before anything is written), the
     command ends quietly, not with a BrokenPipeError traceback."""

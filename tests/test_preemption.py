@@ -190,7 +190,7 @@ CTRL_C_AT_IMPORT = textwrap.dedent("""
     ("train.py", "numpy", "interrupted (Ctrl-C) while starting: nothing was run"),  # inside torch's own import
     ("-m", "numpy", "interrupted (Ctrl-C) while starting: nothing was run"),
     ("train.py", "torch.nn", "interrupted (Ctrl-C) while starting: nothing was run"),
-    ("train.py", "pcdist.service.commands", "interrupted (Ctrl-C)"),  # the command line's checks, before the run
+    ("train.py", "pcdist.service.commands", "interrupted (Ctrl-C) while starting: nothing was run"),  # the checks
 ])
 def test_ctrl_c_while_the_command_line_starts_is_one_line_and_leaves_nothing(tmp_path, entry, module, said):
     """Ctrl-C while train.py or python -m pcdist imports torch and pcdist, or checks its command line: status

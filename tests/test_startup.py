@@ -36,7 +36,7 @@ def test_the_optimizers_step_as_torchs_own_and_hand_over_to_the_compiler_once_it
     out = run("""
         import sys
         import torch
-        import pcdist
+        import pcdist.engine  # (as any use of pcdist's API imports it: pcdist.PCTrainer, pcdist.train)
         from torch.optim import SGD, Adam, AdamW
 
         def train():

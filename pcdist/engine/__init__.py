@@ -17,3 +17,7 @@ Nothing here imports torch.distributed or pcdist.distributed (tests/test_layout.
 runs its schedules against an exchange (``exchange.py``: ``Local``, one process), which
 pcdist.distributed.Parallel implements across ranks.
 """
+
+from .startup import defer_dynamo
+
+defer_dynamo()  # torch.optim imports torch._dynamo (1.3 CPU-s) only once something compiles

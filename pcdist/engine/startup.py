@@ -8,11 +8,11 @@ not: 1.3 CPU-s (sympy, the tracer, triton's runtime) in every process that build
 third of a training process's start (a 1-step ``train.py`` run: 3.75 -> 2.95 CPU-s), paid by every rank of
 every launch and every command that trains.
 
-``defer_dynamo`` (called by ``import pcdist``) makes those wrappers import it only where it is already
-imported. That changes nothing a program can see: nothing can be compiling, so nothing can be skipped or
-broken, until ``torch._dynamo`` is imported (``torch.compile`` imports it), and from then on the wrappers
-do exactly what torch's do, by calling them. Where torch's wrappers are not the ones this expects (another
-torch version), it leaves them as they are.
+``defer_dynamo`` (called by ``pcdist/engine/__init__.py``, before anything of pcdist uses torch) makes those
+wrappers import it only where it is already imported. That changes nothing a program can see: nothing can be
+compiling, so nothing can be skipped or broken, until ``torch._dynamo`` is imported (``torch.compile`` imports
+it), and from then on the wrappers do exactly what torch's do, by calling them. Where torch's wrappers are not
+the ones this expects (another torch version), it leaves them as they are.
 """
 
 from __future__ import annotations

@@ -108,7 +108,6 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     from .config import composition_error
-    from .sweep import check_sweep
 
     from ..errors import ConfigError
 
@@ -117,6 +116,8 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
 
     try:  # a value of the wrong type for its key, an interpolation that does not resolve: one line, not a report
         if args.multirun:  # every job's config and directory, before the first job starts
+            from .sweep import check_sweep  # (torch)
+
             check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
         else:
             OmegaConf.to_container(_compose(conf_dir, args.overrides), resolve=True)
@@ -128,30 +129,33 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
         key = getattr(e, "full_key", None)
         fail(f"{f'config {key}: ' if key else ''}{str(e).splitlines()[0]} (an override's ${{...}} that does not "
              f"resolve)")
-    if not (args.help or check):
+    if args.help:
+        try:
+            print(help_text(conf_dir, args.overrides))
+        except (HydraException, ConfigError) as e:
+            fail(" ".join(str(e).split()))
+        sys.exit(0)
+    if not check:
         return
 
-    from .checks import check_as_launched
+    from .checks import check_as_launched  # (torch)
     from .config import passed_settings
     from .data import DataError
 
     from omegaconf import open_dict
 
     try:
-        if args.help:
-            print(help_text(conf_dir, args.overrides))
-        else:
-            world = os.environ.get("WORLD_SIZE", "1")
-            if not world.isdigit() or int(world) < 1:
-                fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
-            composed = _compose(conf_dir, args.overrides, hydra=True)
-            passed = passed_settings(list(args.overrides))
-            named = any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in args.overrides)
-            run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
-            with open_dict(composed):
-                composed.pop("hydra")
-            mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
-            print(f"ok: {mesh}")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not world.isdigit() or int(world) < 1:
+            fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
+        composed = _compose(conf_dir, args.overrides, hydra=True)
+        passed = passed_settings(list(args.overrides))
+        named = any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in args.overrides)
+        run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
+        with open_dict(composed):
+            composed.pop("hydra")
+        mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
+        print(f"ok: {mesh}")
     except HydraException as e:
         fail(" ".join(str(e).split()))
     except (ConfigError, DataError) as e:
@@ -269,10 +273,19 @@ def _remove_new_dirs_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def _started() -> None:
+    """Import pcdist's API (torch with it), then give Ctrl-C back its KeyboardInterrupt. Until then a Ctrl-C ends
+    the process at once with one line (pcdist/__init__.py): nothing has run, and inside torch's import a
+    KeyboardInterrupt can be swallowed. The checks of the command line come before, without torch where they can."""
+    import pcdist
+
+    pcdist.PCTrainer  # noqa: B018 - the first name used imports the whole API
+    if signal.getsignal(signal.SIGINT) is pcdist._interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main() -> None:
     """The program: check the command line, then parse it as Hydra overrides and train; then end the process."""
-    if signal.getsignal(signal.SIGINT) is sys.modules["pcdist"]._interrupted_while_starting:  # imports done
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _main()
         status = 0
@@ -340,11 +353,14 @@ def _main() -> None:
 
     from ..errors import ConfigError
     from .commands import COMMANDS, main as command
-    from .rundir import launch_run_dir
 
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
+        _started()
         sys.exit(command(sys.argv[1:]))
-    before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys
+    before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys: without torch where it can
+    _started()
+    from .rundir import launch_run_dir
+
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
     sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

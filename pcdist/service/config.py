@@ -25,7 +25,6 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from ..engine.layers.prior import Prior
 from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
                      num_layers, validate)
@@ -241,6 +240,8 @@ def load_config(cfg: Any) -> Config:
 def network_options(c: Config) -> dict:
     """The network's energy beyond its output energy, as PCNetwork takes it: the precisions and the prior
     of a free h_0 (pc.prior_mean auto: uniform for a label node in generative mode, else zero)."""
+    from ..engine.layers.prior import Prior
+
     mean = c.pc.prior_mean if c.pc.prior_mean != "auto" else ("uniform" if c.pc.mode == "generative" else "zero")
     return {"precision": c.pc.precision, "prior": Prior(float(c.pc.prior_precision), mean)}
 

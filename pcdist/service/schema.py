@@ -3,7 +3,11 @@ a docstring under every key (``config_keys`` reads them for ``--help``), a ``che
 that refuses their values out of range (the message names the key and what is allowed), and ``validate``,
 which runs them and checks what spans groups. The defaults mirror ``conf/``'s (a test keeps
 them equal), so ``Config()`` is the default run too. Composing it with Hydra, the overrides and the command
-line's help are in config.py."""
+line's help are in config.py.
+
+The checks read the engine's registries (activations, energies, solvers, ...) where they run: this module
+imports no torch, so the command line refuses a mistyped key, a value of the wrong type and answers
+``--help`` without loading torch (~0.5 s instead of ~2: tests/test_cli.py checks that torch stays out)."""
 
 from __future__ import annotations
 
@@ -15,18 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-from ..engine.activations import ACTIVATIONS
-from ..engine.arguments import ALGORITHMS, RULES, finite as _finite
 from ..errors import ConfigError
-from ..engine.energies import ENERGIES
-from ..engine.layers.dense import INITS as DENSE_INITS
-from ..engine.layers.prior import PRIOR_MEANS
-from ..engine.modes import MODES
-from ..engine.schedules import PRECISION_SCHEDULES
-from ..engine.capture import COMPILE
-from ..engine.precision import PRECISIONS
-from ..engine.inference import SOLVERS
-from ..engine.values import VALUE_OPTIMIZERS
 
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "arrays", "signals")
@@ -86,6 +79,10 @@ class ModelConfig:
 
     def check(self) -> None:
         """Refuse a value out of its key's range (the chosen model's own checks: its ``Model.check``)."""
+        from ..engine.activations import ACTIVATIONS
+        from ..engine.energies import ENERGIES
+        from ..engine.layers.dense import INITS as DENSE_INITS
+
         _check(len(self.dims) >= 2 and all(x >= 1 for x in self.dims), "model.dims", self.dims,
                "a list of at least two widths >= 1")
         _check(self.width >= 1, "model.width", self.width, "an integer >= 1")
@@ -228,6 +225,13 @@ class PCConfig:
 
     def check(self) -> None:
         """Refuse a value out of its key's range, or pc.* values that do not go together."""
+        from ..engine.arguments import ALGORITHMS, RULES, finite as _finite
+        from ..engine.inference import SOLVERS
+        from ..engine.layers.prior import PRIOR_MEANS
+        from ..engine.modes import MODES
+        from ..engine.schedules import PRECISION_SCHEDULES
+        from ..engine.values import VALUE_OPTIMIZERS
+
         for name in ("T", "x_momentum", "init", "value_noise"):  # the engine's rules (engine/arguments.py)
             _check(RULES[name].ok(getattr(self, name)), f"pc.{name}", getattr(self, name), RULES[name].allowed)
         _check(self.x_lr == "auto" or RULES["x_lr"].ok(self.x_lr), "pc.x_lr", self.x_lr,
@@ -296,6 +300,8 @@ class OptimConfig:
 
     def check(self) -> None:
         """Refuse a value out of its key's range."""
+        from ..engine.arguments import finite as _finite
+
         _check(self.name in ("adamw", "sgd"), "optim.name", self.name, "adamw, sgd")
         _check(_finite(self.lr) and self.lr > 0, "optim.lr", self.lr, "a finite number > 0")
         _check(_finite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay,
@@ -325,6 +331,8 @@ class ParallelConfig:
 
     def check(self) -> None:
         """Refuse a value out of its key's range (parallel.layer against the model's layers: ``validate``)."""
+        from ..engine.arguments import finite as _finite
+
         _check(self.layer is None or self.layer >= 1, "parallel.layer", self.layer, "null or an integer >= 1")
         _check(self.data >= 1, "parallel.data", self.data, "an integer >= 1")
         _check(self.backend in ("auto", "nccl", "gloo"), "parallel.backend", self.backend, "auto, nccl, gloo")
@@ -378,6 +386,10 @@ class TrainerConfig:
 
     def check(self) -> None:
         """Refuse a value out of its key's range (trainer.batch_size against parallel.data: ``validate``)."""
+        from ..engine.arguments import finite as _finite
+        from ..engine.capture import COMPILE
+        from ..engine.precision import PRECISIONS
+
         for key in ("max_steps", "batch_size", "eval_every", "log_every", "ckpt_every", "ckpt_keep"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "an integer >= 1")
         _check(self.epochs is None or self.epochs >= 1, "trainer.epochs", self.epochs, "null or an integer >= 1")
