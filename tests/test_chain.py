@@ -80,8 +80,8 @@ def test_a_kernel_that_disagrees_is_not_used():
     it with one warning (the group then keeps the torch chain)."""
     want = torch.ones(3, 4)
     assert chain.agree([want + 1e-7], [want], "a test")
-    with pytest.warns(UserWarning, match="disagrees with torch on a test"):
-        assert not chain.agree([want + 1e-2], [want], "a test")
+    with pytest.warns(UserWarning, match="disagrees with torch on a test"):  # beyond even bfloat16's round-off
+        assert not chain.agree([want + 1e-1], [want], "a test")
 
 
 def test_a_kernel_that_fails_to_build_is_not_used():

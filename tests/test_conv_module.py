@@ -389,7 +389,9 @@ def test_auto_stores_channels_last_on_a_gpu_only_where_its_convolutions_run_on_t
         flags, attr = (torch.backends.cuda.matmul, torch.backends.cudnn.conv), "fp32_precision"
     else:  # an older torch has only the allow_tf32 switches
         flags, attr = (torch.backends.cuda.matmul, torch.backends.cudnn), "allow_tf32"
-    before = [getattr(f, attr) for f in flags]  # process-wide: restored after the test
+    # process-wide: restored after the test, torch's legacy setting first (set_tf32 writes it, and the newer
+    # switches put back to "none" read it: left at "high", a later run's tf32_state would have read TF32 on)
+    legacy, before = torch.get_float32_matmul_precision(), [getattr(f, attr) for f in flags]
     try:
         set_tf32(False)
         assert not tf32_convolutions()
@@ -407,6 +409,7 @@ def test_auto_stores_channels_last_on_a_gpu_only_where_its_convolutions_run_on_t
         monkeypatch.setenv("PCDIST_CHANNELS_LAST", "0")
         assert channels_last_nodes(specs, 1, L + 1, f32, gpu, bf16) == frozenset()
     finally:
+        torch.set_float32_matmul_precision(legacy)
         for f, v in zip(flags, before):
             setattr(f, attr, v)
 
