@@ -81,18 +81,20 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def before_hydra(conf_dir: Path, argv: list[str]) -> None:
-    """Handle ``--help`` and ``--check`` and refuse bad overrides, before Hydra composes anything.
+def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
+    """Handle ``--help`` and ``--check`` and refuse bad overrides, before Hydra composes anything. True where
+    Hydra will train (False: it only prints, ``--cfg``, ``--info``, ``--hydra-help``, tab completion).
 
-    Hydra's own flags (``--hydra-help``, ``--cfg``, ``--info``, ``-m``, ...) pass through.
+    Hydra's own flags (those, ``-m``, another config tree) pass through.
     """
     from hydra._internal.utils import get_args_parser
 
     check = "--check" in argv
     args = get_args_parser().parse_args([a for a in argv if a != "--check"])
-    if (args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path or args.config_dir
-            or args.config_name):  # Hydra's own business, or another config tree
-        return
+    if args.hydra_help or args.cfg or args.info or args.shell_completion:  # Hydra prints: nothing trains
+        return False
+    if args.config_path or args.config_dir or args.config_name:  # another config tree: Hydra's own business
+        return True
     for o in args.overrides:
         if o.split("=", 1)[0] in ("run_dir", "+run_dir", "++run_dir"):
             fail(f"{o}: on the command line the run directory is hydra.run.dir=... (run_dir is its key from Python, "
@@ -136,7 +138,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> None:
             fail(" ".join(str(e).split()))
         sys.exit(0)
     if not check:
-        return
+        return True
 
     from .checks import check_as_launched  # (torch)
     from .config import passed_settings
@@ -357,17 +359,19 @@ def _main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
         _started()
         sys.exit(command(sys.argv[1:]))
-    before_hydra(CONF_DIR, sys.argv[1:])  # --help, --check, mistyped keys: without torch where it can
+    # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
+    # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
+    end = len(sys.argv) - (sys.argv[-1] in ("--info", "-i"))  # (a bare --info stays last: it takes a value)
+    sys.argv[end:end] = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if not before_hydra(CONF_DIR, sys.argv[1:]):  # --help, --check, mistyped keys: without torch where it can
+        hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()  # it prints
+        return
     _started()
     from .rundir import launch_run_dir
 
-    # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
-    # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
-    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
     ours = False  # the run directory is this launch's own name (every torchrun rank gets the same one)
-    if not named and not any(a.startswith(("--help", "-h", "--cfg", "-c", "--info", "--multirun", "-m"))
-                             for a in sys.argv[1:]):
+    if not named and not any(a.startswith(("--multirun", "-m")) for a in sys.argv[1:]):
         try:  # the new run directory, named before Hydra resolves it (cached: Hydra gets the same)
             named, ours = [launch_run_dir("runs")], True  # as conf/config.yaml asks (cached by the argument)
         except ConfigError as e:
