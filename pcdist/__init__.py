@@ -97,7 +97,7 @@ def _load() -> None:
 
 
 def __getattr__(name: str):
-    if any(name in names for names in _API.values()) or f"{__name__}.{name}" in _SHORT:
+    if name in __all__:
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -126,49 +126,4 @@ _sys.meta_path.append(_ShortNames())
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ACTIVATIONS",
-    "ALGORITHMS",
-    "BackpropTrainer",
-    "compare",
-    "diagnose",
-    "evaluate",
-    "export",
-    "load",
-    "predict",
-    "Result",
-    "Run",
-    "ValueRule",
-    "RunError",
-    "ENERGIES",
-    "Activation",
-    "AnyModule",
-    "Conv",
-    "ConfigError",
-    "Dense",
-    "compose",
-    "FusedModules",
-    "LayerKind",
-    "LayerSpec",
-    "ModuleKind",
-    "Parallel",
-    "ParallelDims",
-    "PCNetwork",
-    "PCTrainer",
-    "Preempted",
-    "Prior",
-    "Residual",
-    "ResidualLinear",
-    "fuse",
-    "data",
-    "deeppcr",
-    "get_activation",
-    "init_distributed",
-    "layers",
-    "mlp_specs",
-    "mupc_layers",
-    "mupc_specs",
-    "top_down",
-    "train",
-    "warmup_cosine",
-]
+__all__ = sorted([n for names in _API.values() for n in names] + [s.rpartition(".")[2] for s in _SHORT])
