@@ -138,6 +138,38 @@ def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, 
     assert says in (out.stdout if status == 0 else out.stderr[:len(says)]), out.stderr[-3000:]
 
 
+COUNTED = """
+import sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from pcdist.service.cli import main
+composed, load = [], ConfigLoaderImpl.load_configuration
+def counted(self, *args, **kwargs):
+    composed.append(kwargs.get("run_mode"))
+    return load(self, *args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+import atexit
+atexit.register(lambda: print("compositions:", len(composed)))
+sys.argv = ["train.py", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("mode, compositions, under", [([], 2, "runs/20"),
+                                                       (["hydra.mode=MULTIRUN"], 4, "runs/multirun/")])
+def test_a_run_composes_its_config_once_beside_the_checks_and_keeps_hydra_mode(tmp_path, mode, compositions, under):
+    """Hydra's main composed the whole config a first time only to read hydra.mode (Hydra.get_mode), after the
+    command line's checks had composed it: the run is given the mode they read. A plain run composes twice (the
+    checks, the run), where it composed three times; hydra.mode=MULTIRUN set without --multirun still makes
+    the launch a (one-job) sweep, as in Hydra, composed four times where it was five (the checks, then what
+    Hydra's sweep composes for itself and its job)."""
+    quick = ["trainer.max_steps=1", "logger=none", "logger.plots=false", "trainer.progress=off", *mode]
+    out = subprocess.run([sys.executable, "-c", COUNTED, *quick], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"compositions: {compositions}\n" in out.stdout, out.stdout
+    assert f"run directory: {tmp_path / under}" in out.stdout, out.stdout
+
+
 def test_help_into_a_reader_that_has_gone_ends_without_a_traceback():
     """`python -m pcdist --help | head`: when the reader stops reading (here: before anything is written), the
     command ends quietly, not with a BrokenPipeError traceback."""
@@ -313,6 +345,9 @@ cli.main()
     (["~model"], {}, "error: ~model: a config group cannot be left out; choose one of its options"),
     (["--check"], {"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc': the number of processes to check for must be"),
     (["optim.lr=${no.such.key}"], {}, "error: config optim.lr: Interpolation key 'no.such.key' not found"),
+    (["hydra.run.dir=${oc.env:PCDIST_NO_SUCH_VARIABLE}"], {},
+     "error: config hydra.run.dir: KeyError raised while resolving interpolation: \"Environment variable "
+     "'PCDIST_NO_SUCH_VARIABLE' not found\""),
     # --check (launch/local.sh's pre-check) refuses what every rank would: it said ok
     (["model.width=5", "--check"], {"WORLD_SIZE": "2"}, "error: model.width=5: model.name=mlp does not read"),
     (["trainer.epochs=1", "trainer.max_steps=3", "--check"], {"WORLD_SIZE": "2"},
