@@ -100,9 +100,10 @@ CNN = {"model": "cnn", "model.channels": [8, 8, 8], "model.pool": ["max", "max",
 
 def test_1d_signals_train_a_conv1d_network_end_to_end(tmp_path):
     """data=arrays with x [N, 1, L] and model=cnn: three Conv1d layers ([C, L] value nodes, 1-D kernels,
-    strides and padding from the lists) trained through the service to well above chance (0.1 for ten
-    classes) on the generated signals. The same signals as [N, L] with data.signal=true are the same run:
-    the same network and the same accuracy."""
+    strides and padding from the lists) trained through the service to well above chance on the generated
+    signals: ten classes, 200 validation signals, so guessing scores 0.1 +- 0.021 and 0.2 is 4.7 of those
+    above it (trainer.seed 0-7 reach 0.285-0.48 in these 100 steps: 0.3, the bound before, failed at seed
+    1). The same signals as [N, L] with data.signal=true are the same run: the same network and accuracy."""
     runs = {}
     for flat in (False, True):
         path = signals_npz(tmp_path, flat)
@@ -112,7 +113,7 @@ def test_1d_signals_train_a_conv1d_network_end_to_end(tmp_path):
     specs = runs[False].network.specs
     assert [type(s).__name__ for s in specs] == ["Conv", "Conv", "Conv", "Dense"]
     assert [s.spatial for s in specs[:3]] == [(32,), (16,), (8,)]
-    assert runs[False]["val/accuracy"] > 0.3, runs[False]["val/accuracy"]
+    assert runs[False]["val/accuracy"] > 0.2, runs[False]["val/accuracy"]
     assert runs[True].network.specs == specs
     assert runs[True]["val/accuracy"] == runs[False]["val/accuracy"]
 
