@@ -345,7 +345,7 @@ cli.main()
     (["~model"], {}, "error: ~model: a config group cannot be left out; choose one of its options"),
     (["--check"], {"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc': the number of processes to check for must be"),
     (["optim.lr=${no.such.key}"], {}, "error: config optim.lr: Interpolation key 'no.such.key' not found"),
-    (["hydra.run.dir=${oc.env:PCDIST_NO_SUCH_VARIABLE}"], {},
+    (["hydra.run.dir=${oc.env:PCDIST_NO_SUCH_VARIABLE}", "--check"], {},
      "error: config hydra.run.dir: KeyError raised while resolving interpolation: \"Environment variable "
      "'PCDIST_NO_SUCH_VARIABLE' not found\""),
     # --check (launch/local.sh's pre-check) refuses what every rank would: it said ok

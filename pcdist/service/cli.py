@@ -125,7 +125,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
 
             check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
         else:
-            composed, run_dir = _job_config(conf_dir, args.overrides)
+            composed, run_dir = _job_config(conf_dir, args.overrides, check)
             OmegaConf.to_container(composed, resolve=True)
     except HydraException as e:
         fail(str(composition_error(e)))
@@ -153,7 +153,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         if not world.isdigit() or int(world) < 1:
             fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
         if composed is None:  # --check --multirun: the command line as one run
-            composed, run_dir = _job_config(conf_dir, args.overrides)
+            composed, run_dir = _job_config(conf_dir, args.overrides, check)
         passed = passed_settings(list(args.overrides))
         mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
         print(f"ok: {mesh}")
@@ -164,14 +164,14 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     sys.exit(0)
 
 
-def _job_config(conf_dir: Path, overrides: list[str]):
-    """(the job's config as Hydra composes it, without its ``hydra`` node; the run directory ``overrides`` name,
-    else None). Keeps the ``hydra.mode`` it composed for ``_known_mode``."""
+def _job_config(conf_dir: Path, overrides: list[str], check: bool):
+    """(the job's config as Hydra composes it, without its ``hydra`` node; for ``check``, the run directory
+    ``overrides`` name, else None). Keeps the ``hydra.mode`` it composed for ``_known_mode``."""
     from omegaconf import open_dict
 
     composed = _compose(conf_dir, overrides, hydra=True)
     _hydra_mode[:] = [composed.hydra.mode]
-    named = any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in overrides)
+    named = check and any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in overrides)
     run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
     with open_dict(composed):
         composed.pop("hydra")
