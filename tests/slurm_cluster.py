@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ports import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue")
 NODE_CPUS = 4
@@ -62,12 +64,6 @@ def as_root() -> list[str] | None:
     if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
         return ["sudo", "-n"]
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_name() -> str:
@@ -239,8 +235,8 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 ClusterName=pcdist-test
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

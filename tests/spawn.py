@@ -13,21 +13,18 @@ each fresh interpreter: each is still a process of its own, with its own process
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
+from ports import free_port
+
+
+__all__ = ["run", "free_port", "WorkerError"]
 
 
 class WorkerError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "pcdist",
