@@ -140,8 +140,19 @@ def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, 
 
 COUNTED = """
 import sys
+import hydra._internal.hydra
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from pcdist.service.cli import main
+from omegaconf import OmegaConf
+from pcdist.service.cli import CONF_DIR, _compose, main
+# What Hydra composes for a run, as its own compose API does: the command line, the service's three overrides
+# (cli._main), then the one Hydra's main appends where hydra.mode is unset.
+service = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.mode=RUN"]
+reference = OmegaConf.to_yaml(_compose(CONF_DIR, [*sys.argv[1:], *service], hydra=True))
+run_job = hydra._internal.hydra.run_job
+def recorded(*args, **kwargs):  # the config a run (not a sweep's job) is given, as it starts
+    print("as Hydra composes it:", OmegaConf.to_yaml(kwargs["config"]) == reference)
+    return run_job(*args, **kwargs)
+hydra._internal.hydra.run_job = recorded
 composed, load = [], ConfigLoaderImpl.load_configuration
 def counted(self, *args, **kwargs):
     composed.append(kwargs.get("run_mode"))
@@ -154,12 +165,14 @@ main()
 """
 
 
-@pytest.mark.parametrize("mode, compositions, under", [([], 2, "runs/20"),
+@pytest.mark.parametrize("mode, compositions, under", [([], 1, "runs/20"),
                                                        (["hydra.mode=MULTIRUN"], 4, "runs/multirun/")])
-def test_a_run_composes_its_config_once_beside_the_checks_and_keeps_hydra_mode(tmp_path, mode, compositions, under):
-    """Hydra's main composed the whole config a first time only to read hydra.mode (Hydra.get_mode), after the
-    command line's checks had composed it: the run is given the mode they read. A plain run composes twice (the
-    checks, the run), where it composed three times; hydra.mode=MULTIRUN set without --multirun still makes
+def test_a_run_composes_its_config_once_and_gets_the_config_hydra_would_compose(tmp_path, mode, compositions,
+                                                                                under):
+    """After the command line's checks had composed the config, Hydra's main composed it twice more: once only
+    to read hydra.mode (Hydra.get_mode), once for the run. A plain run now composes once (the checks') and the
+    run is given that config with Hydra's own last override applied: the same config, key for key, as Hydra
+    composes (its compose API, in the same folder). hydra.mode=MULTIRUN set without --multirun still makes
     the launch a (one-job) sweep, as in Hydra, composed four times where it was five (the checks, then what
     Hydra's sweep composes for itself and its job)."""
     quick = ["trainer.max_steps=1", "logger=none", "logger.plots=false", "trainer.progress=off", *mode]
@@ -168,6 +181,8 @@ def test_a_run_composes_its_config_once_beside_the_checks_and_keeps_hydra_mode(t
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"compositions: {compositions}\n" in out.stdout, out.stdout
     assert f"run directory: {tmp_path / under}" in out.stdout, out.stdout
+    assert ("as Hydra composes it: True" in out.stdout) == (not mode), out.stdout
+    assert "as Hydra composes it: False" not in out.stdout, out.stdout
 
 
 def test_help_into_a_reader_that_has_gone_ends_without_a_traceback():

@@ -90,7 +90,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     """
     from hydra._internal.utils import get_args_parser
 
-    _hydra_mode.clear()
+    _checked.clear()
     check = "--check" in argv
     args = get_args_parser().parse_args([a for a in argv if a != "--check"])
     if args.hydra_help or args.cfg or args.info or args.shell_completion:  # Hydra prints: nothing trains
@@ -125,8 +125,12 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
 
             check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
         else:
-            composed, run_dir = _job_config(conf_dir, args.overrides, check)
-            OmegaConf.to_container(composed, resolve=True)
+            composed = _compose(conf_dir, args.overrides, hydra=True)
+            for key in composed:  # every key resolves (the hydra node's own are Hydra's run's to resolve)
+                if key != "hydra" and OmegaConf.is_config(value := composed[key]):
+                    OmegaConf.to_container(value, resolve=True)
+            run_dir = _named_run_dir(composed, args.overrides) if check else None
+            _checked[:] = [(list(args.overrides), composed)]
     except HydraException as e:
         fail(str(composition_error(e)))
     except ConfigError as e:
@@ -148,12 +152,17 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     from .config import passed_settings
     from .data import DataError
 
+    from omegaconf import open_dict
+
     try:
         world = os.environ.get("WORLD_SIZE", "1")
         if not world.isdigit() or int(world) < 1:
             fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
         if composed is None:  # --check --multirun: the command line as one run
-            composed, run_dir = _job_config(conf_dir, args.overrides, check)
+            composed = _compose(conf_dir, args.overrides, hydra=True)
+            run_dir = _named_run_dir(composed, args.overrides)
+        with open_dict(composed):
+            composed.pop("hydra")
         passed = passed_settings(list(args.overrides))
         mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
         print(f"ok: {mesh}")
@@ -164,40 +173,52 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     sys.exit(0)
 
 
-def _job_config(conf_dir: Path, overrides: list[str], check: bool):
-    """(the job's config as Hydra composes it, without its ``hydra`` node; for ``check``, the run directory
-    ``overrides`` name, else None). Keeps the ``hydra.mode`` it composed for ``_known_mode``."""
-    from omegaconf import open_dict
-
-    composed = _compose(conf_dir, overrides, hydra=True)
-    _hydra_mode[:] = [composed.hydra.mode]
-    named = check and any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in overrides)
-    run_dir = Path(composed.hydra.run.dir) if named else None  # (the default names a new one)
-    with open_dict(composed):
-        composed.pop("hydra")
-    return composed, run_dir
+def _named_run_dir(composed, overrides: list[str]) -> Path | None:
+    """The run directory ``overrides`` name (``hydra.run.dir=...``), else None: the default names a new one."""
+    named = any(o.partition("=")[0].lstrip("+") == "hydra.run.dir" for o in overrides)
+    return Path(composed.hydra.run.dir) if named else None
 
 
-_hydra_mode: list = []
-"""``hydra.mode`` as ``before_hydra`` composed it (None unless the config or an override sets it)."""
+_checked: list = []
+"""[(the overrides, the config as ``before_hydra`` composed them, its hydra node included)], for the run."""
 
 
 @contextlib.contextmanager
-def _known_mode():
-    """Hydra's main composes the whole config once before the run's own composition, only to read ``hydra.mode``
-    (``Hydra.get_mode``): ~0.1-0.2 CPU-s on every rank of every launch. ``before_hydra`` has composed the same
-    overrides and read it, so Hydra is given it (where it has not, a sweep, Hydra composes as before)."""
+def _composed_once():
+    """Hydra's main composes the config twice more after ``before_hydra`` has: once only to read ``hydra.mode``
+    (``Hydra.get_mode``), then for the run, with ``hydra.mode=RUN`` appended to the same overrides where the mode
+    is unset. Each costs ~0.1-0.2 CPU-s, on every rank of every launch. Here Hydra is given the mode read and,
+    for the run, the checks' config with that one override applied as Hydra applies it (the mode set and the
+    override recorded in ``hydra.overrides.hydra``): the same config (tests/test_cli.py compares them). Any other
+    call, a sweep (composed job by job by the checks), or a Hydra without these methods composes as before."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.hydra import Hydra
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
 
-    if not _hydra_mode or not hasattr(Hydra, "get_mode"):
+    if not _checked or not hasattr(Hydra, "get_mode") or not hasattr(ConfigLoaderImpl, "load_configuration"):
         yield
         return
-    own, mode = Hydra.get_mode, _hydra_mode[0]
+    overrides, cfg = _checked.pop()
+    mode, unused = cfg.hydra.mode, [cfg]
+    own_mode, own_load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
+    run = {"config_name": "config", "overrides": [*overrides, "hydra.mode=RUN"], "run_mode": RunMode.RUN}
+
+    def load(self, *args, **kwargs):
+        if mode is None and unused and not args and all(kwargs.get(k) == v for k, v in run.items()):
+            composed = unused.pop()
+            with read_write(composed.hydra), open_dict(composed.hydra):
+                composed.hydra.mode = RunMode.RUN
+                composed.hydra.overrides.hydra.append("hydra.mode=RUN")
+            return composed
+        return own_load(self, *args, **kwargs)
+
     Hydra.get_mode = lambda self, config_name, overrides: mode
+    ConfigLoaderImpl.load_configuration = load
     try:
         yield
     finally:
-        Hydra.get_mode = own
+        Hydra.get_mode, ConfigLoaderImpl.load_configuration = own_mode, own_load
 
 
 def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
@@ -424,7 +445,7 @@ def _main() -> None:
             why = "a file is there" if path.is_file() else e.strerror or e
             fail(f"cannot make the run directory {path}: {why} (choose another: hydra.run.dir=...)")
     try:
-        with _known_mode():
+        with _composed_once():
             hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind
         _remove_new_dirs()
