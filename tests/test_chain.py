@@ -144,7 +144,8 @@ def test_the_kernels_compile_for_a_hopper_gpu(kernel, dt, tmp_path, monkeypatch)
     consts = {"ACT": chain.ACT_CODES["gelu"], **flags, "ACCURATE": True, "PREC": "ieee", **TILES}
     sig |= {"ACT": "constexpr"} | SCALARS | {k: "constexpr" for k in consts if k != "ACT"}
     fn = kernels.dense_chain if kernel == "dense" else kernels.residual_chain
-    built = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    built = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options=chain.OPTIONS)
     assert ".entry " + fn.__name__ in built.asm["ptx"]
 
 
@@ -167,7 +168,8 @@ def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch
         consts = {"ACT": code, "FRESH": fresh, "HAS_D": True, "UPDATE": not fresh, "HAS_P": True, "ACCURATE": True,
                   "BLOCK": errorpass.BLOCK}
         built = triton.compile(ASTSource(fn=kernels.dense_errors, signature=sig | {k: "constexpr" for k in consts},
-                                         constexprs=consts), target=GPUTarget("cuda", 90, 32))
+                                         constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options=chain.OPTIONS)
         assert ".entry dense_errors" in built.asm["ptx"], code
     # the residual kind's three passes (fresh: with the optional parts, else without)
     act = {"slope": "fp32", "lo": "fp32", "hi": "fp32", "thr": "fp32", "alpha": "fp32"}
@@ -183,8 +185,27 @@ def test_the_error_kernel_compiles_for_a_hopper_gpu(fresh, tmp_path, monkeypatch
             consts |= {} if name == "res_errors" else {"ACCURATE": True}
             sig = {p: "*fp32" for p in ptrs} | scalars | {k: "constexpr" for k in consts}
             built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
-                                   target=GPUTarget("cuda", 90, 32))
+                                   target=GPUTarget("cuda", 90, 32), options=chain.OPTIONS)
             assert f".entry {name}" in built.asm["ptx"], (name, code)
+
+
+def test_the_kernels_are_built_with_multiply_adds_fused(tmp_path, monkeypatch):
+    """chain.OPTIONS, which every launch passes (and the builds above), fuses multiply-adds, as Triton did by default
+    before 3.10 and as the kernels were checked on GPUs: a pass of products and sums builds into FMAs with them and
+    into none with fusion off (Triton 3.9 warns that its default turns to off; said explicitly, it does not)."""
+    from triton.backends.compiler import GPUTarget
+    ASTSource = ast_source()
+
+    from pcdist.engine import _chain_kernels as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    consts = {"HAS_P": True, "UPDATE": True, "BLOCK": errorpass.BLOCK}
+    sig = {p: "*fp32" for p in ("u_ptr", "h_ptr", "e_ptr", "p_ptr")} | {"n": "i32", "stepped": "i32", "per": "i32",
+                                                                        "lr": "fp32"} | {k: "constexpr" for k in consts}
+    fmas = [triton.compile(ASTSource(fn=kernels.res_errors, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].count("fma.rn.f32")
+            for options in (chain.OPTIONS, {"enable_fp_fusion": False})]
+    assert fmas[0] > 0 and fmas[1] == 0, fmas
 
 
 @pytest.mark.parametrize("pool", [0, 1, 2])
@@ -217,7 +238,7 @@ def test_the_conv_kernels_compile_for_a_hopper_gpu(pool, tmp_path, monkeypatch):
             sig = ptrs | {s: "i32" for s in scalars} | ({"lr": "fp32"} if name == "conv_errors" else {}) | SCALARS
             sig |= {k: "constexpr" for k in consts}
             built = triton.compile(ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=consts),
-                                   target=GPUTarget("cuda", 90, 32))
+                                   target=GPUTarget("cuda", 90, 32), options=chain.OPTIONS)
             assert f".entry {name}" in built.asm["ptx"], (name, code)
 
 
@@ -243,7 +264,7 @@ def test_the_gemm_kernel_compiles_for_a_hopper_gpu(prec, tmp_path, monkeypatch):
                   "EMULATE": False, "BM": BM, "BN": BN, "BK": BK}
         built = triton.compile(ASTSource(fn=kernels.bmm, signature=sig | {k: "constexpr" for k in consts},
                                          constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps})
+                               options={**chain.OPTIONS, "num_warps": warps})
         assert ".entry bmm" in built.asm["ptx"], (BM, BN, BK)
         assert prec != "bf16" or ".bf16.bf16" in built.asm["ptx"], "bfloat16 tensor-core products"
 

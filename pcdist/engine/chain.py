@@ -52,6 +52,11 @@ def interpreted() -> bool:
 
 _TAKES: dict[str, frozenset] = {}  # kernel name: its argument names
 
+OPTIONS = {"enable_fp_fusion": True}
+"""Compiler options of every pcdist kernel. Multiply-adds fused (FMA), as every Triton before 3.10 does by default
+and as the kernels were checked on GPUs; said explicitly, since Triton 3.9 warns that its default turns to unfused
+in 3.10, which would change the kernels' round-off. TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off."""
+
 
 def launch(name: str, grid: tuple, *args, **consts) -> None:
     """Triton kernel ``name`` (pcdist/engine/_chain_kernels.py) over ``grid``; ACCURATE (libdevice's tanh and
@@ -64,8 +69,9 @@ def launch(name: str, grid: tuple, *args, **consts) -> None:
         consts["ACCURATE"] = not interpreted()
     if unknown := [k for k in consts if k not in takes and k not in ("num_warps", "num_stages")]:
         raise TypeError(f"Triton kernel {name} takes no argument {', '.join(unknown)}")
+    options = {} if interpreted() else OPTIONS  # (compiler options: the interpreter compiles nothing)
     with on_device(next((a.device for a in args if isinstance(a, Tensor)), None)):
-        kernel[grid](*args, **consts)  # Triton launches on the current device: made the tensors' own
+        kernel[grid](*args, **consts, **options)  # Triton launches on the current device: made the tensors' own
 
 
 def on_device(device: torch.device | None):
