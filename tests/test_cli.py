@@ -147,7 +147,7 @@ from pcdist.service.cli import CONF_DIR, _compose, main
 # What Hydra composes for a run, as its own compose API does: the command line, the service's three overrides
 # (cli._main), then the one Hydra's main appends where hydra.mode is unset.
 service = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.mode=RUN"]
-reference = OmegaConf.to_yaml(_compose(CONF_DIR, [*sys.argv[1:], *service], hydra=True))
+reference = OmegaConf.to_yaml(_compose(CONF_DIR, [*sys.argv[1:], *service]))
 run_job = hydra._internal.hydra.run_job
 def recorded(*args, **kwargs):  # the config a run (not a sweep's job) is given, as it starts
     print("as Hydra composes it:", OmegaConf.to_yaml(kwargs["config"]) == reference)

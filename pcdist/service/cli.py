@@ -123,9 +123,9 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         if args.multirun:  # every job's config and directory, before the first job starts
             from .sweep import check_sweep  # (torch)
 
-            check_sweep(lambda overrides: _compose(conf_dir, overrides, hydra=True), args.overrides)
+            check_sweep(lambda overrides: _compose(conf_dir, overrides), args.overrides)
         else:
-            composed = _compose(conf_dir, args.overrides, hydra=True)
+            composed = _compose(conf_dir, args.overrides)
             for key in composed:  # every key resolves (the hydra node's own are Hydra's run's to resolve)
                 if key != "hydra" and OmegaConf.is_config(value := composed[key]):
                     OmegaConf.to_container(value, resolve=True)
@@ -159,7 +159,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         if not world.isdigit() or int(world) < 1:
             fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
         if composed is None:  # --check --multirun: the command line as one run
-            composed = _compose(conf_dir, args.overrides, hydra=True)
+            composed = _compose(conf_dir, args.overrides)
             run_dir = _named_run_dir(composed, args.overrides)
         with open_dict(composed):
             composed.pop("hydra")
@@ -221,12 +221,13 @@ def _composed_once():
         Hydra.get_mode, ConfigLoaderImpl.load_configuration = own_mode, own_load
 
 
-def _compose(conf_dir: Path, overrides: list[str], hydra: bool = False):
-    """The config Hydra composes from ``conf_dir`` with ``overrides`` (no run directory, no logging setup)."""
+def _compose(conf_dir: Path, overrides: list[str]):
+    """The config Hydra composes from ``conf_dir`` with ``overrides``, its ``hydra`` node included (no run directory,
+    no logging setup)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base=None):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
 def help_text(conf_dir: Path, overrides: list[str]) -> str:
@@ -234,7 +235,7 @@ def help_text(conf_dir: Path, overrides: list[str]) -> str:
     value under ``overrides`` and the documentation written under its field in pcdist/service/schema.py."""
     from omegaconf import OmegaConf
 
-    composed = _compose(conf_dir, overrides, hydra=True)
+    composed = _compose(conf_dir, overrides)
     chosen = OmegaConf.to_container(composed.hydra.runtime.choices)
     top = {f.name for f in dataclasses.fields(Config)}
     # The values a run gets: the composed files over the dataclass defaults (as load_config merges them).
