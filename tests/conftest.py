@@ -42,12 +42,15 @@ def single_thread():
     torch.set_num_threads(n)
 
 
-FIRST = ["test_slurm.py", "test_launch.py", "test_after_training.py", "test_benchmarks.py", "test_elastic.py",
-         "test_service.py", "test_rundir.py", "test_docs_after_training.py", "test_readme.py", "test_config_data.py",
-         "test_cli.py", "test_modes_service.py", "test_data_arrays.py", "test_preemption.py", "test_sweeps.py"]
+FIRST = ["test_slurm.py", "test_launch.py", "test_benchmarks.py", "test_after_training.py",
+         "test_docs_after_training.py", "test_chain.py", "test_elastic.py", "test_rundir.py", "test_config_data.py",
+         "test_readme.py", "test_service.py", "test_modes_service.py", "test_cli.py", "test_parallel_errors.py",
+         "test_sweeps.py", "test_data_arrays.py", "test_preemption.py", "test_conv_module.py",
+         "test_modes_reference.py", "test_modes_learning.py", "test_docs_modes.py", "test_metrics.py"]
 """The files that take longest, longest first (make test: pytest-xdist's --dist loadfile with
---no-loadscope-reorder hands out whole files in collection order). The SLURM tests mostly wait on the
-cluster, so they start at once; a long file handed out last would leave the other workers idle."""
+--no-loadscope-reorder hands out whole files in collection order; the rest, each under 20 s, follow). The SLURM
+tests mostly wait on the cluster, so they start at once; a long file handed out last, or one that waits (on a
+lost peer's timeout, say) where no other file's work can fill the cores, leaves the other workers idle."""
 
 
 def pytest_collection_modifyitems(session, config, items):
