@@ -53,6 +53,10 @@ tests mostly wait on the cluster, so they start at once; a long file handed out 
 lost peer's timeout, say) where no other file's work can fill the cores, leaves the other workers idle."""
 
 
+_gone = [name for name in FIRST if not os.path.isfile(os.path.join(_TESTS_DIR, name))]
+assert not _gone, f"tests/conftest.py FIRST names files that are not in tests/: {_gone}"
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
