@@ -1,13 +1,28 @@
-"""ConfigError: a configuration value that cannot work, named by its key.
+"""The errors pcdist raises for the user's input, each named by what is wrong: a config key, a data file, a
+checkpoint, a run directory, a peer rank.
 
-Raised before any process group or work exists (``pcdist.service.config``, ``ParallelDims``,
-``pcdist.train``); ``train.py`` prints it as one line and exits with status 2. It is a
-ValueError, so code that catches ValueError keeps working.
+They live here, apart from the code that raises them (and its torch), so that a command that only reads files
+(``python -m pcdist compare``) or only checks a command line can catch them without importing torch. The
+command line prints ConfigError, DataError, CheckpointError and RunError as one line and exits with status 2.
 """
 
 
 class ConfigError(ValueError):
-    """A config key (or mesh factor) has a value that cannot work; the message names it."""
+    """A config key (or mesh factor) has a value that cannot work; the message names it. Raised before any process
+    group or work exists (``pcdist.service.config``, ``ParallelDims``, ``pcdist.train``). A ValueError, so code
+    that catches ValueError keeps working."""
+
+
+class DataError(ValueError):
+    """A dataset file is missing or not in the expected format (pcdist/service/data.py)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, or from a different model; pcdist/service/checkpoint.py)."""
+
+
+class RunError(ValueError):
+    """A run directory cannot be read back as asked (the message names the problem; pcdist/service/load.py)."""
 
 
 class PeerError(RuntimeError):

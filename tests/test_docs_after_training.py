@@ -116,3 +116,23 @@ def test_compare_gives_mean_and_std_over_seeds_and_writes_csv_and_json(page):
         per_run = list(csv.DictReader(f))
     assert len(per_run) == 6 and {(int(r["pc.T"]), int(r["trainer.seed"])) for r in per_run} == \
         {(T, s) for T in (10, 20) for s in (0, 1, 2)}
+
+
+def test_compare_reads_the_runs_without_importing_torch(page):
+    """`python -m pcdist compare` reads the runs' files (config.yaml, metrics.jsonl) and draws their curves: it
+    never imports torch (about 1.5 of its 2.5 CPU-s), and says what it said on the page (the lr sweep's table)."""
+    tmp_path, outputs = page
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            "sys.argv = ['pcdist', *sys.argv[1:]]\n"
+            "runpy.run_module('pcdist', run_name='__main__', alter_sys=True)")
+    out = subprocess.run([sys.executable, "-c", code, "compare", "sweeps/lr"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    said, last = out.stdout.rsplit("torch imported: ", 1)
+    assert last == "False\n"
+    assert "sweeps/lr/0" in said and outputs[5].endswith(said), (said, outputs[5][-1500:])
+    gone = subprocess.run([sys.executable, "-c", code, "compare", "sweeps/none"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert (gone.returncode, gone.stdout) == (2, "torch imported: False\n"), gone.stderr[-3000:]
+    assert gone.stderr == "error: sweeps/none is not a directory; give run directories or a sweep directory\n"

@@ -28,13 +28,10 @@ import torch.distributed as dist
 
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import barrier
+from ..errors import CheckpointError
 from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (damaged, or from a different model)."""
 
 
 def _atomic_save(obj, path: Path) -> None:

@@ -332,13 +332,15 @@ def _remove_new_dirs_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-def _started() -> None:
-    """Import pcdist's API (torch with it), then give Ctrl-C back its KeyboardInterrupt. Until then a Ctrl-C ends
-    the process at once with one line (pcdist/__init__.py): nothing has run, and inside torch's import a
-    KeyboardInterrupt can be swallowed. The checks of the command line come before, without torch where they can."""
+def _started(api: bool = True) -> None:
+    """Import pcdist's API (torch with it; ``api=False``: a command that needs neither), then give Ctrl-C back its
+    KeyboardInterrupt. Until then a Ctrl-C ends the process at once with one line (pcdist/__init__.py): nothing has
+    run, and inside torch's import a KeyboardInterrupt can be swallowed. The checks of the command line come before,
+    without torch where they can."""
     import pcdist
 
-    pcdist.PCTrainer  # noqa: B018 - the first name used imports the whole API
+    if api:
+        pcdist.PCTrainer  # noqa: B018 - the first name used imports the whole API
     if signal.getsignal(signal.SIGINT) is pcdist._interrupted_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -414,7 +416,7 @@ def _main() -> None:
     from .commands import COMMANDS, main as command
 
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
-        _started()
+        _started(api=sys.argv[1] != "compare")  # compare reads the runs' files and draws: no torch
         sys.exit(command(sys.argv[1:]))
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.

@@ -108,10 +108,7 @@ def _run(args) -> None:
 
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
-    from ..errors import ConfigError
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .load import RunError
+    from ..errors import CheckpointError, ConfigError, DataError, RunError  # (no torch: compare needs none)
 
     args = _parser().parse_args(argv)
     try:

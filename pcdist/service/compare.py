@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .load import RunError
+from ..errors import RunError
 from .metrics import _save, replace_file, subplots, read_metrics
 from .config import flat
 

@@ -36,14 +36,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import DataError
+
 __all__ = ["Dataset", "StreamedData", "DataError", "load_dataset", "load_arrays", "load_digits", "one_hot", "read_idx",
            "check_files", "FILES", "augment", "normalized", "normalization_stats"]
 
 ARRAYS = ("x_train", "y_train", "x_val", "y_val")
-
-
-class DataError(ValueError):
-    """A dataset file is missing or not in the expected format."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ import yaml
 from torch import Tensor
 
 from ..engine.network import PCNetwork, legacy_signature
+from ..errors import RunError
 from .autostep import resolve_x_lr
 from .checkpoint import CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint, read_pt
 from .config import PYTHON_MODEL, Config, literal, load_config, network_options
@@ -37,10 +38,6 @@ from .modelfile import Inputs, kind_from_description, kind_from_signature, read_
 from .userlayers import UserLayers, call_factory
 
 __all__ = ["load", "Run", "RunError", "find_checkpoint"]
-
-
-class RunError(ValueError):
-    """A run directory cannot be read back as asked (the message names the problem)."""
 
 
 @dataclass
