@@ -126,13 +126,16 @@ def test_compare_reads_the_runs_without_importing_torch(page):
             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
             "sys.argv = ['pcdist', *sys.argv[1:]]\n"
             "runpy.run_module('pcdist', run_name='__main__', alter_sys=True)")
-    out = subprocess.run([sys.executable, "-c", code, "compare", "sweeps/lr"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+    def compare(sweep: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, "compare", sweep], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+    out = compare("sweeps/lr")
     assert out.returncode == 0, out.stderr[-3000:]
     said, last = out.stdout.rsplit("torch imported: ", 1)
     assert last == "False\n"
     assert "sweeps/lr/0" in said and outputs[5].endswith(said), (said, outputs[5][-1500:])
-    gone = subprocess.run([sys.executable, "-c", code, "compare", "sweeps/none"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    gone = compare("sweeps/none")
     assert (gone.returncode, gone.stdout) == (2, "torch imported: False\n"), gone.stderr[-3000:]
     assert gone.stderr == "error: sweeps/none is not a directory; give run directories or a sweep directory\n"
