@@ -124,12 +124,17 @@ def batch(net, ends: str, B: int, seed: int, dtype=DT):
 def trainer_for(net, compile: str, opts: dict, optimizer: str = "adamw", steps: int = 8, T: int = 4):
     opts = dict(opts)
     sched_on = opts.pop("lr_schedule", False)
+    tensor = opts.pop("tensor_lr", False)  # a tensor rate: the scheduler writes it in place
+
+    def rate(lr: float):
+        return torch.tensor(lr, dtype=torch.float64) if tensor else lr
+
     if optimizer == "adamw":
-        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01, fused=True)
+        opt = torch.optim.AdamW(net.parameters(), lr=rate(0.01), weight_decay=0.01, fused=True)
     elif optimizer == "sgd-fused":
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=True)
+        opt = torch.optim.SGD(net.parameters(), lr=rate(0.05), momentum=0.9, fused=True)
     else:
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(net.parameters(), lr=rate(0.05), momentum=0.9)
     sched = pcdist.warmup_cosine(opt, 2, steps * (T if opts.get("algorithm") == "ipc" else 1)) if sched_on else None
     notes = []
     tr = pcdist.PCTrainer(net, opt, T=T, x_lr=0.1, scheduler=sched, compile=compile, noise_seed=4, say=notes.append,
@@ -255,14 +260,16 @@ def test_channels_last_conv_steps_read_nothing_on_the_host_and_capture_as_eager(
     assert all(torch.equal(a, b) for a, b in zip(w_e + h_e, w_g + h_g))
 
 
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
 @pytest.mark.parametrize("algorithm", ["pc", "ipc"])
-def test_the_tensor_learning_rate_schedule_equals_the_float_one(algorithm):
+def test_the_tensor_learning_rate_schedule_equals_the_float_one(algorithm, tensor_lr):
     """Under a plan the optimizer reads each step's rate from a device tensor: the rates it read equal the
-    float schedule's (warm-up then cosine) to 1e-15, for every optimizer step (T per training step in ipc)."""
+    float schedule's (warm-up then cosine) to 1e-15, for every optimizer step (T per training step in ipc),
+    also where the optimizer was given its rate as a tensor (which the scheduler writes in place)."""
     steps, T = 7, 3
     net_g, net_e = network("mlp"), network("mlp")
     opts = dict(algorithm=algorithm, lr_schedule=True)
-    tr_g, _ = trainer_for(net_g, "graph", opts, steps=steps, T=T)
+    tr_g, _ = trainer_for(net_g, "graph", dict(opts, tensor_lr=tensor_lr), steps=steps, T=T)
     tr_e, _ = trainer_for(net_e, "none", opts, steps=steps, T=T)
     per = T if algorithm == "ipc" else 1
     seen = []
@@ -277,7 +284,7 @@ def test_the_tensor_learning_rate_schedule_equals_the_float_one(algorithm):
     assert max(abs(a - b) for a, b in zip(planned, seen)) <= 1e-15
     assert seen[0] < seen[2] and seen[-1] < max(seen), "the schedule warms up and decays"
     assert all(torch.equal(a, b) for a, b in zip(net_g.parameters(), net_e.parameters()))
-    assert tr_g.optimizer.param_groups[0]["lr"] == tr_e.optimizer.param_groups[0]["lr"]
+    assert float(tr_g.optimizer.param_groups[0]["lr"]) == tr_e.optimizer.param_groups[0]["lr"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-fused", "sgd"])

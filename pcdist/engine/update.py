@@ -56,18 +56,26 @@ class WeightUpdate:
         """Before a step's core runs: under a plan, its learning rates, stepping the schedule as the step will."""
         if self.plan is None:
             return
-        rows = []
-        for _ in range(self.steps):
-            rows.append([g["lr"] for g in self.optimizer.param_groups])
-            if self.scheduler is not None:
+        rows, tensors = [], []
+        for i in range(self.steps + 1):
+            row = []
+            for j, g in enumerate(self.optimizer.param_groups):
+                lr = g["lr"]
+                if isinstance(lr, Tensor):  # a scheduler writes a tensor rate in place: this row's value, copied
+                    tensors.append((i, j, lr.detach().clone()))  # on its device (no host read)
+                    lr = 0.0
+                row.append(lr)
+            rows.append(row)
+            if i < self.steps and self.scheduler is not None:
                 with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
                     warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
                     self.scheduler.step()
-        rows.append([g["lr"] for g in self.optimizer.param_groups])
         host = torch.tensor(rows, dtype=torch.float64, device="cpu").to(self.plan.dtype)  # host work, copied in
         if self.plan.device.type == "cuda":
             host = host.pin_memory()
         self.plan.copy_(host, non_blocking=True)
+        for i, j, lr in tensors:
+            self.plan[i, j].copy_(lr)
 
     def make_capturable(self) -> None:
         """Before a step is captured: optimizers that have the option step with device-side counters."""
