@@ -134,12 +134,30 @@ def test_bad_networks_name_the_problem(build, message):
         (dict(algorithm="bp"), "algorithm must be one of pc, ipc, got 'bp'"),
         (dict(init="zeros"), "init \\(the value-node init\\) must be one of ff, deeppcr, newton, newton_cr, backward"),
         (dict(value_noise=-1.0), "value noise \\(the temperature tau\\) must be a finite number >= 0, got -1.0"),
+        (dict(value_optimizer=pcdist.ValueRule("sgd"), x_momentum=0.9), "^x_momentum=0.9 beside value_optimizer="
+         "ValueRule\\(name='sgd', momentum=0.0.* would be ignored: the rule carries its own momentum; set "
+         "ValueRule\\(..., momentum=0.9\\) or leave x_momentum at 0$"),
+        (dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau), "^scheduler=ReduceLROnPlateau steps on a metric"),
     ],
 )
 def test_bad_trainer_arguments_name_the_problem(kwargs, message):
     net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if isinstance(kwargs.get("scheduler"), type):  # a scheduler class: made on this optimizer
+        kwargs = dict(kwargs, scheduler=kwargs["scheduler"](opt))
     with pytest.raises(ValueError, match=message):
-        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+        pcdist.PCTrainer(net, opt, **kwargs)
+    assert all(p.grad is None for p in net.parameters()) and not opt.state, "refused before anything ran"
+
+
+def test_a_value_rule_s_momentum_is_the_trainer_s():
+    """A ValueRule carries its momentum: the trainer reports and uses it (x_momentum left at 0 or equal)."""
+    net = pcdist.PCNetwork.from_dims([5, 8, 3])
+    rule = pcdist.ValueRule("sgd", momentum=0.5)
+    for x_momentum in (0.0, 0.5):
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), value_optimizer=rule,
+                              x_momentum=x_momentum)
+        assert tr.x_momentum == 0.5 and tr.rule is rule
 
 
 @pytest.mark.parametrize("name, bad, good", [("T", 0, 3), ("x_lr", 0.0, 0.1), ("x_lr", float("inf"), 0.1),

@@ -37,8 +37,9 @@ class PCTrainer:
 
     ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation after inference;
     ``"ipc"`` one at every inference step from the same evaluation as the value step. ``scheduler``
-    (any torch LR scheduler) is stepped after every optimizer step, skipped or not. ``parallel``: the
-    exchange of a layer slice in a torch.distributed job (``pcdist.distributed.Parallel.from_mesh``);
+    (any torch LR scheduler but ReduceLROnPlateau, which needs a metric) is stepped after every optimizer
+    step, skipped or not. ``parallel``: the exchange of a layer slice in a torch.distributed job
+    (``pcdist.distributed.Parallel.from_mesh``);
     ``net`` then owns exactly that slice (without it: ``engine.exchange.Local``, one process).
     ``init``: "ff" (feed-forward), "deeppcr" (engine/deeppcr.py), or near the equilibrium of inference:
     "newton", "newton_cr", "backward" (engine/equilibrium.py; one layer slice). ``value_optimizer``:
@@ -76,12 +77,12 @@ class PCTrainer:
         value_optimizer: str | ValueRule = "sgd",
         solver: str = "euler",
     ):
-        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer)
+        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler)
         parallel = _check_slice(net, parallel)
         self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
                                                value_noise, init, parallel)
         self.net, self.parallel = net, parallel
-        self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), float(x_momentum), algorithm
+        self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), self.rule.momentum, algorithm
         self.init, self.skip_above = init, skip_above
         self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
@@ -280,11 +281,14 @@ def _check_slice(net: PCNetwork, parallel):
     return parallel
 
 
-def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer) -> None:
+def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler) -> None:
     """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
                         f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("scheduler=ReduceLROnPlateau steps on a metric, which the trainer does not have: step it "
+                         "yourself where you measure one (scheduler.step(val_loss)) and pass scheduler=None")
     for name, value in (("T", T), ("x_lr", x_lr), ("x_momentum", x_momentum), ("algorithm", algorithm),
                         ("init", init), ("value_noise", value_noise)):
         check(name, value)

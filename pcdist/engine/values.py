@@ -95,6 +95,10 @@ def value_rule(spec: "str | ValueRule", momentum: float = 0.0) -> ValueRule:
     """The ValueRule of a name (with the trainer's x_momentum; adamw: decay 0.01, torch's default) or
     the rule itself."""
     if isinstance(spec, ValueRule):
+        if momentum and float(momentum) != spec.momentum:
+            raise ValueError(f"x_momentum={momentum!r} beside value_optimizer={spec} would be ignored: the rule "
+                             f"carries its own momentum; set ValueRule(..., momentum={momentum!r}) or leave "
+                             f"x_momentum at 0")
         return spec
     if not isinstance(spec, str):
         raise ValueError(f"value_optimizer must be a name ({', '.join(VALUE_OPTIMIZERS)}) or a ValueRule, "
