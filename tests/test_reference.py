@@ -235,6 +235,32 @@ def test_float32_close(algorithm, seed):
         assert_close(out.double(), ref.seq(x), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("solver,T", [("euler", 2), ("heun", 1)])
+def test_layers_below_the_error_front_keep_their_weights_under_adam_in_float32(solver, T):
+    """pc from the feed-forward init moves the error one layer per evaluation (T x the solver's stages), so the
+    lowest L - T x stages layers' weight gradients are exactly zero (docs/solvers.md): under Adam, which would
+    scale round-off up to full steps, those layers keep their weights and biases to the bit in float32, as the
+    float32 reference's do; the layers above learn as the reference's (7 tanh layers, 10 steps)."""
+    seq = make_seq([6, 16, 16, 16, 16, 16, 16, 4], ["tanh"] * 6, seed=3).float()
+    start = [p.detach().clone() for p in seq.parameters()]
+    make_opt = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+    net = pcdist.PCNetwork.from_sequential(seq)
+    trainer = pcdist.PCTrainer(net, make_opt(net.parameters()), T=T, x_lr=0.1, solver=solver)
+    ref = ReferenceTrainer(seq, make_opt, T=T, x_lr=0.1, solver=solver)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        x, y = (t.float() for t in make_batch(8, 6, 4, gen))
+        trainer.step(x, y, log=False), ref.step(x, y)
+    for l, (lin, rlin) in enumerate(zip(split_layers(net.to_sequential()), split_layers(ref.seq)), 1):
+        for name, w0 in zip(("weight", "bias"), start[2 * (l - 1): 2 * l]):
+            w, r = getattr(lin[0], name).detach(), getattr(rlin[0], name).detach()
+            if l < 5:  # below the front: L - T x stages = 7 - 2 = 5
+                assert torch.equal(w, w0) and torch.equal(r, w0), f"layer {l}'s {name} moved"
+            else:
+                assert not torch.equal(w, w0), f"layer {l} learns"
+                assert_close(w, r, atol=1e-5, rtol=0, msg=lambda m: f"layer {l}'s {name}: {m}")
+
+
 # -- the value optimizers and the ODE solvers (issue 30) against the reference's own formulas: Nesterov,
 #    Adam and AdamW from their update rules, Heun and RK4 from their Butcher tableaux (tests/reference.py)
 METHODS = {

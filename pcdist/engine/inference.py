@@ -56,11 +56,13 @@ def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSched
 
     Where the weights hold (no ``after_step``), the target is clamped and inference starts at the
     feed-forward state without noise, node n's gradient is exactly zero before step L - 1 - n: the error
-    front. Adam on the values zeroes it there rather than scale round-off up to full steps (``ValueOptimizer``).
+    front. Adam on the values zeroes it there rather than scale round-off up to full steps (``ValueOptimizer``),
+    and pc's weight gradients are zeroed below it (``Stage.front``).
     """
     vo = st.values
     vo.tableau = TABLEAUS.get(solver)
-    front = st.init in ("ff", "deeppcr") and noise is None and after_step is None and not st.free_top
+    front = st.init in ("ff", "deeppcr") and noise is None and after_step is None and not st.free_top \
+        and not vo.rule.decay  # (AdamW's decay on the values moves every node at once: there is no front)
     vo.front = st.net.num_layers - 1 if front else None
     S = 1 if vo.tableau is None else vo.tableau.stages
     for t in range(T + final):

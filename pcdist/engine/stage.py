@@ -100,6 +100,11 @@ class Stage:
         self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(dtype), device=p.device)
         self.precision_rows: dict[int, Tensor] = {}
         self.noise: dict = {}  # (tau, global batch) -> its ValueNoise (pcdist/engine/values.py)
+        # The lowest layer whose weight gradient this step can be nonzero: pc from the feed-forward init (no noise,
+        # the target clamped) moves the error one layer per evaluation, so below layer L - T x stages the exact
+        # gradient is zero and the computed one round-off of recomputed predictions, which Adam would scale up
+        # to full steps. Set by the trainer (0: every layer learns); weight_grads zeroes the rows below it.
+        self.front = 0
 
     def _bind(self, g, static_weights: bool, free_top: bool) -> BoundGroup:
         net, L = self.net, self.net.num_layers
@@ -224,6 +229,9 @@ class Stage:
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
             gr.weight_grads(scale)
+            below = min(gr.K, self.front - gr.first)
+            for p in gr.params if below > 0 else ():  # [K, ...] stacks: the rows of the layers below the front
+                p.grad[:below].zero_()
 
     def weights_changed(self) -> None:
         """Mark every prediction (and weight-derived copy) stale after an optimizer step and at a new batch."""

@@ -249,11 +249,10 @@ class ValueOptimizer:
         b1, b2 = r.betas
         c1, c2 = 1.0 - b1 ** t, math.sqrt(1.0 - b2 ** t)
         for m, s, d, lo, h, g, _ in self._buffers("adam", 3, boundary):
-            if self.front is not None and not r.decay and lo < self.front - self.step:
+            if self.front is not None and lo < self.front - self.step:
                 # Below the error front (pc from the feed-forward init: node n's gradient is exactly zero
                 # before step top - n) g is round-off of recomputed predictions, which Adam's division by
                 # its own scale would turn into full steps: it is zero there, as in exact arithmetic.
-                # (AdamW's decay moves every node at once: there is no front.)
                 g[: min(g.shape[0], self.front - self.step - lo)].zero_()
             if t == 1:
                 torch.mul(g, 1.0 - b1, out=m)
