@@ -277,6 +277,28 @@ def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc
     assert not (run_dir / ".hydra").exists() and not (run_dir / "pcdist.log").exists(), "Hydra writes nothing there"
 
 
+def test_a_resume_refused_at_its_checkpoint_changes_nothing_in_the_run_directory(tmp_path):
+    """A model that the settings do not show (a conv net on in-memory images of another size) is refused where
+    the checkpoint is read, naming both models: model.json, the run's record of its layers and input
+    normalization that pcdist.load and evaluate read, must not have been rewritten for the refused attempt."""
+    digits = pcdist.data.load_dataset("digits")
+
+    def images(side: int) -> pcdist.data.Dataset:
+        def up(x):
+            return torch.nn.functional.interpolate(x.view(-1, 1, 8, 8), size=(side, side))
+        return pcdist.data.Dataset(up(digits.x_train), digits.y_train, up(digits.x_val), digits.y_val, 10)
+
+    run_dir = tmp_path / "run"
+    pcdist.train(["model=cnn", "trainer.max_steps=4", "trainer.stop_at=2", "trainer.ckpt_every=2", "logger=none",
+                  "logger.plots=false", "trainer.progress=off", f"run_dir={run_dir}"], data=images(8))
+    before = snapshot(run_dir)
+    with pytest.raises(pcdist.service.checkpoint.CheckpointError, match=r"step-00000002 was written by a different "
+                       r"model: conv \[1, 8, 8\].*; this run has conv \[1, 16, 16\]"):
+        pcdist.train({"run_dir": str(run_dir)}, data=images(16))
+    assert snapshot(run_dir) == before
+    assert pcdist.load(run_dir).inputs.sample_shape == (1, 8, 8)
+
+
 def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
     """A bad value, bad data, resume=require on a mistyped directory: one line each and nothing under runs/."""
     (tmp_path / "a-file").write_text("not a directory")

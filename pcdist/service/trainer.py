@@ -104,9 +104,9 @@ class ServiceTrainer:
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
-            if self.is_rank0:  # once the run will train: a finished or refused launch writes nothing
+            restore_checkpoint(self.resume, self.network, self.optimizer, self.scheduler)  # (a refusal: before any
+            if self.is_rank0:  # write) once the run will train: a finished or refused launch writes nothing
                 record_model(config, self.run_dir, self.specs, self.network, self.inputs, user)
-            restore_checkpoint(self.resume, self.network, self.optimizer, self.scheduler)
             if self.parallel.is_logging:
                 self.dropped = forget_lost_steps(self.run_dir, self.step)
             self.logger = self._make_logger()
