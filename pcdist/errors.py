@@ -7,6 +7,13 @@ command line prints ConfigError, DataError, CheckpointError and RunError as one 
 """
 
 
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with every character that is not printable (but those in ``keep``) written as Python escapes it
+    (``\\x1b``): what a run folder holds (a file name, a link's target) is data, and a terminal must never
+    receive its control sequences (a changed window title, an erased line, hidden text)."""
+    return "".join(ch if ch.isprintable() or ch in keep else ascii(ch)[1:-1] for ch in str(text))
+
+
 class ConfigError(ValueError):
     """A config key (or mesh factor) has a value that cannot work; the message names it. Raised before any process
     group or work exists (``pcdist.service.config``, ``ParallelDims``, ``pcdist.train``). A ValueError, so code

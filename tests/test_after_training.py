@@ -507,6 +507,51 @@ def test_a_run_folder_with_links_out_of_it_is_never_written_through(digits_run, 
     assert (run.parent / "compare.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_resume_that_would_change_the_input_normalization_is_refused(digits_run, tmp_path):
+    """model.json records the run's input normalization once, for every checkpoint it keeps: a resume with
+    data.normalize changed would leave the earlier checkpoints read with the other inputs (evaluate --checkpoint
+    of one of them gave 0.9333 where 0.9472 was logged). Refused in one line; nothing in the run changes."""
+    run = _sent(digits_run[0], tmp_path / "run")
+    before = snapshot(run)
+    with pytest.raises(pcdist.ConfigError, match=r"cannot resume .* with changed data.normalize \(True -> False: it "
+                                                 r"changes the inputs the model takes"):
+        pcdist.train({"run_dir": str(run), "trainer": {"max_steps": 60}, "data": {"normalize": False}})
+    assert snapshot(run) == before
+
+
+def test_a_run_folder_that_is_itself_a_link_is_never_written_through(digits_run, tmp_path):
+    """A folder given as the run (or a sweep's job folder one was sent) that is a link would take a run, eval.json
+    and the pictures into the folder it leads to: refused in one line naming the link, nothing changed there."""
+    elsewhere = _sent(digits_run[0], tmp_path / "elsewhere")
+    link = tmp_path / "sent"
+    link.symlink_to(elsewhere)
+    before = snapshot(elsewhere)
+    with pytest.raises(pcdist.ConfigError, match=f"holds links .the directory itself -> {re.escape(str(elsewhere))}"
+                                                 f".: a run continued there would write"):
+        pcdist.train({"run_dir": str(link), "trainer.max_steps": 60, "logger.plots": False})
+    with pytest.raises(pcdist.RunError, match="the directory itself -> "):
+        pcdist.evaluate(link)
+    assert snapshot(elsewhere) == before
+
+
+def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path):
+    """A file name in a folder one was sent is data: a control sequence in it (a window title set, the line
+    erased, fake text) is printed escaped, in a refusal (a link's name) and in the warning about a damaged
+    checkpoint (a name its manifest lists)."""
+    run = _sent(digits_run[0], tmp_path / "run")
+    evil = "\x1b]0;owned\x07\x1b[2K\rok: evaluation passed"
+    fake = run / "checkpoints" / "step-99999999"
+    fake.mkdir()
+    (fake / "manifest.json").write_text(json.dumps({"files": {evil: "0" * 64}}))
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoint .*step-99999999: \\x1b\]0;owned\\x07"
+                                         r"\\x1b\[2K\\rok: evaluation passed listed in the manifest is missing"):
+        pcdist.evaluate(run)
+    (run / evil).symlink_to(tmp_path)
+    out = cli("evaluate", run, check=False)
+    assert out.returncode == 2 and "\x1b" not in out.stderr and "\r" not in out.stderr, repr(out.stderr)
+    assert "holds links (\\x1b]0;owned\\x07\\x1b[2K\\rok: evaluation passed -> " in out.stderr, out.stderr
+
+
 def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_path, monkeypatch):
     """A ${oc.env:...} or ${pcdist.new_run_dir:...} in a run's config is that string to pcdist.load, to evaluate
     with overrides and to a resume: nothing is read from the environment, no folder is made. A folder in

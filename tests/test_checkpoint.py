@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,31 +90,35 @@ def test_resume_after_a_damaged_checkpoint_says_so_and_redoes_the_lost_steps(tmp
     assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[:2] == [f"resume: skipped the damaged checkpoint step-00000008 ({layer_file.name}: checksum mismatch "
-                         f"(truncated or corrupted)); resuming from the newest valid one, step-00000004",
+                         f"(truncated or corrupted)); resuming from the newest valid one, step-00000004 (the damaged "
+                         f"one is kept as <name>.damaged)",
                          f"resumed from {run_dir / 'checkpoints/step-00000004'} at step 4 of 8 with the run's own "
                          f"settings (config: configs/attempt-2.yaml)"], lines
     redone = torch.load(next((run_dir / "checkpoints/step-00000008").glob("layers-*.pt")), weights_only=True)
     for k, v in good["layers"].items():
         torch.testing.assert_close(redone["layers"][k], v, atol=1e-6, rtol=0)
+    assert (run_dir / "checkpoints/step-00000008.damaged" / layer_file.name).stat().st_size == 100
     again = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/energy" in r]
     assert [r["step"] for r in again] == list(range(1, 9)), "every step once: the rows after step 4 were dropped"
     for a, b in zip(first, again):
         assert b["train/energy"] == pytest.approx(a["train/energy"], rel=1e-5), a["step"]
 
 
-def test_pruning_after_a_skipped_damaged_checkpoint_keeps_what_the_run_wrote(two_checkpoints, tmp_path):
-    """A resume from step 4 that skipped a damaged step 8 and stops at step 6 with ckpt_keep=1: pruning keeps the
-    newest checkpoint up to the step just written (step 6), never the damaged later one in its place; the next
-    resume starts from step 6 and writes step 8 anew over the damaged one."""
+def test_a_skipped_damaged_checkpoint_is_set_aside_and_never_takes_a_good_ones_place(two_checkpoints, tmp_path):
+    """A resume from step 4 that skipped a damaged step 8 keeps it as step-00000008.damaged (for a look) and trains
+    on past it: with checkpoints every 3 steps and ckpt_keep=2 the two newest good ones stay (6 and 9; the damaged
+    one counted among them pruned the good step 6), and a later resume never meets the damaged one again."""
     run = copy_run(two_checkpoints, tmp_path / "run")
     truncate(next((run / "checkpoints" / "step-00000008").glob("layers-*.pt")))
-    settings = {"run_dir": str(run), "trainer.ckpt_every": 2, "logger.plots": False}
-    pcdist.train({**settings, "trainer.stop_at": 6, "trainer.ckpt_keep": 1})
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000006", "step-00000008"]
-    with pytest.warns(UserWarning, match="skipping damaged checkpoint .*step-00000008"):
-        assert latest_checkpoint(run) == run / "checkpoints" / "step-00000006"
-    pcdist.train(settings)
-    assert pcdist.load(run).step == 8 and latest_checkpoint(run) == run / "checkpoints" / "step-00000008"
+    pcdist.train({"run_dir": str(run), "trainer.ckpt_every": 3, "trainer.ckpt_keep": 2, "trainer.max_steps": 9,
+                  "logger.plots": False})
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000006", "step-00000008.damaged", "step-00000009"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no damaged checkpoint met, so no warning
+        assert latest_checkpoint(run) == run / "checkpoints" / "step-00000009"
+    pcdist.train({"run_dir": str(run), "trainer.max_steps": 12, "trainer.ckpt_every": 3, "logger.plots": False})
+    assert pcdist.load(run).step == 12 and (run / "checkpoints" / "step-00000008.damaged").is_dir()
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_untouched(tmp_path):

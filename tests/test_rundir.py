@@ -180,10 +180,11 @@ def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12
 
 
 def test_the_policy_table_covers_what_a_resume_cannot_change():
-    """The refusals docs/service.md documents: the model group, the data set and split, the seed, the batch size,
-    the optimizer."""
+    """The refusals docs/service.md documents: the model group, the data set and split, the input normalization
+    (recorded once per run, in model.json), the seed, the batch size, the optimizer."""
     refused = {k for k, (decision, _) in ON_RESUME.items() if decision == "refused"}
-    assert {"model", "data.name", "data.val_fraction", "trainer.seed", "trainer.batch_size", "optim.name"} <= refused
+    assert {"model", "data.name", "data.val_fraction", "data.normalize", "trainer.seed", "trainer.batch_size",
+            "optim.name"} <= refused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,8 +353,9 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_left_as_it_is(tmp_p
 def test_a_launch_stopped_before_it_logged_anything_is_started_over(tmp_path):
     """Ctrl-C or SIGTERM during a launch's start can land after it made its files and before it logged a step
     (it leaves an empty train.log and metrics.jsonl, and model.json): nothing there can mix with a new run, so a
-    rerun starts the run over there, saying so in one line. A half-written first checkpoint (checkpoints/ with
-    a step-*.tmp) is something the run saved, and still refused."""
+    rerun starts the run over there, saying so in one line. Files of those names that pcdist did not write (a
+    project's config.yaml) are refused, and so is a half-written first checkpoint (checkpoints/ with a step-*.tmp),
+    something the run saved."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("train.log", "metrics.jsonl"):
@@ -363,6 +365,17 @@ def test_a_launch_stopped_before_it_logged_anything_is_started_over(tmp_path):
     assert said[0].endswith(f"start: {run_dir} holds the files of a launch that stopped before it logged a step "
                             f"(metrics.jsonl, train.log): the run starts over there"), said[:2]
     assert "new run in" in said[1] and pcdist.load(run_dir).step == 24
+    mine = tmp_path / "project"  # a folder of files pcdist did not write: a project's own, given as hydra.run.dir
+    for name, text in (("config.yaml", "lr: 0.1\n"), ("model.json", '{"arch": "resnet"}'),
+                       ("train.log", "epoch 1 loss 0.3\n")):
+        (mine / name).parent.mkdir(exist_ok=True)
+        (mine / name).write_text(text)
+        with pytest.raises(pcdist.ConfigError, match=f"^{re.escape(str(mine))} holds files that pcdist did not write "
+                                                     f".{name}., which a run there would overwrite; nothing was "
+                                                     f"changed: choose a new run directory"):
+            pcdist.train(cfg(mine))
+        assert (mine / name).read_text() == text and sorted(p.name for p in mine.iterdir()) == [name]
+        (mine / name).unlink()
     again = tmp_path / "again"
     (again / "checkpoints" / "step-00000012.tmp").mkdir(parents=True)
     (again / "train.log").write_text("")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import barrier
-from ..errors import CheckpointError
+from ..errors import CheckpointError, printable
 from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
@@ -133,6 +133,15 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
     return final
 
 
+def set_aside(skipped: list[tuple[Path, str]]) -> None:
+    """The damaged checkpoints a resume skipped (``newest_valid``), renamed ``step-<N>.damaged`` once the run
+    continues: kept for a look, but never again one of the ``ckpt_keep`` newest (a good older one would be pruned
+    in its place) nor met by a later resume."""
+    for path, _ in skipped:
+        if path.is_dir():
+            os.replace(path, path.with_name(path.name + ".damaged"))
+
+
 def _step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[1])
 
@@ -169,7 +178,7 @@ def newest_valid(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str
             _verify(path)
             return path, skipped
         except CheckpointError as e:
-            skipped.append((path, str(e).replace(f"{path}/", "").replace(f"{path}: ", "")))
+            skipped.append((path, printable(str(e).replace(f"{path}/", "").replace(f"{path}: ", ""))))
     return None, skipped
 
 

@@ -39,7 +39,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of m
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
 from .config import CONF_DIR, Config, check_overrides, command, config_keys, groups, load_config  # noqa: E402
-from ..errors import PeerError  # noqa: E402
+from ..errors import PeerError, printable  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -61,7 +61,7 @@ def fail(message: str, status: int = 2) -> None:
     if local != 0:
         time.sleep(3)
     where = f" (rank {os.environ.get('RANK', local)})" if local else ""
-    print(f"error{where}: {message}", file=sys.stderr, flush=True)
+    print(f"error{where}: {printable(message, keep=chr(10))}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

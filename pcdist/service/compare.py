@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import RunError
+from ..errors import RunError, printable
 from .metrics import _save, replace_file, subplots, read_metrics
 from .config import flat
 
@@ -144,7 +144,7 @@ def _cell(v) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(v))
+    return printable(v)
 
 
 def _csv_value(v):

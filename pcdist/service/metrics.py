@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 
 __all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "truncate_jsonl", "check_logger",
            "progress_line", "plot_training", "plot_inference", "plot_heatmap"]
@@ -153,6 +153,7 @@ class RunLogger(NullLogger):
 
     def say(self, line: str) -> None:
         """A line about the run (mesh, new run or resume, the end): on stdout and in train.log."""
+        line = printable(line, keep="\n")  # names read from the run folder: never a control sequence
         self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
         if self._bar is not None:
             self._bar.write(line)

@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_pt
 from .config import Config, command, flat, literal, load_config, passed_settings
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
            "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
@@ -135,6 +135,8 @@ ON_RESUME: dict[str, tuple[str, str]] = {
     "data.synthetic_val": (REFUSE, "it changes the data set"),
     "data.num_classes": (REFUSE, "it changes the model's output"),
     "data.signal": (REFUSE, "it changes the model's input shape"),
+    "data.normalize": (REFUSE, "it changes the inputs the model takes, and model.json records the run's once, for "
+                               "every checkpoint kept"),
     "trainer.batch_size": (REFUSE, "it changes the global batches (the data order) and what a step is"),
     "trainer.seed": (REFUSE, "it changes the initial weights and the data order"),
     "optim.name": (REFUSE, "the checkpoint holds the other optimizer's state"),
@@ -222,8 +224,9 @@ class Resume:
         if not self.skipped:
             return None
         named = "; ".join(f"{p.name} ({why})" for p, why in self.skipped)
-        return (f"resume: skipped the damaged checkpoint{'s' * (len(self.skipped) > 1)} {named}; resuming from the "
-                f"newest valid one, {self.checkpoint.name}")
+        many = len(self.skipped) > 1
+        return (f"resume: skipped the damaged checkpoint{'s' * many} {named}; resuming from the newest valid one, "
+                f"{self.checkpoint.name} (the damaged one{'s are' if many else ' is'} kept as <name>.damaged)")
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "config.yaml", "configs", "PREEMPTED", "diagnostics.jsonl",
@@ -248,13 +251,15 @@ def links_in(run_dir: Path) -> list[str]:
             for e in entries:
                 rel = os.path.relpath(e.path, run_dir)
                 if e.is_symlink():
-                    found.append(f"{rel} -> {os.readlink(e.path)}")
+                    found.append(printable(f"{rel} -> {os.readlink(e.path)}"))
                 elif e.is_dir(follow_symlinks=False):
                     if rel != "wandb":
                         walk(e.path)
                 elif e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_nlink > 1:
-                    found.append(f"{rel} (a hard link)")
+                    found.append(printable(f"{rel} (a hard link)"))
 
+    if Path(run_dir).is_symlink():  # the directory itself: a job folder of a sweep one was sent, say
+        return [printable(f"the directory itself -> {os.readlink(run_dir)}")]
     if Path(run_dir).is_dir():
         walk(str(run_dir))
     return sorted(found)
@@ -426,6 +431,10 @@ def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarte
         raise ConfigError(f"cannot resume {run_dir}: every checkpoint in it is damaged ({named}); nothing in it was "
                           f"changed: restore its checkpoints, or {_elsewhere(sweep)}")
     found = run_files(run_dir)
+    foreign = [] if restarted else _not_written_by_pcdist(run_dir)
+    if foreign:
+        raise ConfigError(f"{run_dir} holds files that pcdist did not write ({', '.join(foreign)}), which a run there "
+                          f"would overwrite; nothing was changed: {_elsewhere(sweep)}")
     if found and not restarted and not _logged(run_dir):
         return found
     if found and not restarted:
@@ -436,6 +445,40 @@ def _refuse_without_checkpoint(c: Config, run_dir: Path, skipped: list, restarte
         raise ConfigError(f"resume=require but {run_dir} holds no checkpoint to resume; check the directory "
                           f"(hydra.run.dir, or the config key run_dir) or drop resume=require to start a new run")
     return []
+
+
+def _not_written_by_pcdist(run_dir: Path) -> list[str]:
+    """The files of a run's names in ``run_dir`` that are not what pcdist writes there (a project's own
+    config.yaml, in a folder given as hydra.run.dir=.): config.yaml a mapping of pcdist's config groups,
+    model.json its layer record, configs/ attempt files only, train.log lines that start with their time."""
+    def config_yaml(p: Path) -> bool:
+        text = yaml.safe_load(p.read_text())
+        return isinstance(text, dict) and {"model", "data", "pc", "trainer"} <= set(text)
+
+    def model_json(p: Path) -> bool:
+        text = json.loads(p.read_text())
+        return isinstance(text, dict) and {"format", "layers", "inputs"} <= set(text)
+
+    def configs(p: Path) -> bool:
+        return p.is_dir() and all(re.fullmatch(r"attempt-\d+\.yaml", q.name) for q in p.iterdir())
+
+    def train_log(p: Path) -> bool:
+        with open(p, errors="replace") as f:
+            first = f.readline()
+        return first == "" or re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  ", first) is not None
+
+    foreign = []
+    for name, ours in (("config.yaml", config_yaml), ("model.json", model_json), ("configs", configs),
+                       ("train.log", train_log)):
+        path = Path(run_dir) / name
+        if not path.exists():
+            continue
+        try:
+            if not ours(path):
+                foreign.append(name)
+        except (OSError, ValueError, yaml.YAMLError):  # unreadable, or not the format pcdist writes
+            foreign.append(name)
+    return foreign
 
 
 def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside
 from .config import Config, network_options
 from .data import DataError, StreamedData
 from .datachecks import load_data, num_train, signals_hint
@@ -107,6 +107,7 @@ class ServiceTrainer:
             restore_checkpoint(self.resume, self.network, self.optimizer, self.scheduler)  # (a refusal: before any
             if self.is_rank0:  # write) once the run will train: a finished or refused launch writes nothing
                 record_model(config, self.run_dir, self.specs, self.network, self.inputs, user)
+                set_aside(self.resume.skipped)
             if self.parallel.is_logging:
                 self.dropped = forget_lost_steps(self.run_dir, self.step)
             self.logger = self._make_logger()
