@@ -52,6 +52,8 @@ def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path, capsys):
     assert proc.returncode == 3, out[-3000:]
     step = int((run_dir / "PREEMPTED").read_text())
     assert 0 < step < 4000 and f"pre-empted: stopped by a signal after step {step}" in out
+    assert f"  pre-empted: stopped by a signal after step {step}" in (run_dir / "train.log").read_text(), \
+        "the run's record says so too (a requeued job's reader has train.log)"
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step:08d}"
     capsys.readouterr()
     pcdist.train([*LONG, f"trainer.stop_at={step + 5}", f"run_dir={run_dir}"])  # the rerun, as train.py runs it
@@ -86,6 +88,7 @@ def interrupted_step(out: str, run_dir) -> int:
     assert lines[0] == (f"interrupted: stopped by Ctrl-C (SIGINT) after step {step}; checkpoint "
                         f"{run_dir / 'checkpoints' / f'step-{step:08d}'}; to resume: python train.py "
                         f"hydra.run.dir={run_dir}")
+    assert f"  {lines[0]}\n" in (run_dir / "train.log").read_text(), "train.log holds the line too"
     return step
 
 

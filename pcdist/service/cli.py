@@ -272,11 +272,9 @@ def _train(cfg) -> float | None:
         passed = passed_settings(list(HydraConfig.get().overrides.task))  # a resume applies only these
         result = run(c, passed, sweep=sweep)
     except pcdist.Preempted as e:
-        # checkpointed; the exit status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
-        interrupted = e.signal == signal.SIGINT
-        if int(os.environ.get("RANK", "0") or 0) == 0:  # every rank stops after the same step: one line says so
-            print(f"{'interrupted' if interrupted else 'pre-empted'}: {e}", flush=True)
-        sys.exit(130 if interrupted else preempted_status())
+        # checkpointed, and said so (the logging rank's "interrupted: ..." or "pre-empted: ..." line); the exit
+        # status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
+        sys.exit(130 if e.signal == signal.SIGINT else preempted_status())
     except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, the end-of-run evaluation): at once
         _remove_new_dirs()
         print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"

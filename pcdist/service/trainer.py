@@ -309,7 +309,10 @@ class ServiceTrainer:
             # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
             if self.is_rank0 and stop != signal.SIGINT:
                 (self.run_dir / "PREEMPTED").write_text(f"{done}\n")
-            raise Preempted(stop_message(stop, done, path, resume_command(self.config, self.run_dir)), stop)
+            message = stop_message(stop, done, path, resume_command(self.config, self.run_dir))
+            # one line, on the terminal and in train.log (the record a requeued job's reader has)
+            self.logger.say(f"{'interrupted' if stop == signal.SIGINT else 'pre-empted'}: {message}")
+            raise Preempted(message, stop)
 
     def _log_step(self, stats: dict | None, x, y, done: int) -> dict | None:
         """A logged step: the batch's accuracy after its update (collective, supervised), then its metrics
