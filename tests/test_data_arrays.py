@@ -30,21 +30,28 @@ def save_npz(path, x_train, y_train, x_val, y_val, **extra):
     return path
 
 
-def test_train_py_trains_on_an_npz_of_images_with_three_classes(tmp_path):
-    """data=arrays data.path=my.npz through the real train.py: images [N, 1, 8, 8], 3 classes, learned well
-    beyond chance (1/3); the run records where the data came from."""
+def test_train_py_trains_on_an_npz_of_images_with_three_classes(tmp_path, monkeypatch):
+    """data=arrays data.path=three.npz through the real train.py: images [N, 1, 8, 8], 3 classes, learned well
+    beyond chance (1/3); the run records where the data came from as an absolute path, so that evaluating it from
+    another folder, which holds a three.npz of its own (its labels shuffled), reads the run's data all the same."""
     npz = save_npz(tmp_path / "three.npz", *digits_images(3))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", f"data.path={npz}",
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=arrays", "data.path=three.npz",
                           "model.dims=[64,32,3]", "trainer.max_steps=30", "trainer.eval_every=30",
                           "trainer.batch_size=32", "logger=none", "logger.plots=false", "trainer.progress=off",
                           f"hydra.run.dir={run_dir}"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(out.stdout.split("val/accuracy ")[1].split(";")[0])
     assert accuracy > 0.8, "digits 0, 1, 2 are easy: 30 steps must learn them far beyond chance (1/3)"
     saved = (run_dir / "config.yaml").read_text()
-    assert "name: arrays" in saved and f"path: {npz}" in saved
+    assert "name: arrays" in saved and f"path: {npz}\n" in saved
+    x, y, xv, yv = digits_images(3)
+    rng = np.random.default_rng(0)
+    (tmp_path / "other").mkdir()
+    save_npz(tmp_path / "other" / "three.npz", x, rng.permutation(y), xv, rng.permutation(yv))
+    monkeypatch.chdir(tmp_path / "other")
+    assert pcdist.evaluate(run_dir)["accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
 def test_inputs_keep_their_shape_and_dtype_rules(tmp_path):

@@ -73,6 +73,9 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
         c.data.name = PYTHON_DATA
         if passed is not None:
             passed["data.name"] = "data=... (pcdist.train's argument)"
+    for key in ("path", "root"):  # where the data is, as a path from anywhere: a resume or evaluate started in another
+        if getattr(c.data, key) is not None:  # folder reads the same files (not that folder's files of that name)
+            setattr(c.data, key, os.path.abspath(os.path.expanduser(getattr(c.data, key))))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
     first = int(os.environ.get("RANK", "0")) == 0  # holds the directory for the launch (the others share it)
