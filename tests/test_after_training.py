@@ -300,11 +300,17 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
 
 def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
     """A mistyped key after `evaluate` gets the did-you-mean the training command gives, and every such line
-    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py)."""
+    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py). A key an
+    evaluation cannot change (the model, the input preparation, the split) is refused, naming what it takes."""
     run_dir, _ = digits_run
     out = cli("evaluate", run_dir, "pc.TT=40", cwd=tmp_path, check=False)
     assert out.returncode == 2 and out.stderr == ("error: unknown config key pc.TT in override 'pc.TT=40'; did you "
                                                   "mean pc.T? (python -m pcdist --help lists every key)\n")
+    for key in ("model.dims=[64,10]", "data.normalize=false", "model.energy=se", "data.val_fraction=0.5"):
+        # keys an evaluation cannot change (they were accepted and did nothing, or model.energy half of something)
+        with pytest.raises(pcdist.RunError, match=rf"^{re.escape(key)}: an evaluation takes pc.\* \(the inference\), "
+                                                  rf"data.root and data.path"):
+            pcdist.evaluate(run_dir, [key], write=False)
     for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
                     [sys.executable, str(ROOT / "train.py")]):
         out = subprocess.run([*command, "pc.TT=40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)

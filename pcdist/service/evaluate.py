@@ -35,6 +35,12 @@ from .rundir import links_in, links_refusal
 __all__ = ["evaluate", "predict", "EVALUATORS", "held_out_test", "read_inputs"]
 
 
+EVAL_KEYS = ("pc.", "data.root", "data.path", "data.num_workers", "data.prefetch_factor", "trainer.precision")
+"""What an evaluation's overrides may set: the inference (``pc.*``), where the data is and how it is read, the
+products' precision. The rest is the run's own: its layers and input preparation come from model.json and the
+checkpoint, its held-out split from its data settings."""
+
+
 def _with_overrides(c: Config, overrides) -> Config:
     """The run's config with command-line style overrides (``["pc.T=50", "data.root=/data"]``) applied."""
     from dataclasses import asdict
@@ -49,6 +55,11 @@ def _with_overrides(c: Config, overrides) -> Config:
         if OmegaConf.select(base, key, default="__missing__") == "__missing__":
             raise RunError(f"unknown config key {key} in override {o!r}{did_you_mean(key, config_keys())} "
                            f"({command()} --help lists every key)")
+        if not any(key == k or key.startswith(k) and k.endswith(".") for k in EVAL_KEYS):
+            raise RunError(f"{o}: an evaluation takes pc.* (the inference), data.root and data.path (where the data "
+                           f"moved), data.num_workers, data.prefetch_factor and trainer.precision; {key} is the "
+                           f"run's own (its layers and input preparation come from model.json and its checkpoint, "
+                           f"its held-out split from its data settings)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
     return load_config(base)
 
