@@ -93,6 +93,10 @@ def _agree(par, ok: bool) -> bool:
     return bool(t.item() > 0.5)
 
 
+CHOSEN_FOR = ("T", "solver", "init", "value_optimizer", "x_momentum", "algorithm")
+"""The pc.* settings the step is chosen at (kept in x_lr.json beside it)."""
+
+
 def saved_x_lr(run_dir: str | Path) -> float | None:
     """The step a run with pc.x_lr=auto chose (its x_lr.json), None if it has none."""
     path = Path(run_dir) / FILE
@@ -127,7 +131,12 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: b
     if saved is not None:
         trainer.x_lr = saved
         if is_logging:
-            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({FILE})")
+            at = json.loads((run_dir / FILE).read_text()).get("chosen_for", {})
+            moved = [f"pc.{k} {at[k]} -> {getattr(c.pc, k)}" for k in CHOSEN_FOR
+                     if k in at and at[k] != getattr(c.pc, k)]
+            note = (f"; it was chosen at other settings ({', '.join(moved)}) and is kept: set pc.x_lr to a number to "
+                    f"change it" if moved else "")
+            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({FILE}){note}")
         return saved
     x_lr, rows = choose_x_lr(trainer, batches, c.trainer.batch_size)
     if is_logging:
@@ -141,5 +150,7 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: b
         else:  # an init near equilibrium, say, whose update's cosine the step does not move
             say(f"pc.x_lr=auto: {x_lr:g}, the smallest step tried: none is a step whose {test} (tried {tried}; "
                 f"{FILE}); set pc.x_lr to a number for this run")
-        (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "candidates": rows}, indent=1))
+        chosen_for = {k: getattr(c.pc, k) for k in CHOSEN_FOR}
+        (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "chosen_for": chosen_for,
+                                                "candidates": rows}, indent=1))
     return x_lr
