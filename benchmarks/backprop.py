@@ -1,6 +1,7 @@
-"""PC against its backprop twin for every shipped preset: held-out accuracy and time per training step.
+"""PC against its backprop twin for every shipped supervised preset: held-out accuracy and time per training step.
 
-For each preset (the default digits MLP and every conf/experiment/ file) two service runs from
+For each preset (the default digits MLP and every supervised conf/experiment/ file; the twin trains the
+supervised feed-forward map, so the generative and unsupervised presets have none) two service runs from
 the same seed, one with the preset's ``pc.algorithm=pc`` and one with ``pc.algorithm=bp`` (the
 same network, data, optimizer, schedule and seed trained by autograd; pcdist/service/backprop.py),
 each for a step budget that fits a 2-core CPU (``BUDGET``: steps and batch size; the warm-up is
@@ -13,7 +14,7 @@ Time per step: after the runs, the PC step (PCTrainer) and the backprop step (Ba
 of the preset's network on one batch are timed side by side in this process, in interleaved
 rounds (PC then BP, then BP then PC), and the medians reported with their ratio.
 
-    python benchmarks/backprop.py                          # every preset (about 20 minutes on 2 busy cores)
+    python benchmarks/backprop.py                          # every supervised preset (about 20 minutes on 2 cores)
     python benchmarks/backprop.py --presets default pcx_mnist
     python benchmarks/backprop.py --tiny                   # a smoke test of the script (seconds)
 
@@ -164,12 +165,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
+    ap.add_argument("--presets", nargs="*", default=None, choices=PRESETS,
+                    help="default: every supervised preset (the twin trains the supervised feed-forward map)")
     ap.add_argument("--data-root", default=os.environ.get("PCDIST_DATA"), help="folder holding mnist/, cifar10/, ...")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per preset")
     ap.add_argument("--tiny", action="store_true", help="a few steps per preset: a smoke test of the script")
     ap.add_argument("--out", default=str(OUT / "backprop.json"))
     args = ap.parse_args()
+    if args.presets is None:
+        args.presets = [name for name in PRESETS if preset_config(name).pc.mode == "supervised"]
     torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second one waits for a busy core
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
