@@ -278,6 +278,33 @@ def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc
     assert not (run_dir / ".hydra").exists() and not (run_dir / "pcdist.log").exists(), "Hydra writes nothing there"
 
 
+def test_a_resume_checks_what_it_changes_against_the_run_s_own_settings(tmp_path, capsys):
+    """How keys go together is checked on the config the launch trains with: an MNIST run whose files moved
+    resumes with data.root=<the new place> (checked against data=mnist, not against conf/'s default digits, which
+    reads no data.root), and a two-layer run takes one precision per its two layers; the same keys on a fresh
+    launch over the defaults are still refused, naming the key."""
+    from datafiles import make_mnist
+
+    old = make_mnist(tmp_path / "m1", n_train=64)
+    run_dir = tmp_path / "run"
+    small = {"model": {"dims": [784, 16, 10]}, "trainer": {"max_steps": 4, "stop_at": 2, "ckpt_every": 2,
+                                                            "eval_every": 2, "batch_size": 16, "dtype": "float32"}}
+    pcdist.train(cfg(run_dir, data={"name": "mnist", "root": str(old)}, **small))
+    new = old.rename(tmp_path / "m2")
+    capsys.readouterr()
+    assert pcdist.train({"run_dir": str(run_dir), "data": {"root": str(new)}, "pc": {"precision": [1.0, 0.5]},
+                         "trainer": {"stop_at": None}})["step"] == 4
+    said = capsys.readouterr().out
+    assert f"resume: data.root changed {str(old)!r} -> {str(new)!r}: applied, with a warning" in said, said
+    assert "resume: pc.precision changed None -> [1.0, 0.5]: applied" in said, said
+    with pytest.raises(pcdist.ConfigError, match=r"^config data.root=.* is read by data=mnist, fashion_mnist"):
+        pcdist.train(cfg(tmp_path / "fresh", data={"root": str(new)}))
+    with pytest.raises(pcdist.ConfigError, match=r"^config pc.precision=\[1.0, 0.5\] is invalid: allowed a number or "
+                                                 r"one number per layer \(3\)"):
+        pcdist.train(cfg(tmp_path / "fresh", pc={"precision": [1.0, 0.5]}, model={"dims": [64, 16, 16, 10]}))
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_a_resume_refused_at_its_checkpoint_changes_nothing_in_the_run_directory(tmp_path):
     """A model that the settings do not show (a conv net on in-memory images of another size) is refused where
     the checkpoint is read, naming both models: model.json, the run's record of its layers and input

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..distributed.parallel import ParallelDims
 from ..errors import ConfigError
-from .config import Config, num_layers
+from .config import Config, check_combination, num_layers
 from .data import DataError, check_files
 from .datachecks import check_model_on_data
 from .device import pick_device
@@ -52,6 +52,7 @@ def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_
         c.run_dir = str(run_dir)
         if run_dir.is_dir():
             c = find_resume(c, run_dir, passed, sweep).config
+    check_combination(c)
     check_length(c, passed)
     check_model_keys(c, passed)
     check_optim_keys(c, passed)

@@ -27,12 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError
 from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
-                     num_layers, validate)
+                     check_combination, num_layers, validate)
 
 __all__ = ["Config", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
-           "validate", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean", "check_overrides", "groups",
-           "passed_settings", "choice_keys", "flat", "command", "PYTHON_DATA", "PYTHON_MODEL", "BP", "RESUME"]
+           "validate", "check_combination", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean",
+           "check_overrides", "groups", "passed_settings", "choice_keys", "flat", "command", "PYTHON_DATA",
+           "PYTHON_MODEL", "BP", "RESUME"]
 
 
 def _conf_dir() -> Path:
@@ -220,7 +221,8 @@ def literal(tree: Any) -> Any:
 
 
 def load_config(cfg: Any) -> Config:
-    """A validated Config from a DictConfig/dict (unknown keys and wrong types name the key)."""
+    """A validated Config from a DictConfig/dict (unknown keys and wrong types name the key; each key's range: how
+    the keys go together is checked on the config a launch trains with, ``check_combination``)."""
     base = OmegaConf.structured(Config)
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)

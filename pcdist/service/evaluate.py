@@ -23,7 +23,8 @@ import torch
 from ..engine.energies import energy_of
 from ..engine.precision import restore_tf32, tf32_state
 from ..engine.trainer import PCTrainer
-from .config import PYTHON_DATA, Config, command, config_keys, did_you_mean, literal, load_config
+from .config import (PYTHON_DATA, Config, check_combination, command, config_keys, did_you_mean, literal,
+                     load_config)
 from .data import Dataset, StreamedData, load_dataset
 from .autostep import method_options, resolve_x_lr
 from .evaluators import EVALUATORS
@@ -61,7 +62,9 @@ def _with_overrides(c: Config, overrides) -> Config:
                            f"run's own (its layers and input preparation come from model.json and its checkpoint, "
                            f"its held-out split from its data settings)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
-    return load_config(base)
+    c = load_config(base)
+    check_combination(c)
+    return c
 
 
 def yaml_value(text: str):

@@ -24,7 +24,7 @@ from ..distributed.parallel import init_distributed, leave_process_group
 from ..engine.precision import restore_tf32, tf32_state
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, flat, make_config, passed_settings
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, check_combination, flat, make_config, passed_settings
 from .checkpoint import CheckpointError
 from .data import DataError, Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
@@ -91,6 +91,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
 def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None, world: int, sweep: bool) -> Result:
     resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
+    check_combination(c)
     check_length(c, passed)
     check_model_keys(c, passed)
     check_optim_keys(c, passed)

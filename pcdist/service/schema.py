@@ -137,8 +137,18 @@ class DataConfig:
 
 
     def check(self) -> None:
-        """Refuse a value out of its key's range, or a key the chosen data set does not read."""
+        """Refuse a value out of its key's range."""
         _check(self.name in DATASETS or self.name == PYTHON_DATA, "data.name", self.name, ", ".join(DATASETS))
+        _check(self.num_classes is None or self.num_classes >= 1, "data.num_classes", self.num_classes,
+               "null or an integer >= 1")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
+        _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "an integer >= 1")
+        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a fraction in (0, 1)")
+        _check(self.synthetic_train >= 1 and self.synthetic_val >= 1, "data.synthetic_train", self.synthetic_train,
+               "sizes >= 1")
+
+    def check_reads(self) -> None:
+        """Refuse a key the chosen data set does not read (``check_combination``)."""
         if self.path is not None and self.name != "arrays":
             raise ConfigError(f"config data.path={self.path} is read by data=arrays only, but the data is {self.name}: "
                               f"add data=arrays (or leave out data.path)")
@@ -146,15 +156,8 @@ class DataConfig:
             raise ConfigError(f"config data.root={self.root} is read by data={', '.join(ROOT_DATASETS)} only, but the "
                               f"data is {self.name}: choose one of them (or leave out data.root; your own arrays: "
                               f"data=arrays data.path=...)")
-        _check(self.num_classes is None or self.num_classes >= 1, "data.num_classes", self.num_classes,
-               "null or an integer >= 1")
         _check(self.num_classes is None or self.name in ("arrays", PYTHON_DATA), "data.num_classes", self.num_classes,
                f"null with data={self.name} (it has its own classes; data.num_classes is read by data=arrays)")
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
-        _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "an integer >= 1")
-        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a fraction in (0, 1)")
-        _check(self.synthetic_train >= 1 and self.synthetic_val >= 1, "data.synthetic_train", self.synthetic_train,
-               "sizes >= 1")
         _check(not self.signal or self.name == "arrays", "data.signal", self.signal,
                f"false with data={self.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
 
@@ -464,15 +467,26 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 def validate(c: Config) -> None:
     """Raise ConfigError naming the first key whose value is out of range: each group's own keys (its dataclass's
     ``check``; the model's: its ``Model.check`` in pcdist/service/models.py), then what spans groups."""
-    from .models import MODELS, model_of, modes_allowed  # the registry reads this module's Config
+    from .models import MODELS, model_of  # the registry reads this module's Config
+
+    m = c.model
+    _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
+    for group in (m, c.data, c.pc, c.optim, c.parallel, c.trainer, c.logger):
+        group.check()
+    model_of(c).check(m)
+    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
+
+
+def check_combination(c: Config) -> None:
+    """Raise ConfigError naming the first key that does not go with the others: a data key the data set does not
+    read, what spans groups (the model and the mode, the precisions and the layers, the mesh and the batch). Run
+    on the config a launch will train with: on a resume, the run's own settings with what the launch changes (a
+    moved data.root for an MNIST run is checked against data=mnist, not against conf/'s default digits)."""
+    from .models import model_of, modes_allowed  # the registry reads this module's Config
 
     m, pc, o, p, t = c.model, c.pc, c.optim, c.parallel, c.trainer
-    _check(m.name in MODELS or m.name == PYTHON_MODEL, "model.name", m.name, ", ".join(MODELS))
     model = model_of(c)
-    for group in (m, c.data, pc, o, p, t, c.logger):
-        group.check()
-    model.check(m)
-    _check(c.resume in RESUME, "resume", c.resume, ", ".join(RESUME))
+    c.data.check_reads()
     _check(not isinstance(pc.precision, list) or len(pc.precision) == num_layers(c), "pc.precision", pc.precision,
            f"a number or one number per layer ({num_layers(c)})")
     _check(pc.mode in model.modes, "model.name", m.name,
