@@ -300,12 +300,19 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
 
 def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_path):
     """A mistyped key after `evaluate` gets the did-you-mean the training command gives, and every such line
-    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py). A key an
-    evaluation cannot change (the model, the input preparation, the split) is refused, naming what it takes."""
+    points to the --help of the command the user typed (python -m pcdist, pcdist-train, python train.py); so does
+    a mistyped command. A key an evaluation cannot change (the model, the input preparation, the split) is refused,
+    naming what it takes."""
     run_dir, _ = digits_run
     out = cli("evaluate", run_dir, "pc.TT=40", cwd=tmp_path, check=False)
     assert out.returncode == 2 and out.stderr == ("error: unknown config key pc.TT in override 'pc.TT=40'; did you "
                                                   "mean pc.T? (python -m pcdist --help lists every key)\n")
+    out = cli("evalute", run_dir, cwd=tmp_path, check=False)  # a mistyped command: not an override without a value
+    assert out.returncode == 2 and out.stderr == ("error: evalute: no such command; did you mean evaluate? (the "
+                                                  "commands: evaluate, predict, export, compare; training takes "
+                                                  "key=value overrides: python -m pcdist --help)\n"), out.stderr
+    out = cli("evaluate", cwd=tmp_path, check=False)
+    assert out.returncode == 2 and out.stderr.endswith("error: the following arguments are required: run_dir\n")
     for key in ("model.dims=[64,10]", "data.normalize=false", "model.energy=se", "data.val_fraction=0.5"):
         # keys an evaluation cannot change (they were accepted and did nothing, or model.energy half of something)
         with pytest.raises(pcdist.RunError, match=rf"^{re.escape(key)}: an evaluation takes pc.\* \(the inference\), "
@@ -367,6 +374,11 @@ def test_user_layers_through_the_service_layer_parallel_resumed_and_reloaded(tmp
     finally:
         torch.set_num_threads(threads)
     assert json.loads((resumed / "model.json").read_text())["factory"] == "test_after_training:make_layers"
+    before = snapshot(resumed)  # a resume without the layers (the command line cannot pass them) says how to resume
+    with pytest.raises(pcdist.ConfigError, match=rf"^{re.escape(str(resumed))} was trained on layers passed to "
+                                                 rf"pcdist.train from Python; continue it there: pcdist.train\("):
+        pcdist.train({"run_dir": str(resumed), "trainer": {"max_steps": 30}})
+    assert snapshot(resumed) == before
     assert list((resumed / "wandb").glob("offline-run-*")), "wandb wrote its offline run"
     a, b = pcdist.load(resumed, trust_code=True), pcdist.load(straight, trust_code=True)
     for p, q in zip(a.network.parameters(), b.network.parameters()):  # as test_service's resume across splits

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import difflib
 import gc
 import io
 import os
@@ -411,11 +412,16 @@ def _main() -> None:
     import hydra
 
     from ..errors import ConfigError
-    from .commands import COMMANDS, main as command
+    from .commands import COMMANDS, main as run_command
 
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:  # after training: evaluate, predict, export, compare
         _started(api=sys.argv[1] != "compare")  # compare reads the runs' files and draws: no torch
-        sys.exit(command(sys.argv[1:]))
+        sys.exit(run_command(sys.argv[1:]))
+    word = sys.argv[1] if len(sys.argv) > 1 else "="
+    close = [] if "=" in word or word.startswith("-") else difflib.get_close_matches(word, COMMANDS, n=1)
+    if close:  # a mistyped command (evalute), which Hydra would read as an override without a value
+        fail(f"{word}: no such command; did you mean {close[0]}? (the commands: {', '.join(COMMANDS)}; training "
+             f"takes key=value overrides: {command()} --help)")
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
     end = len(sys.argv) - (sys.argv[-1] in ("--info", "-i"))  # (a bare --info stays last: it takes a value)

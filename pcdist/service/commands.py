@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     ev = sub.add_parser("evaluate", help="accuracy, energy, per-class accuracy -> RUN_DIR/eval.json, confusion.png")
     ev.add_argument("run_dir")
-    ev.add_argument("overrides", nargs="*", help="key=value for evaluation, e.g. pc.T=50 data.root=/data")
+    ev.add_argument("overrides", nargs="*", default=[], help="key=value for evaluation, e.g. pc.T=50 data.root=/data")
     pr = sub.add_parser("predict", help="logits and labels of raw inputs (an .npz with x) -> --out .npz")
     pr.add_argument("run_dir")
     pr.add_argument("inputs")

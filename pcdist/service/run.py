@@ -31,6 +31,7 @@ from .device import cpu_threads, pick_device, use_device
 from .models import check_model_keys
 from .optimizer import check_optim_keys
 from .preemption import Preempted
+from .resume import resume_command
 from .rundir import find_resume, lock_run_dir, next_run_dir, unlock_run_dir
 from .trainer import Result, ServiceTrainer
 from .userlayers import UserLayers
@@ -95,6 +96,11 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
     check_length(c, passed)
     check_model_keys(c, passed)
     check_optim_keys(c, passed)
+    missing = [what for what, gone in (("data", data is None and c.data.name == PYTHON_DATA),
+                                       ("layers", user is None and c.model.name == PYTHON_MODEL)) if gone]
+    if missing and resume.checkpoint is not None:  # (the command line cannot pass them)
+        raise ConfigError(f"{c.run_dir} was trained on {' and '.join(missing)} passed to pcdist.train from Python; "
+                          f"continue it there: {resume_command(c, c.run_dir)}")
     if data is None and c.data.name == PYTHON_DATA:
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
