@@ -54,8 +54,9 @@ def test_two_launches_at_once_write_two_directories_and_torchrun_ranks_agree(tmp
 
 def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path, monkeypatch):
     """One process: every call is new (the clock and random digits). Under torchrun the name depends on the
-    launch only (its rendezvous id, or the agent with the default id 'none'): every rank, every restart and
-    every later call for the same launch agrees; another launch differs."""
+    launch only (on one node its agent, so that a later launch reusing an --rdzv-id gets its own directory; on
+    several nodes the rendezvous id): every rank, every restart and every later call for the same launch agrees;
+    another launch differs."""
     assert new_run_dir(tmp_path) != new_run_dir(tmp_path)
     for run_id in (str(uuid.uuid4()), "none", "job-4711"):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
@@ -64,12 +65,20 @@ def test_new_names_differ_per_launch_and_agree_within_a_torchrun_launch(tmp_path
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # a restarted worker, even a day later
         assert new_run_dir(tmp_path) == first
         assert new_run_dir(tmp_path, call=2) not in (first, new_run_dir(tmp_path, call=3))
-        assert first.parent.parent == tmp_path and first.name.endswith(run_id[:8] if run_id != "none" else
-                                                                        f"p{os.getppid()}")
+        assert first.parent.parent == tmp_path and first.name.endswith(
+            {"none": f"p{os.getppid()}", "job-4711": f"job-4711-p{os.getppid()}"}.get(run_id, run_id[:8]))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", str(uuid.uuid4()))
     assert new_run_dir(tmp_path) != first
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-4711")  # a later launch on one node reusing the id: its own
+    reused = new_run_dir(tmp_path)
+    with monkeypatch.context() as later:
+        later.setattr(os, "getppid", os.getpid)  # another agent (this process: another pid and start time)
+        assert new_run_dir(tmp_path) != reused and new_run_dir(tmp_path).name.endswith(f"job-4711-p{os.getpid()}")
+        later.setenv("GROUP_WORLD_SIZE", "2")  # several nodes: the id is what they share, and names the launch
+        on_nodes = new_run_dir(tmp_path)
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert new_run_dir(tmp_path) == on_nodes
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     with pytest.raises(pcdist.ConfigError, match="torchrun on several nodes with the rendezvous id 'none': the ranks "
                                                  "cannot agree on a new run directory; pass --standalone or --rdzv-id"):
         new_run_dir(tmp_path)

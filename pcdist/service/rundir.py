@@ -49,23 +49,31 @@ _calls = itertools.count(1)
 
 
 def _launch_key() -> tuple[str, str]:
-    """(key, short name) of this torchrun launch: the same on every rank and restart, different between launches."""
+    """(key, short name) of this torchrun launch: the same on every rank and restart, different between launches.
+
+    On one node the launch is its agent (every local rank's parent, across restarts): a later launch given the
+    same --rdzv-id gets a directory of its own instead of continuing this one's run. On several nodes the
+    rendezvous id is what the nodes share, so it names the launch (give each launch its own: $SLURM_JOB_ID)."""
     run_id = os.environ["TORCHELASTIC_RUN_ID"]  # --standalone: a fresh uuid; else --rdzv-id (default "none")
-    if run_id != "none":
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
-        return safe, safe[:8] if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f-]{27}", run_id) else safe
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+    short = safe[:8] if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f-]{27}", run_id) else safe
     hint = ("pass --standalone or --rdzv-id=<an id unique to this run>, or name the directory: hydra.run.dir=... "
             "(in Python the config key run_dir: pcdist.train({\"run_dir\": ...}))")
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"torchrun on several nodes with the rendezvous id 'none': the ranks cannot agree on a new "
-                          f"run directory; {hint}")
+        if run_id == "none":
+            raise ConfigError(f"torchrun on several nodes with the rendezvous id 'none': the ranks cannot agree on a "
+                              f"new run directory; {hint}")
+        return safe, short
     ppid = os.getppid()  # the torchrun agent: the same for every local rank and across restarts
     try:  # its start time in clock ticks since boot (field 22 of /proc/<pid>/stat): tells reused pids apart
         started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
+        if run_id != "none":
+            return safe, short
         raise ConfigError(f"torchrun with the rendezvous id 'none' on a system without /proc: the ranks cannot agree "
                           f"on a new run directory; {hint}") from None
-    return f"agent-{ppid}-{started}", f"p{ppid}"
+    uuid = short != safe  # --standalone's fresh uuid: its own name already
+    return f"agent-{ppid}-{started}-{safe}", short if uuid else f"{safe}-p{ppid}" if run_id != "none" else f"p{ppid}"
 
 
 def _agreed_name(root: Path, key: str, short: str) -> str:
