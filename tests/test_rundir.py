@@ -261,6 +261,20 @@ def test_a_preset_run_resumes_without_repeating_the_preset(mupc_run, tmp_path):
     assert '# overrides: ["optim.lr=0.005"]' in (run_dir / "configs/attempt-2.yaml").read_text()
 
 
+def test_a_preset_passed_again_on_resume_comes_back_whole(tmp_path):
+    """experiment=X passed again on a resume sets every key the preset's file writes, those equal to conf/'s
+    defaults too (pc.prior_precision: 1.0): after a resume that changed pc.eval_T and pc.prior_precision, both
+    come back to the preset's values, not only the one that differs from the defaults."""
+    run_dir = tmp_path / "run"
+    small = ["logger=none", "logger.plots=false", "trainer.progress=off", "trainer.eval_every=1000",
+             f"run_dir={run_dir}"]
+    pcdist.train(["experiment=generative_digits", "trainer.max_steps=2", "pc.eval_T=5", *small])
+    pcdist.train(["trainer.max_steps=4", "pc.eval_T=6", "pc.prior_precision=0.5", *small])
+    pcdist.train(["experiment=generative_digits", "trainer.max_steps=6", "pc.eval_T=7", *small])
+    attempts = [yaml.safe_load((run_dir / f"configs/attempt-{n}.yaml").read_text())["pc"] for n in (1, 2, 3)]
+    assert [(a["eval_T"], a["prior_precision"]) for a in attempts] == [(5, 1.0), (6, 0.5), (7, 1.0)]
+
+
 def test_a_refused_or_pointless_resume_changes_nothing_in_the_run_directory(mupc_run, tmp_path):
     """A refusal names the override to leave out (or, for a config composed whole, the run's own to add back);
     neither it nor a rerun of a finished run writes anything into the directory."""

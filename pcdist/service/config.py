@@ -190,7 +190,10 @@ def choice_keys(choice: str) -> tuple[str, ...]:
     """The keys a group choice (``model=cnn``) sets: every key of its group's section, and any other its file
     changes from the defaults. A file that holds its section only (no ``@package`` line, no defaults list:
     ``logger=none``, ``optim=sgd``) sets that section's keys alone, read from the schema; any other is composed
-    with and without the choice. Cached: the same choice always sets the same keys."""
+    with and without the choice. An experiment also sets every key its file writes and those of the group
+    choices its defaults list makes, equal to the defaults or not (``pc.prior_precision: 1.0``: passed again on
+    a resume, the whole preset comes back, not the part that differs from conf/). Cached: the same choice always
+    sets the same keys."""
     group, option = choice.split("=", 1)
     path = CONF_DIR / group / f"{option}.yaml"
     text = path.read_text() if path.is_file() else "@package"
@@ -198,7 +201,17 @@ def choice_keys(choice: str) -> tuple[str, ...]:
         return tuple(k for k in config_keys() if k.split(".")[0] == group)
     default = _defaults()
     chosen = flat(OmegaConf.to_container(compose([choice]), resolve=True))
-    return tuple(k for k, v in chosen.items() if k.split(".")[0] == group or default.get(k, v) != v or k not in default)
+    keys = [k for k, v in chosen.items() if k.split(".")[0] == group or default.get(k, v) != v or k not in default]
+    if group == "experiment":
+        body = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+        written = set(flat({k: v for k, v in body.items() if k != "defaults"}))
+        for entry in body.get("defaults", []):
+            for name, option in (entry.items() if isinstance(entry, dict) else ()):
+                name = name.replace("override", "").strip().lstrip("/")
+                if (CONF_DIR / name).is_dir():
+                    written |= set(choice_keys(f"{name}={option}"))
+        keys += [k for k in chosen if k in written and k not in keys]
+    return tuple(keys)
 
 
 @functools.lru_cache(maxsize=1)
