@@ -70,3 +70,13 @@ def test_the_keys_a_group_choice_sets_are_those_its_composition_changes(choice):
     composed = {k for k, v in chosen.items() if k.split(".")[0] == group or default.get(k, v) != v or k not in default}
     assert set(choice_keys(choice)) == composed
     assert len(choice_keys(choice)) == len(composed), "each key once"
+
+
+def test_a_choice_that_names_no_option_of_conf_reads_no_file(tmp_path):
+    """What a resume applies of a choice named in a run folder's attempt file (text one may have been sent): an
+    option that is no name of a file in conf/ ("model=../../outside") sets no key and reads no file outside conf/
+    (a YAML there would otherwise be composed as the choice)."""
+    outside = tmp_path / "outside.yaml"
+    outside.write_text("model:\n  dims: [1, 2]\n")
+    relative = "../" * (len(Path(pcdist.__file__).parents) + 2) + str(outside.with_suffix(""))[1:]
+    assert choice_keys(f"model={relative}") == () and choice_keys("model=cnn"), "model=cnn sets its keys"

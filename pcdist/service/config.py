@@ -195,6 +195,8 @@ def choice_keys(choice: str) -> tuple[str, ...]:
     a resume, the whole preset comes back, not the part that differs from conf/). Cached: the same choice always
     sets the same keys."""
     group, option = choice.split("=", 1)
+    if not re.fullmatch(r"\w+", group) or not re.fullmatch(r"[\w.-]+", option) or ".." in option:
+        return ()  # not a choice of conf/ (a crafted attempt file's "model=../../x"): no file outside it is read
     path = CONF_DIR / group / f"{option}.yaml"
     text = path.read_text() if path.is_file() else "@package"
     if group != "experiment" and "@package" not in text and not re.search(r"^defaults\s*:", text, re.M):
