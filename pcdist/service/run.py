@@ -70,8 +70,8 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
     elif c.model.name == PYTHON_MODEL:
         raise ConfigError(f"config model.name={PYTHON_MODEL!r} stands for layers passed to pcdist.train(cfg, "
                           f"layers=...), and none were passed")
-    if data is not None:
-        c.data.name = PYTHON_DATA
+    if data is not None:  # it replaces the data set and its files (a preset's data.root)
+        c.data.name, c.data.root, c.data.path = PYTHON_DATA, None, None
         if passed is not None:
             passed["data.name"] = "data=... (pcdist.train's argument)"
     for key in ("path", "root"):  # where the data is, as a path from anywhere: a resume or evaluate started in another
