@@ -58,6 +58,23 @@ def test_at_the_init_only_the_output_layer_moves_and_it_is_backprops(energy):
     assert d["cosine"][:-1] == [0.0] * 3 and d["norm_ratio"][:-1] == [0.0] * 3
 
 
+def test_a_diagnosis_at_another_t_than_the_trainers_takes_its_own_error_front():
+    """pc zeroes the weight gradients of the layers its error front has not reached (L - T, Stage.front); a
+    diagnosis after a training step at T = 1 runs its own T = 3, whose front reaches every layer: its numbers
+    equal those of a trainer that never stepped (the weights held by a learning rate of 0)."""
+    x, y = batch()
+
+    def held(T):
+        net = network(activation="tanh")
+        return pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=T, x_lr=0.2)
+
+    stepped = held(1)
+    stepped.step(x, y)  # its front: layer 3 of 4
+    d, fresh = pcdist.diagnose(stepped, x, y, T=3), pcdist.diagnose(held(1), x, y, T=3)
+    assert all(c != 0.0 for c in d["cosine"]), d["cosine"]
+    assert d["cosine"] == fresh["cosine"] and d["norm_ratio"] == fresh["norm_ratio"]
+
+
 def test_small_output_precision_and_converged_inference_give_backprops_gradient_in_every_layer():
     """Nudged limit on a linear network: with the output's precision beta -> 0 and inference run to its
     fixed point, e_l / beta -> backprop's delta_l, so cos(PC update, BP gradient) -> 1 and the norm ratio

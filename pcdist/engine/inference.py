@@ -65,6 +65,7 @@ def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSched
         and not vo.rule.decay  # (AdamW's decay on the values moves every node at once: there is no front)
     vo.front = st.net.num_layers - 1 if front else None
     S = 1 if vo.tableau is None else vo.tableau.stages
+    st.front = st.net.num_layers - T * S if front and final else 0  # the weight gradients' front (Stage.front)
     for t in range(T + final):
         last = t == T
         set_precision(st, schedule, t)

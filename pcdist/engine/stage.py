@@ -103,7 +103,7 @@ class Stage:
         # The lowest layer whose weight gradient this step can be nonzero: pc from the feed-forward init (no noise,
         # the target clamped) moves the error one layer per evaluation, so below layer L - T x stages the exact
         # gradient is zero and the computed one round-off of recomputed predictions, which Adam would scale up
-        # to full steps. Set by the trainer (0: every layer learns); weight_grads zeroes the rows below it.
+        # to full steps. Set by each relax (0: every layer learns); weight_grads zeroes the rows below it.
         self.front = 0
 
     def _bind(self, g, static_weights: bool, free_top: bool) -> BoundGroup:

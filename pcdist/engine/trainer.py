@@ -27,7 +27,7 @@ from .precision import MixedPrecision
 from .schedules import PrecisionSchedule, warmup_cosine
 from .stage import Stage
 from .update import WeightUpdate
-from .values import TABLEAUS, ValueNoise, ValueRule, stage_noise, value_rule
+from .values import ValueNoise, ValueRule, stage_noise, value_rule
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
 
@@ -165,8 +165,6 @@ class PCTrainer:
             relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=noise, record=record,
                   final=True, solver=self.solver)
             clock.append(time.perf_counter())
-            stages = 1 if self.solver not in TABLEAUS else TABLEAUS[self.solver].stages
-            st.front = st.net.num_layers - T * stages if st.values.front is not None else 0  # (Stage.front)
             par.weight_grads(st)
             self.update(st)
         clock.append(time.perf_counter())
