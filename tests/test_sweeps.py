@@ -121,3 +121,38 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
                     "does not read optim.final_lr_ratio (cosine does), so it would change nothing; drop it or set "
                     "optim.schedule=cosine; no job was started\n"), said
     assert not sweep.exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_with_a_relative_data_path_continues_its_own_jobs(tmp_path, monkeypatch):
+    """A run records data.path as the absolute path it named (a resume from another folder reads the same
+    file): relaunching a sweep with the same relative data.path must find each job's run its own, in the checks
+    of every job before the first starts as in the job itself, and a run recorded by an earlier pcdist (the path
+    as typed) must be its own too."""
+    import hashlib
+    import json
+
+    import numpy as np
+    import torch
+
+    import pcdist
+    from pcdist.service.checks import check_as_launched
+    from pcdist.service.config import make_config, passed_settings
+
+    d = pcdist.data.load_dataset("digits")
+    monkeypatch.chdir(tmp_path)
+    np.savez("my.npz", x_train=d.x_train.numpy(), y_train=d.y_train.numpy(), x_val=d.x_val.numpy(),
+             y_val=d.y_val.numpy())
+    job = ["data=arrays", "data.path=my.npz", "trainer.max_steps=2", "logger=none", "logger.plots=false",
+           "trainer.progress=off"]
+    run_dir = tmp_path / "sweep" / "0"
+    pcdist.train([*job, f"run_dir={run_dir}"])
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"] == str(tmp_path / "my.npz")
+    check_as_launched(make_config(job), passed_settings(job), 1, run_dir, sweep=True)
+    ck = run_dir / "checkpoints" / "step-00000002"  # as an earlier pcdist recorded it: the path as typed
+    meta = torch.load(ck / "meta.pt", weights_only=True)
+    meta["config"]["data"]["path"] = "my.npz"
+    torch.save(meta, ck / "meta.pt")
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256((ck / "meta.pt").read_bytes()).hexdigest()
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    check_as_launched(make_config(job), passed_settings(job), 1, run_dir, sweep=True)

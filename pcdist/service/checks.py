@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..distributed.parallel import ParallelDims
 from ..errors import ConfigError
-from .config import Config, check_combination, num_layers
+from .config import Config, absolute_data_paths, check_combination, num_layers
 from .data import DataError, check_files
 from .datachecks import check_model_on_data
 from .device import pick_device
@@ -48,6 +48,7 @@ def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_
     find_resume's refusal; ``sweep``: a sweep's job continues only its own run), then the run's length, the model
     and optim keys the user sets, the mesh, device, logger and files (``check``) and the data against the model
     (``loaded``: data sets read already, each read once). Returns how the mesh was chosen."""
+    absolute_data_paths(c)  # as the run will record them
     if run_dir is not None:
         c.run_dir = str(run_dir)
         if run_dir.is_dir():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import re
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATAS
 
 __all__ = ["Config", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
-           "validate", "check_combination", "DATASETS", "ROOT_DATASETS", "config_keys", "did_you_mean",
+           "validate", "check_combination", "absolute_data_paths", "DATA_PATHS", "DATASETS", "ROOT_DATASETS",
+           "config_keys", "did_you_mean",
            "check_overrides", "groups", "passed_settings", "choice_keys", "flat", "command", "PYTHON_DATA",
            "PYTHON_MODEL", "BP", "RESUME"]
 
@@ -252,6 +254,19 @@ def load_config(cfg: Any) -> Config:
     conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
+
+
+DATA_PATHS = ("data.path", "data.root")
+"""Where the data is: a run records them as absolute paths (``absolute_data_paths``)."""
+
+
+def absolute_data_paths(c: Config) -> None:
+    """``data.path`` and ``data.root`` as the absolute paths they name from this folder: a resume or evaluate
+    started in another folder reads the same files, not that folder's files of the same name."""
+    for key in DATA_PATHS:
+        name = key.split(".")[1]
+        if getattr(c.data, name) is not None:
+            setattr(c.data, name, os.path.abspath(os.path.expanduser(getattr(c.data, name))))
 
 
 def network_options(c: Config) -> dict:

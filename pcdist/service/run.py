@@ -24,7 +24,8 @@ from ..distributed.parallel import init_distributed, leave_process_group
 from ..engine.precision import restore_tf32, tf32_state
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, check_combination, flat, make_config, passed_settings
+from .config import (PYTHON_DATA, PYTHON_MODEL, Config, absolute_data_paths, check_combination, flat, make_config,
+                     passed_settings)
 from .checkpoint import CheckpointError
 from .data import DataError, Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
@@ -74,9 +75,7 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
         c.data.name, c.data.root, c.data.path = PYTHON_DATA, None, None
         if passed is not None:
             passed["data.name"] = "data=... (pcdist.train's argument)"
-    for key in ("path", "root"):  # where the data is, as a path from anywhere: a resume or evaluate started in another
-        if getattr(c.data, key) is not None:  # folder reads the same files (not that folder's files of that name)
-            setattr(c.data, key, os.path.abspath(os.path.expanduser(getattr(c.data, key))))
+    absolute_data_paths(c)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     c.run_dir = str(c.run_dir or next_run_dir())
     first = int(os.environ.get("RANK", "0")) == 0  # holds the directory for the launch (the others share it)

@@ -38,7 +38,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_pt
-from .config import Config, command, flat, literal, load_config, passed_settings
+from .config import DATA_PATHS, Config, command, flat, literal, load_config, passed_settings
 from ..errors import ConfigError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
@@ -493,6 +493,9 @@ def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
     """A sweep's job refuses a directory holding a run of other settings than the job's own (a sweep into the
     folder of an earlier one): it would resume that run, or report it as this sweep's."""
     before, after = flat(old), flat(asdict(c))
+    for key in DATA_PATHS:  # a run of an earlier pcdist recorded them as given (relative to the folder it ran in)
+        if isinstance(before.get(key), str):
+            before[key] = os.path.abspath(os.path.expanduser(before[key]))
     other = [k for k, v in after.items() if k in before and before[k] != v and not _of_launch(k)
              and k not in _NOT_SETTINGS]
     if other:
