@@ -244,7 +244,7 @@ def gemm_products(case: str):
 
 
 def trainer(model):
-    """The hidden group's init runs through the kernel (checked against torch on first use); three training
+    """The hidden group's init runs through the kernel (checked against torch on first use); two training
     steps then give the energies and weights of the torch chain to float32 round-off (SGD: a step linear in
     the gradients, so round-off stays round-off; AdamW's sign-like step would amplify it where v is tiny)."""
     def trained(fused: bool):
@@ -267,7 +267,7 @@ def trainer(model):
         g = torch.Generator().manual_seed(2)
         shape = (1, 7, 7) if "cnn" in model else (12,)
         y = torch.eye(4, device=DEV)[torch.arange(10) % 4]
-        energies = [tr.step(torch.randn(10, *shape, generator=g).to(DEV), y)["energy"] for _ in range(3)]
+        energies = [tr.step(torch.randn(10, *shape, generator=g).to(DEV), y)["energy"] for _ in range(2)]
         groups = tr._stage.groups
         return energies, [p.detach().clone() for p in net.parameters()], \
             [gr for gr in groups if gr.K > 1 or ("cnn" in model and not gr.is_output)]
@@ -298,7 +298,7 @@ def trainer(model):
 
 def bf16_trainer(model):
     """precision="bf16" (bfloat16 weights, float32 nodes) with its per-step products through the Triton GEMM (the
-    nodes rounded as it reads them, float32 sums): three steps follow the torch ops' bfloat16 products (which round
+    nodes rounded as it reads them, float32 sums): two steps follow the torch ops' bfloat16 products (which round
     each product to bfloat16 on a CPU) to bfloat16's precision, and the products ran through the kernel."""
     from pcdist.engine import gemm
 
@@ -312,7 +312,7 @@ def bf16_trainer(model):
         tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=0.1, precision="bf16")
         g = torch.Generator().manual_seed(2)
         y = torch.eye(4, device=DEV)[torch.arange(10) % 4]
-        energies = [tr.step(torch.randn(10, 12, generator=g).to(DEV), y)["energy"] for _ in range(3)]
+        energies = [tr.step(torch.randn(10, 12, generator=g).to(DEV), y)["energy"] for _ in range(2)]
         low = [c for key, c in gemm._CHOICE.items() if key[2] == torch.float32 and key[5] == torch.bfloat16]
         return energies, low
 
