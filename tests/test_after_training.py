@@ -564,6 +564,7 @@ def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoint .*step-99999999: \\x1b\]0;owned\\x07"
                                          r"\\x1b\[2K\\rok: evaluation passed listed in the manifest is missing"):
         pcdist.evaluate(run)
+    shutil.rmtree(fake)
     (run / evil).symlink_to(tmp_path)
     out = cli("evaluate", run, check=False)
     assert out.returncode == 2 and "\x1b" not in out.stderr and "\r" not in out.stderr, repr(out.stderr)
