@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import difflib
 import gc
 import io
 import os
@@ -39,7 +38,8 @@ from typing import NoReturn
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of memory alignment (exact resume);
 # read by MKL at its first call, so setting it here, before any computation, is early enough.
 
-from .config import CONF_DIR, Config, check_overrides, command, config_keys, groups, load_config  # noqa: E402
+from .config import (CONF_DIR, Config, check_overrides, command, config_keys, did_you_mean, groups,  # noqa: E402
+                     load_config)
 from ..errors import PeerError, printable  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
@@ -418,10 +418,10 @@ def _main() -> None:
         _started(api=sys.argv[1] != "compare")  # compare reads the runs' files and draws: no torch
         sys.exit(run_command(sys.argv[1:]))
     word = sys.argv[1] if len(sys.argv) > 1 else "="
-    close = [] if "=" in word or word.startswith("-") else difflib.get_close_matches(word, COMMANDS, n=1)
-    if close:  # a mistyped command (evalute), which Hydra would read as an override without a value
-        fail(f"{word}: no such command; did you mean {close[0]}? (the commands: {', '.join(COMMANDS)}; training "
-             f"takes key=value overrides: {command()} --help)")
+    hint = "" if "=" in word or word.startswith("-") else did_you_mean(word, COMMANDS)
+    if hint:  # a mistyped command (evalute), which Hydra would read as an override without a value
+        fail(f"{word}: no such command{hint} (the commands: {', '.join(COMMANDS)}; training takes key=value "
+             f"overrides: {command()} --help)")
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
     end = len(sys.argv) - (sys.argv[-1] in ("--info", "-i"))  # (a bare --info stays last: it takes a value)

@@ -72,8 +72,13 @@ def _launch_key() -> tuple[str, str]:
             return safe, short
         raise ConfigError(f"torchrun with the rendezvous id 'none' on a system without /proc: the ranks cannot agree "
                           f"on a new run directory; {hint}") from None
-    uuid = short != safe  # --standalone's fresh uuid: its own name already
-    return f"agent-{ppid}-{started}-{safe}", short if uuid else f"{safe}-p{ppid}" if run_id != "none" else f"p{ppid}"
+    if run_id == "none":
+        name = f"p{ppid}"
+    elif short != safe:  # --standalone's fresh uuid: a name of its own already
+        name = short
+    else:  # an --rdzv-id another launch may reuse
+        name = f"{safe}-p{ppid}"
+    return f"agent-{ppid}-{started}-{safe}", name
 
 
 def _agreed_name(root: Path, key: str, short: str) -> str:
