@@ -194,6 +194,28 @@ def test_an_optimizer_key_the_chosen_optimizer_does_not_read_is_refused(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name, value", [("PCDIST_NATIVE", "off"), ("PCDIST_GEMM", "cublas"),
+                                         ("PCDIST_CHANNELS_LAST", "yes")])
+def test_an_engine_switch_with_a_value_it_does_not_take_is_refused_before_any_work(name, value, tmp_path,
+                                                                                  monkeypatch):
+    """An engine switch (pcdist/engine/arguments.py ENV_SWITCHES) set to a value it does not take was read at the
+    first step that used it: a traceback after the run directory was written, or (PCDIST_NATIVE=off: anything but
+    "0") silently the default. The service refuses it in one line naming the variable and its values before the run
+    directory exists; PCTrainer when it is made."""
+    from pcdist.engine.arguments import ENV_SWITCHES
+
+    monkeypatch.setenv(name, value)
+    says = f"environment variable {name}={value!r}: allowed {', '.join(ENV_SWITCHES[name])}"
+    with pytest.raises(pcdist.ConfigError, match=re.escape(says)):
+        pcdist.train([*SMALL, f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+    net = pcdist.PCNetwork.from_dims([4, 8, 2])
+    with pytest.raises(ValueError, match=re.escape(says)):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    monkeypatch.setenv(name, ENV_SWITCHES[name][-1])  # every value it takes is taken
+    pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
 def test_a_mistyped_group_option_from_python_gets_the_did_you_mean_of_the_command_line(tmp_path):
     """pcdist.train({"model": "cnnn"}) composes conf/ as train.py does, so it gets the same one line (not Hydra's
     search-path report); so does {"modle": "cnn"}."""

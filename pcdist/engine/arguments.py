@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["ALGORITHMS", "INITS", "RULES", "Rule", "check", "env_choice", "finite"]
+__all__ = ["ALGORITHMS", "ENV_SWITCHES", "INITS", "RULES", "Rule", "check", "check_env", "env_choice", "finite"]
 
 ALGORITHMS = ("pc", "ipc")
 INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
@@ -17,12 +17,33 @@ INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
 (one backward chain, scaled)."""
 
 
-def env_choice(name: str, allowed: tuple[str, ...]) -> str:
-    """The environment variable ``name`` (default ``allowed[0]``), or a ValueError naming it and what it allows."""
+ENV_SWITCHES = {
+    "PCDIST_NATIVE": ("1", "0"),  # the CPU kernels (pcdist/engine/native.py)
+    "PCDIST_TRACE": ("1", "0"),  # a module layer's traced calls (pcdist/engine/layers/graph.py)
+    "PCDIST_TRITON": ("1", "0"),  # the Triton kernels on GPUs (pcdist/engine/chain.py, errorpass.py)
+    "PCDIST_GEMM": ("auto", "torch", "triton"),  # a dense group's batched products (pcdist/engine/gemm.py)
+    "PCDIST_CHANNELS_LAST": ("auto", "0", "1"),  # image nodes' memory layout (pcdist/engine/layers/conv.py)
+    "PCDIST_CONV_GROUPED": ("auto", "0", "1"),  # a conv group's convolutions as one (the same file)
+}
+"""The engine's environment switches and the values each allows (the first: its default)."""
+
+
+def env_choice(name: str, allowed: tuple[str, ...] | None = None) -> str:
+    """The environment variable ``name`` (default ``allowed[0]``; ``allowed``: ENV_SWITCHES[name] by default), or a
+    ValueError naming it and what it allows."""
+    allowed = allowed or ENV_SWITCHES[name]
     value = os.environ.get(name, allowed[0])
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}: allowed {', '.join(allowed)}")
+        raise ValueError(f"environment variable {name}={value!r}: allowed {', '.join(allowed)} "
+                         f"(unset: {allowed[0]})")
     return value
+
+
+def check_env() -> None:
+    """Every engine switch set in the environment holds a value it allows, else a ValueError naming it: checked
+    when a trainer is made (and by the service's launch checks), not at the first step that reads one."""
+    for name in ENV_SWITCHES:
+        env_choice(name)
 
 
 def finite(x: Any) -> bool:

@@ -29,6 +29,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from .arguments import env_choice
+
 __all__ = ["usable", "ACT_CODES", "dense_chain", "residual_chain"]
 
 ACT_CODES = {"identity": 0, "relu": 1, "leaky_relu": 2, "tanh": 3, "sigmoid": 4, "hard_tanh": 5, "silu": 6,
@@ -82,7 +84,7 @@ def on_device(device: torch.device | None):
 def triton_allowed(like: Tensor) -> bool:
     """Triton kernels for tensors like ``like``: on a CUDA device (or any device under the Triton interpreter),
     Triton importable, PCDIST_TRITON not 0 (this chain and the error pass, pcdist/engine/errorpass.py)."""
-    return (os.environ.get("PCDIST_TRITON", "1") != "0" and (like.device.type == "cuda" or interpreted())
+    return (env_choice("PCDIST_TRITON") == "1" and (like.device.type == "cuda" or interpreted())
             and _triton() is not None)
 
 

@@ -45,7 +45,7 @@ _CHOICE: dict[tuple, tuple | None] = {}
 
 
 def _mode() -> str:
-    return env_choice("PCDIST_GEMM", ("auto", "torch", "triton"))
+    return env_choice("PCDIST_GEMM")
 
 
 def functions(like: Tensor):

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .arguments import env_choice
+
 __all__ = ["ACT_CODES", "act_code", "library", "usable", "ErrorPass", "Kernel", "ResidualKernel"]
 
 ACT_CODES = {"tanh": 0, "sigmoid": 1, "relu": 2, "leaky_relu": 3, "hard_tanh": 4, "identity": 5, "gelu": 6,
@@ -189,7 +191,7 @@ def _bounds(act) -> tuple[float, float]:
 def usable(act, like: Tensor) -> bool:
     """True if the kernel can run this activation on tensors like ``like`` (CPU, float32/64) and
     PCDIST_NATIVE is not 0 (read when a trainer builds its buffers)."""
-    return (os.environ.get("PCDIST_NATIVE", "1") != "0" and act_code(act) is not None and like.device.type == "cpu"
+    return (env_choice("PCDIST_NATIVE") == "1" and act_code(act) is not None and like.device.type == "cpu"
             and like.dtype in (torch.float32, torch.float64) and library() is not None)
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import Tensor
 
-from .arguments import ALGORITHMS, check
+from .arguments import ALGORITHMS, check, check_env
 from .capture import Runner, compile_mode
 from .exchange import Local
 from .inference import check_solver, relax, relax_adaptive, set_precision
@@ -282,7 +282,9 @@ def _check_slice(net: PCNetwork, parallel):
 
 
 def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler) -> None:
-    """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules)."""
+    """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules), and the
+    engine's environment switches (PCDIST_NATIVE, ...) against theirs."""
+    check_env()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
                         f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..distributed.parallel import ParallelDims
+from ..engine.arguments import check_env
 from ..errors import ConfigError
 from .config import Config, absolute_data_paths, check_combination, num_layers
 from .data import DataError, check_files
@@ -20,8 +21,13 @@ from .rundir import find_resume
 
 
 def check(c: Config, world: int) -> str:
-    """Everything about the user's input that can fail before any process group exists: the mesh
-    for ``world`` ranks, the device, the logger, the data files. Returns how the mesh was chosen."""
+    """Everything about the user's input that can fail before any process group exists: the engine's
+    environment switches, the mesh for ``world`` ranks, the device, the logger, the data files. Returns how
+    the mesh was chosen."""
+    try:
+        check_env()
+    except ValueError as e:  # PCDIST_NATIVE=off: one line before the run starts, not a traceback at its first step
+        raise ConfigError(str(e)) from None
     mesh = choose_mesh(c, world)
     if c.pc.algorithm == "bp" and world > 1:
         raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "

@@ -76,7 +76,7 @@ def channels_last_nodes(specs, first: int, stop: int, dtype: torch.dtype, device
     cuDNN's convolutions run on tensor cores, bfloat16 operands or float32 ones in TF32 (precision bf16 or tf32:
     VGG-5's replayed step 1.39x and 1.40x faster on an H200, the small CNN 1.07x, the 17-conv stack 1.00x;
     ``benchmarks/gpu.py``), not in IEEE float32 (VGG-5 0.98x, the small CNN 0.82x); ``1`` always, ``0`` never."""
-    mode = env_choice("PCDIST_CHANNELS_LAST", ("auto", "0", "1"))
+    mode = env_choice("PCDIST_CHANNELS_LAST")
     if mode == "auto":
         conv_dtype = conv_dtype or dtype
         if device.type == "cpu":
@@ -191,7 +191,7 @@ _GROUPED: dict[tuple, bool] = {}
 def grouped_mode() -> str:
     """PCDIST_CONV_GROUPED: ``auto`` (default: on CUDA devices where timed faster, see ``GroupedConv``), ``1`` (always,
     where a group has two layers or more), ``0`` (never: layer by layer)."""
-    return env_choice("PCDIST_CONV_GROUPED", ("auto", "0", "1"))
+    return env_choice("PCDIST_CONV_GROUPED")
 
 
 class GroupedConv:

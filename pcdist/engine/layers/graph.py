@@ -33,7 +33,6 @@ falls back to the eager call (``EagerCall``: autograd at every call) where traci
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 from typing import Callable
 
@@ -41,6 +40,7 @@ import torch
 from torch import Tensor, fx
 
 from .. import native
+from ..arguments import env_choice
 from ..activations import Activation
 
 __all__ = ["Call", "EagerCall", "GraphCall", "trace", "rewrite"]
@@ -298,7 +298,7 @@ def trace(fn: Callable, args: tuple, grad_of: int | None) -> Call:
     parameters (a dict of tensors), then tensors or dicts of tensors, the input batch last.
     Shape-specialised: call it with arguments shaped like ``args``."""
     eager = EagerCall(fn, grad_of)
-    if os.environ.get("PCDIST_TRACE", "1") == "0":
+    if env_choice("PCDIST_TRACE") == "0":
         return eager
     from functorch.compile import aot_function, make_boxed_func
 
