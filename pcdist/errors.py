@@ -6,6 +6,17 @@ They live here, apart from the code that raises them (and its torch), so that a 
 command line prints ConfigError, DataError, CheckpointError and RunError as one line and exits with status 2.
 """
 
+import difflib
+
+
+def did_you_mean(word: str, known) -> str:
+    """``; did you mean trainer.max_steps?`` for a near miss among ``known``, else ``""`` (a dotted key matches
+    by its last part first)."""
+    known = list(known)
+    same_name = [k for k in known if k.split(".")[-1] == word.split(".")[-1]]
+    close = same_name or difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
 
 def printable(text: str, keep: str = "") -> str:
     """``text`` with every character that is not printable (but those in ``keep``) written as Python escapes it

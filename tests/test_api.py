@@ -116,6 +116,10 @@ def test_batch_size_change_reallocates():
         (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2), nn.ReLU(),
                                                                 nn.Flatten(), nn.Linear(18, 2)), input_shape=(1, 8, 8)),
          r"module 2 \(ReLU\) after the pooling: .* put the activation before the pooling"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()),
+                                               nn.Sequential(nn.Flatten(), nn.Linear(72, 2))]),
+         r"(?s)^layer 1 .* is a convolution on an input of unknown shape: give input_shape=\(channels, height, "
+         r"width\)"),
     ],
 )
 def test_bad_networks_name_the_problem(build, message):
@@ -197,6 +201,28 @@ def test_bad_batches_name_the_expected_shape():
             (tr.infer if kw else tr.step)(*args, **kw)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         pcdist.PCTrainer(net, None)
+    with pytest.raises(ValueError, match=re.escape("got [4]; class ids? one-hot them: torch.nn.functional."
+                                                   "one_hot(y, 3).to(torch.float32)")):
+        tr.step(torch.randn(4, 5), torch.tensor([0, 2, 1, 1]))
+
+
+def test_a_mistyped_keyword_is_named_against_the_constructor_the_user_called():
+    """from_dims / from_layers / from_sequential pass their keywords on to PCNetwork(...): a misspelt one was
+    reported against PCNetwork.__init__(), which the user never called; now against the method, with a near miss."""
+    for build, method in ((lambda **kw: pcdist.PCNetwork.from_dims([5, 8, 3], **kw), "from_dims"),
+                          (lambda **kw: pcdist.PCNetwork.from_layers([nn.Linear(5, 3)], **kw), "from_layers"),
+                          (lambda **kw: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(5, 3)), **kw),
+                           "from_sequential")):
+        with pytest.raises(TypeError, match=re.escape(f"PCNetwork.{method}() got an unexpected keyword argument "
+                                                       f"'sed'; did you mean seed?")):
+            build(sed=1)
+        assert build(seed=1).num_layers == (2 if method == "from_dims" else 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch sees no CUDA device")
+def test_a_cuda_network_without_cuda_is_one_clear_error():
+    with pytest.raises(ValueError, match=re.escape("device='cuda': this torch sees no CUDA device")):
+        pcdist.PCNetwork.from_dims([5, 8, 3], device="cuda")
 
 
 def test_a_parameter_free_first_layer_is_a_module_layer():

@@ -12,6 +12,7 @@ pcdist/engine/convert.py.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from .convert import module_structure, split_sequential
 from .energies import check_energy
 from .layers import Dense, LayerGroup, LayerKind, group_layers, seeded_generator
 from .layers.prior import Prior, PriorGroup
+from ..errors import did_you_mean
 
 __all__ = ["PCNetwork", "group_layers", "mlp_specs", "legacy_signature", "split_sequential", "precisions",
            "module_structure", "check_specs", "network_input"]
@@ -100,8 +102,7 @@ class PCNetwork(nn.Module):
         prior: Prior | None = None,
     ):
         super().__init__()
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating-point torch dtype (torch.float32, torch.float64), got {dtype}")
+        _check_dtype_device(dtype, device)
         self.specs = check_specs(specs)
         L = len(self.specs)
         self.energy = check_energy(energy)
@@ -131,6 +132,7 @@ class PCNetwork(nn.Module):
 
         Keywords go to the constructor: ``layers=(a, b)`` for a slice, ``seed``, ``dtype``, ``device``.
         """
+        _check_keywords(cls, "from_dims", kw)
         return cls(mlp_specs(dims, activation, init), energy=energy, **kw)
 
     @classmethod
@@ -145,6 +147,7 @@ class PCNetwork(nn.Module):
         (needed when the first layer is a convolution, e.g. (1, 8, 8)). ``layers_owned=(a, b)`` keeps
         only layers a..b-1 (a layer slice). ``precision`` and ``prior`` go to the constructor.
         """
+        _check_keywords(cls, "from_layers", kw)
         return convert.from_layers(cls, layers, energy, input_shape, layers_owned, **kw)
 
     @classmethod
@@ -157,6 +160,7 @@ class PCNetwork(nn.Module):
         ``from_layers`` (a network that starts with a convolution needs it). Anything else cannot be
         placed where a value node would go: build such networks with ``from_layers``.
         """
+        _check_keywords(cls, "from_sequential", kw)
         return convert.from_sequential(cls, seq, energy, layers, input_shape, **kw)
 
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -312,3 +316,22 @@ def network_input(net: PCNetwork, x: Tensor) -> Tensor:
     if p is not None and x.dtype != p.dtype:
         x = x.to(p.dtype)
     return x
+
+
+def _check_dtype_device(dtype, device) -> None:
+    """A floating-point dtype; a CUDA device only where torch sees one (not torch's bare AssertionError later)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch dtype (torch.float32, torch.float64), got {dtype}")
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: this torch sees no CUDA device (a CPU build of torch, or no GPU "
+                         f"visible: CUDA_VISIBLE_DEVICES, the driver); use device='cpu'")
+
+
+def _check_keywords(cls, method: str, kw: dict) -> None:
+    """The keywords ``method`` passes on to the constructor: one it does not take is named against ``method``
+    (not against ``PCNetwork.__init__``, which the user did not call), with a near miss."""
+    takes = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "specs", "energy", "layers")]
+    for k in kw:
+        if k not in takes:
+            raise TypeError(f"{cls.__name__}.{method}() got an unexpected keyword argument {k!r}"
+                            f"{did_you_mean(k, takes) or ' (it passes on ' + ', '.join(takes) + ')'}")

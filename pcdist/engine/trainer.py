@@ -335,5 +335,8 @@ def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: 
             what = "width" if len(shape) == 1 else "shape"
             raise ValueError(f"{name} must have shape [{'batch' if name == 'x' else B}, "
                              f"{', '.join(map(str, shape))}] ({node}: the model's {side} {what}), got "
-                             f"{list(t.shape)}")
+                             f"{list(t.shape)}"
+                             + ("; class ids? one-hot them: torch.nn.functional.one_hot(y, "
+                                f"{shape[0]}).to(torch.float32)" if name == "y" and t.ndim == 1 and len(shape) == 1
+                                and not t.is_floating_point() else ""))
     return B

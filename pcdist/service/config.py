@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean  # noqa: F401 - did_you_mean: the service imports it from here
 from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
                      check_combination, num_layers, validate)
@@ -334,9 +334,3 @@ def command() -> str:
     return "python train.py"
 
 
-def did_you_mean(word: str, known) -> str:
-    """``; did you mean trainer.max_steps?`` for a near miss among ``known``, else ``""``."""
-    known = list(known)
-    same_name = [k for k in known if k.split(".")[-1] == word.split(".")[-1]]
-    close = same_name or difflib.get_close_matches(word, known, n=1, cutoff=0.75)
-    return f"; did you mean {' or '.join(close)}?" if close else ""

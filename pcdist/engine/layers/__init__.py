@@ -176,6 +176,10 @@ def kind_from_module(m: nn.Module, index: int, is_output: bool,
     if isinstance(first, nn.Linear) and in_shape is not None and len(in_shape) > 1:
         raise ValueError(f"{what} ({type(m).__name__}: {m}) reads the node of shape {list(in_shape)} with an "
                          "nn.Linear: put nn.Flatten() before it")
+    if isinstance(first, (nn.Conv1d, nn.Conv2d)) and in_shape is None:
+        raise ValueError(f"{what} ({type(m).__name__}: {m}) is a convolution on an input of unknown shape: give "
+                         f"input_shape=(channels, {'length' if isinstance(first, nn.Conv1d) else 'height, width'}) "
+                         f"(one sample's, without the batch)")
     raise ValueError(
         f"{what} ({type(m).__name__}: {m}) has no PC layer kind: supported are nn.Linear "
         "([nn.Flatten,] nn.Linear [, activation]; no activation on the output layer), nn.Conv1d/2d [+ activation] "
