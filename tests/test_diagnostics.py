@@ -1,6 +1,6 @@
 """The diagnostics (pcdist.diagnose): where theory says PC's weight update is backprop's gradient, the
 cosine between them is 1; the numbers of a layer-parallel run (real gloo processes) equal one process;
-an inference that blows up is seen and named with its fix (DESIGN.md section 1c, docs/fidelity.md).
+an inference that blows up is seen and named with its fix (docs/fidelity.md).
 
 Why it matters: the diagnostics are what a user reads to decide whether PC lags backprop because
 inference has not converged or is unstable. A cosine that is not exactly 1 where it must be, or that
