@@ -48,6 +48,23 @@ def autograd_backprop(net, x, y, pi_L=1.0):
     return [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
 
 
+@pytest.mark.parametrize("solver", ["heun", "rk4"])
+def test_diagnose_relaxes_with_the_trainers_solver(solver):
+    """diagnose (and so the service's x_lr=auto, which chooses a step from it) ran Euler whatever the trainer's
+    solver: at a step Euler overshoots it called a run diverging whose own inference settles. Its energy trace is
+    the trainer's own (``trainer.trace``), and its cosines are those of the weight update after the trainer's own
+    inference (a step of the same solver with the same T, lr 0: its weight gradients)."""
+    net = network(activation="tanh")
+    x, y = batch()
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=4, x_lr=0.9, solver=solver)
+    d = pcdist.diagnose(tr, x, y)
+    assert d["energy"] == pytest.approx([sum(row) for row in tr.trace(x, y)], rel=1e-12, abs=0)
+    bp = autograd_backprop(net, x, y)
+    tr.step(x, y)
+    pc = [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
+    assert d["cosine"] == pytest.approx([float(a @ b / (a.norm() * b.norm())) for a, b in zip(pc, bp)], abs=1e-9)
+
+
 @pytest.mark.parametrize("energy", ["se", "ce"])
 def test_at_the_init_only_the_output_layer_moves_and_it_is_backprops(energy):
     """T=0: every hidden error is 0 after the feed-forward init, so PC's update of the output layer is
@@ -103,7 +120,7 @@ def test_the_diagnostics_backprop_is_autograds():
         st = tr2.stage(len(x))
         st.begin(x, y)
         tr2.parallel.feedforward(st)
-        relax(st, tr2.parallel, 4, tr2.x_lr, fused=True, final=True)
+        relax(st, tr2.parallel, 4, tr2.x_lr, fused=True, final=True, solver=tr2.solver)
         tr2.parallel.weight_grads(st)
     pc = [torch.cat([p.grad[k].reshape(-1) for p in g.parameters()]) for g in net.groups for k in range(g.K)]
     for l, (a, b) in enumerate(zip(pc, bp)):

@@ -140,6 +140,32 @@ def test_backward_lowers_the_energy_but_not_below_newton(energy):
     assert newton.sum() <= back.sum() + 1e-9
 
 
+@pytest.mark.parametrize("init", ["newton", "backward", "newton_cr"])
+def test_under_a_precision_schedule_the_init_reads_the_networks_own_precisions(init):
+    """The inits near equilibrium read the hidden layers' precisions from the network and the output layer's from
+    the step's precision tensor, which a schedule leaves at its last row: the same infer call gave other nodes
+    after another call (0.36 apart), a training step with lr 0 another energy on the same batch. Every call now
+    starts from the network's own precisions: identical calls agree to the bit, and equal a trainer's first."""
+    x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
+
+    def output_ramp(layer, t, L):  # the output layer's precision grows over the steps
+        return 1.0 + t if layer == L else 1.0
+
+    def fresh():
+        net = pcdist.PCNetwork.from_dims([5, 8, 8, 8, 3], activation="tanh", seed=0, dtype=DT)
+        return pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=3, x_lr=0.1, init=init,
+                                precision_schedule=output_ramp)
+
+    tr = fresh()
+    first = tr.infer(x, y)
+    tr.trace(x, y)
+    for again in (tr.infer(x, y), tr.infer(x, y), fresh().infer(x, y)):
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    tr = fresh()
+    energies = [tr.step(x, y)["energy"] for _ in range(3)]
+    assert energies[1] == energies[0] and energies[2] == energies[0], energies
+
+
 def test_block_tridiagonal_solve_equals_a_dense_solve():
     """Cyclic reduction on random diagonally dominant blocks, for 1 to 9 blocks (odd and even counts)."""
     g = torch.Generator().manual_seed(0)

@@ -107,7 +107,7 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     h0 = {n: h.clone() for n, h in free}
     rows = torch.zeros(T + 1, len(st.energy_log), dtype=st.energy_log.dtype, device=st.energy_log.device)
     relax(st, par, T, trainer.x_lr, fused=False, schedule=trainer.precision_schedule,
-          record=lambda t: rows[t].copy_(st.layer_energies()), final=True)
+          record=lambda t: rows[t].copy_(st.layer_energies()), final=True, solver=trainer.solver)
     full = par.gather_layer_energies(rows, B, st.energy_index)
     trace = [] if full is None else [row[1:] for row in full.tolist()]
     par.weight_grads(st)

@@ -51,8 +51,9 @@ Hook = Callable[[int], None] | None
 
 def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSchedule | None = None,
           noise: Hook = None, record: Hook = None, each_step: Hook = None, after_step: Hook = None,
-          need_all_deltas: bool = False, final: bool = False, solver: str = "euler") -> None:
-    """T inference steps on the Stage ``st`` through the exchange ``par`` (see the module docstring).
+          need_all_deltas: bool = False, final: bool = False, solver: str) -> None:
+    """T inference steps of ``solver`` on the Stage ``st`` through the exchange ``par`` (see the module docstring;
+    every caller passes its trainer's solver: no default that a new caller could fall back to silently).
 
     Where the weights hold (no ``after_step``), the target is clamped and inference starts at the
     feed-forward state without noise, node n's gradient is exactly zero before step L - 1 - n: the error

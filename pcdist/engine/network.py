@@ -330,7 +330,7 @@ def _check_dtype_device(dtype, device) -> None:
 def _check_keywords(cls, method: str, kw: dict) -> None:
     """The keywords ``method`` passes on to the constructor: one it does not take is named against ``method``
     (not against ``PCNetwork.__init__``, which the user did not call), with a near miss."""
-    takes = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "specs", "energy", "layers")]
+    takes = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "specs", "energy")]
     for k in kw:
         if k not in takes:
             raise TypeError(f"{cls.__name__}.{method}() got an unexpected keyword argument {k!r}"
