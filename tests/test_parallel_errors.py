@@ -92,6 +92,45 @@ def test_a_step_after_the_loss_is_refused_naming_the_peer_too():
         run(step_on_after_a_loss, 2, 4.0, timeout=60)
 
 
+def die_before_the_verdict(rank, world, timeout_s):
+    from pcdist.service.autostep import _agree
+
+    tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
+    tr.step(x, y)
+    if rank == 1:
+        os._exit(0)
+    _agree(tr.parallel, True)
+
+
+def test_a_peer_lost_while_x_lr_auto_agrees_is_named():
+    """pc.x_lr=auto's ranks agree on each candidate step by a broadcast from the logging rank; a peer lost there
+    gave gloo's traceback (Connection closed by peer), not the one line naming the rank that every other
+    collective gives: it is a PeerError naming rank 1, within the timeout."""
+    with pytest.raises(WorkerError, match=r"rank 0: PeerError: rank 0: pc.x_lr=auto's verdict \(a broadcast\) over "
+                                          r"ranks \[0, 1\] failed or timed out"):
+        run(die_before_the_verdict, 2, 4.0, timeout=60)
+
+
+def join_alone(rank, world, timeout_s):
+    import datetime
+
+    import torch.distributed as dist
+
+    from pcdist.distributed.rendezvous import attempt_store
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    attempt_store(store, 0, 2, datetime.timedelta(seconds=timeout_s))  # rank 1 never comes
+
+
+def test_a_peer_that_never_joins_is_a_peer_error():
+    """A rank that never joins the process group: rank 0 gives up within the timeout with a PeerError (the
+    command line's one line, status 1), not a RuntimeError that the command line reports as a traceback."""
+    with pytest.raises(WorkerError, match=r"rank 0: PeerError: rank 0: only 0 of the other 1 ranks joined the "
+                                          r"process group within 1s; are they running\?"):
+        run(join_alone, 1, 1.0, timeout=60)
+
+
 def die_in_data_parallel(rank, world, dead, timeout_s):
     tr, x, y = small_trainer(ParallelDims(2, 1), timeout_s)
     tr.step(x, y)
@@ -104,7 +143,8 @@ def test_dead_peer_in_a_collective_is_named():
     """Data-parallel ranks meet in the gradient all-reduce. Rank 1 dies after one step: rank 0's
     error names the group and, from the progress recorded in the store, rank 1 as the one behind."""
     with pytest.raises(WorkerError, match=r"rank 0: the data-axis gradient all-reduce over ranks \[0, 1\] failed or "
-                                          r"timed out \(rank 0 began training step 2, but rank 1 only step 1: it died"):
+                                          r"timed out \(rank 0 had begun 2 training steps in this launch, but "
+                                          r"rank 1 only 1: it died"):
         run(die_in_data_parallel, 2, 1, 4.0, timeout=60)
 
 

@@ -138,10 +138,16 @@ _STEPS_KEY = "pcdist/steps_begun/{}"
 def _mark_progress(steps: int) -> None:
     """Record in the rendezvous store how many training steps this rank has begun (one small
     write per step) so that a failed collective can name the member that fell behind."""
+    global _store_lost
+    if _store_lost:
+        return
     try:
         dist.distributed_c10d._get_default_store().set(_STEPS_KEY.format(dist.get_rank()), str(steps))
-    except Exception:  # diagnostics only: a dead store shows up in the next exchange anyway
-        pass
+    except Exception:  # diagnostics only: a dead store shows up in the next exchange anyway; its host (torchrun's
+        _store_lost = True  # agent, killed) stays gone, so no more writes (each logged C++ frames on every step)
+
+
+_store_lost = False
 
 
 def _who_fell_behind(ranks: list[int]) -> str:
@@ -164,10 +170,10 @@ def _who_fell_behind(ranks: list[int]) -> str:
         return " (" + "; ".join(f"rank {r} stopped: {m}" for r, m in failed.items()) + ")"
     behind = [r for r in ranks if begun[r] < begun[me]]
     if not behind:
-        return (f" (every rank of the group began training step {begun[me]}; "
-                "one of them died or stopped answering in it)")
-    return (f" (rank {me} began training step {begun[me]}, but "
-            + ", ".join(f"rank {r} only step {begun[r]}" for r in behind) + ": it died or stopped answering)")
+        return (f" (every rank of the group had begun {begun[me]} training steps in this launch; "
+                "one of them died or stopped answering in the last)")
+    return (f" (rank {me} had begun {begun[me]} training steps in this launch, but "
+            + ", ".join(f"rank {r} only {begun[r]}" for r in behind) + ": it died or stopped answering)")
 
 
 class Parallel(LayerExchange):

@@ -27,6 +27,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..errors import PeerError
+
 __all__ = ["join_process_group", "attempt_store", "warn_if_restarts_unsafe"]
 
 _TICKETS = "pcdist/tickets"
@@ -35,7 +37,11 @@ _TICKETS = "pcdist/tickets"
 def join_process_group(backend: str, timeout: timedelta, group_timeout: timedelta | None = None, **kw) -> None:
     """``init_process_group`` from torchrun's environment (env://), on this attempt's own keys; ``group_timeout``:
     the group's own (NCCL's watchdog), default ``timeout``."""
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    except dist.DistStoreError as e:  # rank 0's own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) waits for them all
+        raise PeerError(f"rank {os.environ.get('RANK', '?')}: the ranks did not all reach the rendezvous within "
+                        f"{timeout.total_seconds():g}s ({str(e).splitlines()[0]}); are they running?") from e
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=attempt_store(store, rank, world, timeout), rank=rank, world_size=world,
                             timeout=group_timeout or timeout, **kw)
@@ -53,7 +59,7 @@ def attempt_store(store: dist.Store, rank: int, world: int, timeout: timedelta) 
                 store.set(f"pcdist/welcome/{t}", str(gen))
             answered = max(answered, issued)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0: only {store.add(joined, 0)} of the other {world - 1} ranks joined the "
+                raise PeerError(f"rank 0: only {store.add(joined, 0)} of the other {world - 1} ranks joined the "
                                    f"process group within {timeout.total_seconds():g}s; are they running?")
             time.sleep(0.01)
     else:
@@ -61,7 +67,7 @@ def attempt_store(store: dist.Store, rank: int, world: int, timeout: timedelta) 
         try:
             store.wait([key], timeout)
         except Exception as e:  # DistStoreError on timeout
-            raise RuntimeError(f"rank {rank}: no word from rank 0 within {timeout.total_seconds():g}s while "
+            raise PeerError(f"rank {rank}: no word from rank 0 within {timeout.total_seconds():g}s while "
                                f"forming the process group; is rank 0 running? ({e})") from e
         gen = int(store.get(key))
         store.add(f"pcdist/gen-{gen}/joined", 1)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..distributed.parallel import collective
 from ..engine.diagnostics import diagnose
 
 __all__ = ["CANDIDATES", "BATCHES", "MIN_COS", "choose_x_lr", "resolve_x_lr", "saved_x_lr", "method_options",
@@ -89,7 +90,9 @@ def _agree(par, ok: bool) -> bool:
     t = torch.tensor([1.0 if ok else 0.0])
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.broadcast(t, src=par.logging_rank if par.logging_rank is not None else 0)
+    with collective("pc.x_lr=auto's verdict (a broadcast)"):  # a lost peer: one line naming it, within the timeout
+        dist.broadcast(t, src=par.logging_rank if par.logging_rank is not None else 0, async_op=True).wait(
+            dist.distributed_c10d._get_default_store().timeout)
     return bool(t.item() > 0.5)
 
 
