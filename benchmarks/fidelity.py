@@ -172,9 +172,10 @@ def search(net: str, trials: int, tmp: Path, tiny: bool, out: Path) -> dict:
     return best
 
 
-def pictures(net: str, steps: int, every: int, tmp: Path) -> dict:
+def pictures(net: str, steps: int, every: int, tmp: Path, folder: Path = OUT) -> dict:
     """Short runs of the old defaults and the recipe with pc.diagnostics=true; their diagnostics pictures
-    copied to benchmarks/results/fidelity_<network>_<old|recipe>_{energy,cosine}.png, their records returned."""
+    copied to ``folder``/fidelity_<network>_<old|recipe>_{energy,cosine}.png (default benchmarks/results/), their
+    records returned (and written beside them)."""
     import shutil
 
     from pcdist.service.diagnostics import read_diagnostics
@@ -186,11 +187,11 @@ def pictures(net: str, steps: int, every: int, tmp: Path) -> dict:
                                                "pc.diagnostics=true", f"pc.diagnostics_every={every}"])
         r = pcdist.train([*over, f"run_dir={run_dir}"])
         for kind in ("energy", "cosine"):
-            shutil.copy(run_dir / f"diagnostics_{kind}.png", OUT / f"fidelity_{net}_{which}_{kind}.png")
+            shutil.copy(run_dir / f"diagnostics_{kind}.png", folder / f"fidelity_{net}_{which}_{kind}.png")
         out[which] = {"accuracy": r["val/accuracy"], "overrides": over,
                       "diagnostics": read_diagnostics(run_dir / "diagnostics.jsonl")}
-        print(f"{net} {which}: accuracy {r['val/accuracy']:.4f} after {steps} steps; pictures in {OUT}", flush=True)
-    (OUT / f"fidelity_{net}_diagnostics.json").write_text(json.dumps(out, indent=1))
+        print(f"{net} {which}: accuracy {r['val/accuracy']:.4f} after {steps} steps; pictures in {folder}", flush=True)
+    (folder / f"fidelity_{net}_diagnostics.json").write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -225,12 +226,15 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--pictures", choices=list(NETWORKS), help="diagnosed short runs (old, recipe) of this network")
     ap.add_argument("--steps", type=int, default=250, help="--pictures: training steps")
-    ap.add_argument("--out", default=None, help="the JSON to write (default under benchmarks/results/)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default under benchmarks/results/); with "
+                    "--pictures, the folder for the pictures and their JSON")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         if args.pictures:
-            pictures(args.pictures, args.steps, max(1, args.steps // 10), Path(tmp))
+            folder = Path(args.out) if args.out else OUT
+            folder.mkdir(parents=True, exist_ok=True)
+            pictures(args.pictures, args.steps, max(1, args.steps // 10), Path(tmp), folder)
             return
         if args.search:
             out = Path(args.out or OUT / f"fidelity_search_{args.search}.json")

@@ -340,7 +340,8 @@ def main() -> None:
                   f"kernels), graph {work['graph']['ops']}; host reads {work['eager']['reads']} / "
                   f"{work['graph']['reads']}", flush=True)
     save(pictures=True)
-    print(f"wrote {args.out / (stem + '.json')} and its pictures")
+    drawn = any(k in result for k in ("table", "depth", "wide"))  # (the ops section has no picture)
+    print(f"wrote {args.out / (stem + '.json')}{' and its pictures' if drawn else ''}")
 
 
 def _sections(text: str) -> list[str]:

@@ -369,7 +369,9 @@ class TrainerConfig:
     max_energy: float = 1e9
     """Divergence threshold: a batch energy above this (or not finite) is divergence."""
     on_divergence: str = "stop"
-    """stop (error naming step, layer, value) or skip (drop that weight update and count it)."""
+    """stop (error naming step, layer, value; checked where the host reads the energies: every log_every steps and
+    before each checkpoint, so the step named is the first of those at or after the divergence) or skip (every step,
+    on the device: drop that weight update and count it)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if available, else cpu), cpu or cuda."""
     dtype: str = "float32"
