@@ -118,7 +118,8 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
 
 @pytest.mark.parametrize("argv, status, says", [
     (["trainer.batchsize=8"], 2, "error: unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
-    (["optim.lr=abc"], 2, "error: invalid config key optim.lr: Value 'abc' of type 'str' could not be converted"),
+    (["optim.lr=abc"], 2, "error: invalid value for config key optim.lr: Value 'abc' of type 'str' could not be "
+                          "converted"),
     (["~model"], 2, "error: ~model: a config group cannot be left out"),
     (["--help", "pc.T=7"], 0, "  pc.T = 7\n"),
     (["--cfg", "job", "pc.T=7"], 0, "\n  T: 7\n"),  # Hydra's own printing

@@ -168,8 +168,10 @@ BAD_CONFIGS = [
     (["parallel.data=2"], "parallel.data=2 x parallel.layer=1 needs 2 processes, but this is one process; launch it "
                           "with torchrun --nproc_per_node=2 train.py"),
     (["trainer.batch_size=0"], "config trainer.batch_size=0 is invalid: allowed an integer >= 1"),
-    (["trainer.max_steps=abc"], "invalid config key trainer.max_steps: Value 'abc' of type 'str' could not be "
-                                "converted to Integer"),
+    (["trainer.max_steps=abc"], "invalid value for config key trainer.max_steps: Value 'abc' of type 'str' could "
+                                "not be converted to Integer"),
+    (["model.dims=[64,128,...,128,10]"], "invalid value for config key model.dims[2]: Value '...' of type 'str' "
+                                         "could not be converted to Integer"),
     (["+trainer.foo=1"], "unknown config key trainer.foo (python train.py --help lists every key and group)"),
     (["data.name=imagenet"], "config data.name='imagenet' is invalid: allowed digits, synthetic, mnist, "
                              "fashion_mnist, cifar10"),

@@ -95,9 +95,16 @@ def composition_error(e: Exception) -> ConfigError:
     cause = e.__cause__ if e.__cause__ is not None else e
     key = getattr(cause, "full_key", None)
     if key:
-        msg = str(cause).split("\n")[0].strip()
-        return ConfigError(f"invalid config key {key}: {msg}")
+        return key_error(key, str(cause).split("\n")[0].strip())
     return ConfigError(" ".join(str(e).split()))
+
+
+def key_error(key: str, msg: str) -> ConfigError:
+    """OmegaConf's refusal at ``key`` as one line: a value its (known) key cannot take (``model.dims[2]``: an item
+    of a list), else a key there is not."""
+    if re.sub(r"(\[\d+\])+$", "", key) in config_keys():
+        return ConfigError(f"invalid value for config key {key}: {msg}")
+    return ConfigError(f"invalid config key {key}: {msg}{did_you_mean(key, config_keys())}")
 
 
 def make_config(cfg: Any = None) -> Config:
@@ -247,10 +254,7 @@ def load_config(cfg: Any) -> Config:
     try:
         merged = OmegaConf.merge(base, cfg)
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
-        key = getattr(e, "full_key", None) or "?"
-        msg = str(e).split("\n")[0].strip()
-        hint = did_you_mean(key, config_keys()) if key not in config_keys() else ""
-        raise ConfigError(f"invalid config key {key}: {msg}{hint}") from e
+        raise key_error(getattr(e, "full_key", None) or "?", str(e).split("\n")[0].strip()) from e
     conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
