@@ -345,6 +345,8 @@ def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     assert len(notes) == 1, notes
     assert notes[0].startswith("compile=graph: the training step at batch size 6 runs eagerly: the step reads a "
                                "device value on the host (Tensor.__bool__"), notes[0]
+    line = Branchy.forward.__code__.co_firstlineno + 1  # the user's line that reads it, named (not pcdist's caller)
+    assert f"Tensor.__bool__ in {__file__}:{line} (forward), from " in notes[0], notes[0]
     assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in nets)))
 
 

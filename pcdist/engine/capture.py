@@ -159,7 +159,7 @@ class HostReads:
         line of pcdist; ``ours_only``: only where that frame is pcdist's (not the caller's own batch, say)."""
         import traceback
 
-        frames = [f for f in traceback.extract_stack()[:-3] if "capture.py" not in f.filename
+        frames = [f for f in traceback.extract_stack() if f.filename != __file__
                   and "/torch/utils/" not in f.filename and "/torch/overrides" not in f.filename
                   and "/torch/_tensor" not in f.filename and "/torch/_compile" not in f.filename
                   and "/torch/_dynamo" not in f.filename]
