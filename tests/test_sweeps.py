@@ -105,6 +105,27 @@ def test_a_sweep_into_an_earlier_sweeps_folder_refuses_and_changes_nothing(tmp_p
                               "trainer.max_steps into a new hydra.sweep.dir") == 2, again.stdout
 
 
+def test_a_sweep_into_a_folder_another_sweep_is_launching_into_is_refused_before_it_writes(tmp_path):
+    """Two different sweeps launched at once into one new folder both passed the checks (it held nothing yet):
+    the second was refused only at its first job, after Hydra had written its multirun.yaml over the first's. A
+    sweep now claims its folder before Hydra writes (.pcdist-sweep.json: its overrides, process and host); a
+    folder claimed by another sweep whose process runs is refused in one line, and nothing is written."""
+    import json
+    import socket
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    claim = {"overrides": ["optim.lr=1e-3,3e-3"], "pid": os.getpid(), "host": socket.gethostname()}
+    (sweep / ".pcdist-sweep.json").write_text(json.dumps(claim))  # (this test's process: it runs)
+    before = snapshot(sweep)
+    said = refused("--multirun", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert said == (f"error: sweep directory {sweep}: another sweep is launching into it (process {os.getpid()} on "
+                    f"{socket.gethostname()}: optim.lr=1e-3,3e-3), which this sweep would mix with its own; give the "
+                    f"sweep a new hydra.sweep.dir, or remove {sweep}/.pcdist-sweep.json if that sweep has ended (no "
+                    f"job was started)\n"), said
+    assert snapshot(sweep) == before, "no multirun.yaml, no job directory"
+
+
 def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
     """A bad value anywhere in a --multirun list: one line naming the job and the key, exit status 2, and nothing
     run or left behind (no job directory, no multirun.yaml)."""

@@ -124,7 +124,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         if args.multirun:  # every job's config and directory, before the first job starts
             from .sweep import check_sweep  # (torch)
 
-            check_sweep(lambda overrides: _compose(conf_dir, overrides), args.overrides)
+            check_sweep(lambda overrides: _compose(conf_dir, overrides), args.overrides, claim=not check)
         else:
             composed = _compose(conf_dir, args.overrides)
             for key in composed:  # every key resolves (the hydra node's own are Hydra's run's to resolve)

@@ -10,14 +10,20 @@ a run of other settings there, or runs in the sweep directory that are no job of
 refused, naming the directory and the way out. Other sweepers (Optuna) choose their jobs as they
 go: their sweep directory must hold no runs yet, and each job is checked again as it starts
 (``pcdist.service.run.run(..., sweep=True)``).
+
+Two different sweeps launched at once into one new folder both pass these checks (it holds nothing yet);
+``claim`` then marks the folder as the first one's before Hydra writes into it (multirun.yaml, the
+jobs), and the second is refused before it writes anything.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 from .config import load_config, passed_settings
 from .data import DataError
 from .rundir import run_files
@@ -25,9 +31,10 @@ from .rundir import run_files
 __all__ = ["check_sweep"]
 
 
-def check_sweep(compose, overrides: list[str]) -> None:
+def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
     """Check every job of the sweep ``overrides`` describe before any starts; ``compose(overrides)`` gives the
-    config Hydra composes (with its ``hydra`` section). Raises ConfigError (one line, naming the job)."""
+    config Hydra composes (with its ``hydra`` section). Raises ConfigError (one line, naming the job). Then, where
+    the sweep will run (``claim``; not for ``--check``), claim its directory (``claim_sweep_dir``)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -37,12 +44,61 @@ def check_sweep(compose, overrides: list[str]) -> None:
     sweep_dir = Path(head.hydra.sweep.dir)
     if not str(head.hydra.sweeper._target_).endswith(".BasicSweeper"):
         _refuse_earlier_runs(sweep_dir, set(), "it holds the runs of an earlier sweep")
+    else:
+        swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+        jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
+        dirs = {_check_job(compose, num, job, swept, loaded) for num, job in enumerate(jobs)}
+        if None not in dirs:  # every job's directory known before Hydra launches it
+            _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
+    if claim:
+        claim_sweep_dir(sweep_dir, overrides)
+
+
+CLAIM = ".pcdist-sweep.json"
+"""The file in a sweep directory that names the sweep running into it (its overrides, process and host)."""
+
+
+def claim_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
+    """Mark ``sweep_dir`` as this sweep's (``CLAIM``). The same sweep launched again (to resume it; each rank of
+    a torchrun launch) shares the claim; a claim of other overrides is refused while its process runs on this
+    host (or on another host: nothing tells here whether it still runs), and taken over once it has ended (the
+    checks above have found its runs, if any, to be this sweep's jobs)."""
+    mine = sorted(o for o in overrides if o.partition("=")[0].lstrip("+") != "hydra.sweep.dir")
+    record = json.dumps({"overrides": mine, "pid": os.getpid(), "host": socket.gethostname()})
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path = sweep_dir / CLAIM
+    try:
+        with open(path, "x") as f:
+            f.write(record)
         return
-    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
-    dirs = {_check_job(compose, num, job, swept, loaded) for num, job in enumerate(jobs)}
-    if None not in dirs:  # every job's directory known before Hydra launches it
-        _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
+    except FileExistsError:
+        pass
+    try:
+        theirs = json.loads(path.read_text())
+    except (OSError, ValueError):  # unreadable: written by no pcdist, or cut short; taken over below
+        theirs = {}
+    if theirs.get("overrides") == mine:
+        return
+    if theirs.get("host") != socket.gethostname() or _running(theirs.get("pid")):
+        raise ConfigError(f"sweep directory {sweep_dir}: another sweep is launching into it (process "
+                          f"{theirs.get('pid')} on {printable(theirs.get('host'))}: "
+                          f"{printable(' '.join(theirs.get('overrides', [])))}), which this sweep would mix with its "
+                          f"own; give the sweep a new hydra.sweep.dir, or remove {path} if that sweep has ended "
+                          f"(no job was started)")
+    path.write_text(record)
+
+
+def _running(pid) -> bool:
+    """Whether process ``pid`` of this host runs."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path | None:
