@@ -124,6 +124,9 @@ def test_a_sweep_into_a_folder_another_sweep_is_launching_into_is_refused_before
                     f"sweep a new hydra.sweep.dir, or remove {sweep}/.pcdist-sweep.json if that sweep has ended (no "
                     f"job was started)\n"), said
     assert snapshot(sweep) == before, "no multirun.yaml, no job directory"
+    (tmp_path / "a-file").touch()
+    said = refused("--multirun", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={tmp_path / 'a-file'}", cwd=tmp_path)
+    assert said == f"error: hydra.sweep.dir={tmp_path / 'a-file'}: a file is there, not a folder; choose another\n"
 
 
 def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):

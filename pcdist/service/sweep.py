@@ -65,26 +65,30 @@ def claim_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
     checks above have found its runs, if any, to be this sweep's jobs)."""
     mine = sorted(o for o in overrides if o.partition("=")[0].lstrip("+") != "hydra.sweep.dir")
     record = json.dumps({"overrides": mine, "pid": os.getpid(), "host": socket.gethostname()})
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     path = sweep_dir / CLAIM
     try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
         with open(path, "x") as f:
             f.write(record)
         return
     except FileExistsError:
-        pass
+        if not sweep_dir.is_dir():
+            raise ConfigError(f"hydra.sweep.dir={sweep_dir}: a file is there, not a folder; choose another") from None
+    except OSError as e:  # a read-only or full disk
+        raise ConfigError(f"cannot claim the sweep directory {sweep_dir}: {e.strerror or e}") from None
     try:
         theirs = json.loads(path.read_text())
     except (OSError, ValueError):  # unreadable: written by no pcdist, or cut short; taken over below
         theirs = {}
+    theirs = theirs if isinstance(theirs, dict) else {}
     if theirs.get("overrides") == mine:
         return
     if theirs.get("host") != socket.gethostname() or _running(theirs.get("pid")):
+        said = printable(" ".join(map(str, theirs.get("overrides") or [])))
         raise ConfigError(f"sweep directory {sweep_dir}: another sweep is launching into it (process "
-                          f"{theirs.get('pid')} on {printable(theirs.get('host'))}: "
-                          f"{printable(' '.join(theirs.get('overrides', [])))}), which this sweep would mix with its "
-                          f"own; give the sweep a new hydra.sweep.dir, or remove {path} if that sweep has ended "
-                          f"(no job was started)")
+                          f"{printable(theirs.get('pid'))} on {printable(theirs.get('host'))}: {said}), which this "
+                          f"sweep would mix with its own; give the sweep a new hydra.sweep.dir, or remove {path} if "
+                          f"that sweep has ended (no job was started)")
     path.write_text(record)
 
 
