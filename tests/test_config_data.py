@@ -218,6 +218,17 @@ def test_an_engine_switch_with_a_value_it_does_not_take_is_refused_before_any_wo
     pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
 
+def test_an_after_training_command_refuses_a_bad_engine_switch_in_one_line(tmp_path, monkeypatch, capsys):
+    """evaluate (and predict, export) make a trainer too: a bad switch there is the same one line, status 2."""
+    from pcdist.service.commands import main
+
+    pcdist.train([*SMALL, f"run_dir={tmp_path / 'run'}"])
+    capsys.readouterr()
+    monkeypatch.setenv("PCDIST_NATIVE", "off")
+    assert main(["evaluate", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "error: environment variable PCDIST_NATIVE='off': allowed 1, 0 (unset: 1)\n"
+
+
 def test_a_mistyped_group_option_from_python_gets_the_did_you_mean_of_the_command_line(tmp_path):
     """pcdist.train({"model": "cnnn"}) composes conf/ as train.py does, so it gets the same one line (not Hydra's
     search-path report); so does {"modle": "cnn"}."""

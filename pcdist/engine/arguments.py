@@ -8,6 +8,8 @@ import math
 import os
 from typing import Any, Callable, NamedTuple
 
+from ..errors import ConfigError
+
 __all__ = ["ALGORITHMS", "ENV_SWITCHES", "INITS", "RULES", "Rule", "check", "check_env", "env_choice", "finite"]
 
 ALGORITHMS = ("pc", "ipc")
@@ -30,17 +32,17 @@ ENV_SWITCHES = {
 
 def env_choice(name: str, allowed: tuple[str, ...] | None = None) -> str:
     """The environment variable ``name`` (default ``allowed[0]``; ``allowed``: ENV_SWITCHES[name] by default), or a
-    ValueError naming it and what it allows."""
+    ConfigError (a ValueError; the command line prints it as one line) naming it and what it allows."""
     allowed = allowed or ENV_SWITCHES[name]
     value = os.environ.get(name, allowed[0])
     if value not in allowed:
-        raise ValueError(f"environment variable {name}={value!r}: allowed {', '.join(allowed)} "
+        raise ConfigError(f"environment variable {name}={value!r}: allowed {', '.join(allowed)} "
                          f"(unset: {allowed[0]})")
     return value
 
 
 def check_env() -> None:
-    """Every engine switch set in the environment holds a value it allows, else a ValueError naming it: checked
+    """Every engine switch set in the environment holds a value it allows, else a ConfigError naming it: checked
     when a trainer is made (and by the service's launch checks), not at the first step that reads one."""
     for name in ENV_SWITCHES:
         env_choice(name)
