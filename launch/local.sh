@@ -13,6 +13,11 @@ if [[ -z "${NPROC:-}" ]]; then
     NPROC=2  # no GPU device file (NVIDIA, ROCm, WSL): torch would find no GPU, and its import costs seconds
   fi
 fi
+if ! [[ $NPROC =~ ^[0-9]+$ ]] || ((10#$NPROC < 1)); then
+  echo "launch/local.sh: error: NPROC=$NPROC is not a whole number >= 1" >&2
+  exit 2
+fi
+NPROC=$((10#$NPROC))
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
 # One process checks the overrides for NPROC ranks first: a mistake is one line and exit status 2.

@@ -61,6 +61,10 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: mesh parallel.data=1 x parallel.layer=3 = "
                                                                   "3 ranks, but the world size is 2")
     assert not tmp_path.joinpath("checkpoints").exists()
+    for nproc in ("abc", "0"):  # bash's own errors before ("unbound variable", "division by 0")
+        out = run(["launch/local.sh"], NPROC=nproc, PYTHON=sys.executable)
+        assert (out.returncode, out.stderr) == (2, f"launch/local.sh: error: NPROC={nproc} is not a whole number "
+                                                   f">= 1\n"), out.stderr
 
 
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):

@@ -448,6 +448,11 @@ def test_a_launch_into_a_directory_another_run_trains_in_is_refused(tmp_path):
         held = f"^{re.escape(str(run_dir))} is in use by another run \\(pid {proc.pid} on "
         with pytest.raises(pcdist.ConfigError, match=held):
             pcdist.train(cfg(run_dir, trainer={"max_steps": 1000000}))
+        from pcdist.service.checks import check_as_launched  # what train.py --check runs (launch/*.sh first): it
+        from pcdist.service.config import make_config  # refused nothing there, and torchrun restarted the refused
+
+        with pytest.raises(pcdist.ConfigError, match=held):  # launch until the run ended, then trained on in it
+            check_as_launched(make_config(cfg(run_dir, trainer={"max_steps": 1000000})), {}, 1, run_dir)
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=300)[0]

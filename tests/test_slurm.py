@@ -461,8 +461,8 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
     ([], [], {"MAX_RESTARTS": "x"}, "launch/slurm.sbatch: error: MAX_RESTARTS=x is not a whole number >= 0"),
     (["--ntasks-per-node=2"], [], {}, "launch/slurm.sbatch: error: SLURM_TASKS_PER_NODE=2: the job needs exactly one "
                                       "task per node"),
-    ([], ["hydra.run.dir=/tmp/x"], {}, "launch/slurm.sbatch: error: hydra.run.dir=/tmp/x: the run directory is set "
-                                       "with RUN_DIR=<path> or RUN_NAME=<name>"),
+    ([], ["++hydra.run.dir=/tmp/x"], {}, "launch/slurm.sbatch: error: ++hydra.run.dir=/tmp/x: the run directory is "
+                                         "set with RUN_DIR=<path> or RUN_NAME=<name>"),  # (++: it got past before)
 ], ids=["override", "mesh", "nproc", "restarts", "tasks", "run-dir"])
 def test_a_mistake_is_one_line_and_the_job_fails_before_any_worker_starts(cluster, tmp_path, sbatch_args, overrides,
                                                                           env, error):

@@ -17,7 +17,7 @@ from .device import pick_device
 from .metrics import check_logger
 from .models import check_model_keys
 from .optimizer import check_optim_keys
-from .rundir import find_resume
+from .rundir import check_not_in_use, find_resume
 
 
 def check(c: Config, world: int) -> str:
@@ -55,6 +55,7 @@ def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_
     if run_dir is not None:
         c.run_dir = str(run_dir)
         if run_dir.is_dir():
+            check_not_in_use(run_dir)
             c = find_resume(c, run_dir, passed, sweep).config
     check_combination(c)
     check_length(c, passed)

@@ -43,7 +43,7 @@ from ..errors import ConfigError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
            "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
-           "links_refusal", "LOCK", "lock_run_dir", "unlock_run_dir"]
+           "links_refusal", "LOCK", "check_not_in_use", "lock_run_dir", "unlock_run_dir"]
 
 _calls = itertools.count(1)
 
@@ -321,14 +321,12 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another launch"
+            holder = printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
             os.close(fd)
             if time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
-            raise ConfigError(f"{run_dir} is in use by another run ({holder}; its lock: {path}): two launches into "
-                              f"one run directory would mix their steps; wait for it to end, or choose another "
-                              f"directory (hydra.run.dir=..., or the config key run_dir)") from None
+            raise ConfigError(_in_use(run_dir, holder)) from None
         except OSError as e:  # a filesystem without locks (some network mounts)
             os.close(fd)
             warnings.warn(f"cannot lock {path} on this filesystem ({e.strerror}): a second launch into {run_dir} "
@@ -345,6 +343,34 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
     _held[:] = [fd, path, run_dir if made else None]
+
+
+def _in_use(run_dir: Path, holder: str) -> str:
+    return (f"{run_dir} is in use by another run ({holder}; its lock: {run_dir / LOCK}): two launches into one run "
+            f"directory would mix their steps; wait for it to end, or choose another directory (hydra.run.dir=..., "
+            f"or the config key run_dir)")
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Refuse, as ``lock_run_dir`` would, a run directory whose lock another process holds, without writing
+    anything (``train.py --check``: a launch script's check before torchrun, which would restart a refused
+    worker, and restarted, take the directory for its own once the other run has ended)."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # no lock file (no run holds it), or one this process may not open: the launch itself decides
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        holder = printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
+        raise ConfigError(_in_use(Path(run_dir), holder)) from None
+    except OSError:  # a filesystem without locks
+        pass
+    finally:
+        os.close(fd)  # (closing releases a lock this check took)
 
 
 def unlock_run_dir() -> None:
