@@ -472,3 +472,15 @@ def wait_for(ready, proc, what: str, timeout: float = 300) -> None:
         assert proc.poll() is None, f"the process exited before {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
         time.sleep(0.05)
+
+
+def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces():
+    """The line a stopped run prints to resume it (`to resume: ...`) names its folder as one shell argument: a
+    run directory with a space was printed bare and split in two when pasted (cluster review)."""
+    import shlex
+
+    from pcdist.service.config import make_config
+    from pcdist.service.resume import resume_command
+
+    for folder in ("/tmp/a b/run", "/tmp/ab/run", "/tmp/it's/run"):
+        assert shlex.split(resume_command(make_config(None), folder))[-1] == f"hydra.run.dir={folder}"

@@ -5,6 +5,7 @@ for a run with nothing left to train (``nothing_to_train``); the checkpoint, sch
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ def resume_command(c: Config, run_dir) -> str:
         given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
                                           ("layers=...", c.model.name == PYTHON_MODEL)) if on)
         return f"pcdist.train({{'run_dir': '{run_dir}'}}, {given}) with the same {given.replace('=...', '')}"
-    return f"{command()} hydra.run.dir={run_dir}"
+    return f"{command()} {shlex.quote(f'hydra.run.dir={run_dir}')}"  # (a folder with spaces: one argument)
 
 
 def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -> str:
