@@ -60,7 +60,7 @@ def attempt_store(store: dist.Store, rank: int, world: int, timeout: timedelta) 
             answered = max(answered, issued)
             if time.monotonic() > deadline:
                 raise PeerError(f"rank 0: only {store.add(joined, 0)} of the other {world - 1} ranks joined the "
-                                   f"process group within {timeout.total_seconds():g}s; are they running?")
+                                f"process group within {timeout.total_seconds():g}s; are they running?")
             time.sleep(0.01)
     else:
         key = f"pcdist/welcome/{ticket}"
@@ -68,7 +68,7 @@ def attempt_store(store: dist.Store, rank: int, world: int, timeout: timedelta) 
             store.wait([key], timeout)
         except Exception as e:  # DistStoreError on timeout
             raise PeerError(f"rank {rank}: no word from rank 0 within {timeout.total_seconds():g}s while "
-                               f"forming the process group; is rank 0 running? ({e})") from e
+                            f"forming the process group; is rank 0 running? ({e})") from e
         gen = int(store.get(key))
         store.add(f"pcdist/gen-{gen}/joined", 1)
     return dist.PrefixStore(f"pcdist/gen-{gen}/", store)

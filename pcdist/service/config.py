@@ -25,15 +25,15 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, did_you_mean  # noqa: F401 - did_you_mean: the service imports it from here
+from ..errors import ConfigError, did_you_mean
 from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
                      check_combination, num_layers, validate)
 
 __all__ = ["Config", "ModelConfig", "num_layers", "DataConfig", "PCConfig", "OptimConfig", "ParallelConfig",
            "TrainerConfig", "LoggerConfig", "CONF_DIR", "compose", "composition_error", "make_config", "load_config",
-           "validate", "check_combination", "absolute_data_paths", "DATA_PATHS", "DATASETS", "ROOT_DATASETS",
-           "config_keys", "did_you_mean",
+           "validate", "check_combination", "absolute_data_paths", "absolute_path", "DATA_PATHS", "DATASETS",
+           "ROOT_DATASETS", "config_keys", "did_you_mean",
            "check_overrides", "groups", "passed_settings", "choice_keys", "flat", "command", "PYTHON_DATA",
            "PYTHON_MODEL", "BP", "RESUME"]
 
@@ -264,13 +264,18 @@ DATA_PATHS = ("data.path", "data.root")
 """Where the data is: a run records them as absolute paths (``absolute_data_paths``)."""
 
 
+def absolute_path(path: str) -> str:
+    """``path`` (``~`` expanded) as the absolute path it names from this folder."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def absolute_data_paths(c: Config) -> None:
     """``data.path`` and ``data.root`` as the absolute paths they name from this folder: a resume or evaluate
     started in another folder reads the same files, not that folder's files of the same name."""
     for key in DATA_PATHS:
         name = key.split(".")[1]
         if getattr(c.data, name) is not None:
-            setattr(c.data, name, os.path.abspath(os.path.expanduser(getattr(c.data, name))))
+            setattr(c.data, name, absolute_path(getattr(c.data, name)))
 
 
 def network_options(c: Config) -> dict:

@@ -38,7 +38,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_pt
-from .config import DATA_PATHS, Config, command, flat, literal, load_config, passed_settings
+from .config import DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings
 from ..errors import ConfigError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
@@ -321,7 +321,7 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
-            holder = printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
+            holder = _holder(fd)
             os.close(fd)
             if time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -345,6 +345,11 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
     _held[:] = [fd, path, run_dir if made else None]
 
 
+def _holder(fd: int) -> str:
+    """Who holds the lock file ``fd`` (what its holder wrote in it), printable."""
+    return printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
+
+
 def _in_use(run_dir: Path, holder: str) -> str:
     return (f"{run_dir} is in use by another run ({holder}; its lock: {run_dir / LOCK}): two launches into one run "
             f"directory would mix their steps; wait for it to end, or choose another directory (hydra.run.dir=..., "
@@ -365,7 +370,7 @@ def check_not_in_use(run_dir: Path) -> None:
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):
-        holder = printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
+        holder = _holder(fd)
         raise ConfigError(_in_use(Path(run_dir), holder)) from None
     except OSError:  # a filesystem without locks
         pass
@@ -526,7 +531,7 @@ def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
     before, after = flat(old), flat(asdict(c))
     for key in DATA_PATHS:  # a run of an earlier pcdist recorded them as given (relative to the folder it ran in)
         if isinstance(before.get(key), str):
-            before[key] = os.path.abspath(os.path.expanduser(before[key]))
+            before[key] = absolute_path(before[key])
     other = [k for k, v in after.items() if k in before and before[k] != v and not _of_launch(k)
              and k not in _NOT_SETTINGS]
     if other:
