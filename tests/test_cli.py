@@ -65,6 +65,14 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
         out = run(["launch/local.sh"], NPROC=nproc, PYTHON=sys.executable)
         assert (out.returncode, out.stderr) == (2, f"launch/local.sh: error: NPROC={nproc} is not a whole number "
                                                    f">= 1\n"), out.stderr
+    import venv  # a python without pcdist's requirements (a wrong PYTHON=): one line, not import's traceback
+
+    venv.create(tmp_path / "bare", with_pip=False)
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    out = run(["launch/local.sh"], NPROC="2", PYTHON=bare)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert re.match(f"train.py: error: {re.escape(bare)} cannot import (torch|omegaconf|hydra|yaml), which pcdist "
+                    f"needs: install pcdist into it", out.stderr), out.stderr
 
 
 def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):

@@ -465,6 +465,42 @@ def test_a_launch_into_a_directory_another_run_trains_in_is_refused(tmp_path):
     assert pcdist.load(run_dir).step == stopped + 4 and not (run_dir / LOCK).exists()
 
 
+def test_a_torchrun_launch_refused_a_directory_stays_refused_when_torchrun_restarts_it(tmp_path):
+    """Two jobs launched together into one run directory both pass train.py --check (no run holds it yet); the
+    one whose first rank comes second is refused by the lock. torchrun restarts a refused worker: the restart,
+    finding the directory free once the other run had ended, took it for its own and trained the second job's
+    settings on in it (cluster review). A launch once refused stays refused through its restarts: its record in
+    the directory's .refused/ says so, and the run's files are never written by it."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pcdist.service."
+                               "rundir import lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('held', flush="
+                               "True); sys.stdin.read()", str(run_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # the run that holds it (what a run's rank 0 holds)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                                   "--max-restarts=1", str(ROOT / "train.py"), *CLI_RUN, "trainer.max_steps=4",
+                                   f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in launch.stdout:  # its first attempt is refused; then the holder ends, before the restart
+            lines.append(line)
+            if "is in use by another run" in line:
+                break
+        holder.kill()
+        holder.wait()
+        out = "".join(lines) + launch.communicate(timeout=300)[0]
+    finally:
+        holder.kill()
+    assert launch.returncode != 0, out[-3000:]
+    assert "this torchrun launch was refused the directory at an earlier attempt (held by pid " in out, out[-3000:]
+    from pcdist.service.rundir import run_files
+
+    assert run_files(run_dir) == [], "the refused launch wrote none of a run's files"
+    assert [p.name for p in (run_dir / ".refused").iterdir()], "its record names the launch"
+
+
 def wait_for(ready, proc, what: str, timeout: float = 300) -> None:
     """Wait until ``ready()`` (generous deadline; fails at once if ``proc`` exits first)."""
     deadline = time.monotonic() + timeout

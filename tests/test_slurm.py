@@ -402,6 +402,8 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
     step = preempted_step(job)
     assert "resume with RUN_DIR=runs/named sbatch launch/slurm.sbatch" in job.log
+    # (the workers' own line too: it named python train.py hydra.run.dir=..., which this script refuses)
+    assert f"to resume: RUN_DIR={job.run_dir} sbatch launch/slurm.sbatch" in job.log, job.log
     again = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
     assert again.id != job.id and again.run_dir == job.run_dir
     fields = again.wait_finished()

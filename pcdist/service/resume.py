@@ -5,6 +5,7 @@ for a run with nothing left to train (``nothing_to_train``); the checkpoint, sch
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -18,12 +19,15 @@ from .rundir import Resume, position_schedule, write_attempt
 
 
 def resume_command(c: Config, run_dir) -> str:
-    """How to continue the run in ``run_dir``: its command line, or for data or layers passed from Python the call
-    that passes them again."""
+    """How to continue the run in ``run_dir``: its command line (in a launch/slurm.sbatch job, which sets
+    PCDIST_LAUNCHER=slurm and refuses hydra.run.dir=, its resubmission), or for data or layers passed from Python
+    the call that passes them again."""
     if c.data.name == PYTHON_DATA or c.model.name == PYTHON_MODEL:
         given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
                                           ("layers=...", c.model.name == PYTHON_MODEL)) if on)
         return f"pcdist.train({{'run_dir': '{run_dir}'}}, {given}) with the same {given.replace('=...', '')}"
+    if os.environ.get("PCDIST_LAUNCHER") == "slurm":
+        return f"RUN_DIR={shlex.quote(str(run_dir))} sbatch launch/slurm.sbatch"
     return f"{command()} {shlex.quote(f'hydra.run.dir={run_dir}')}"  # (a folder with spaces: one argument)
 
 

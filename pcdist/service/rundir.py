@@ -308,6 +308,12 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
     import socket
 
     run_dir = Path(run_dir)
+    refused = _refused_record(run_dir)
+    if refused is not None and refused.is_file() and _restarted():
+        raise ConfigError(f"{run_dir}: this torchrun launch was refused the directory at an earlier attempt "
+                          f"({printable(refused.read_text(errors='replace').strip())}); torchrun restarted it, but a "
+                          f"launch that found another run there does not take the directory over when that run "
+                          f"ends: launch again to resume it")
     made = not run_dir.exists()
     path = run_dir / LOCK
     deadline = time.monotonic() + (wait_s if wait_s is not None else 5.0 if _restarted() else 0.0)
@@ -326,6 +332,7 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
             if time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
+            _remember_refusal(refused, holder)
             raise ConfigError(_in_use(run_dir, holder)) from None
         except OSError as e:  # a filesystem without locks (some network mounts)
             os.close(fd)
@@ -345,6 +352,33 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
     _held[:] = [fd, path, run_dir if made else None]
 
 
+REFUSED = ".refused"
+"""The folder of a run directory where a torchrun launch refused it (another run held it) records so: torchrun
+restarts a refused worker, and the restart, finding the directory free once that run has ended, would otherwise
+take it for its own (and train a second job's settings into a run it never started)."""
+
+
+def _refused_record(run_dir: Path) -> Path | None:
+    """Where this torchrun launch (every restart of it) records a refusal of ``run_dir``; None outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        key = _launch_key()[0]
+    except ConfigError:
+        return None
+    return run_dir / REFUSED / key
+
+
+def _remember_refusal(record: Path | None, holder: str) -> None:
+    if record is None:
+        return
+    try:
+        record.parent.mkdir(exist_ok=True)
+        record.write_text(f"held by {holder}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    except OSError:  # (the refusal itself still stands)
+        pass
+
+
 def _holder(fd: int) -> str:
     """Who holds the lock file ``fd`` (what its holder wrote in it), printable."""
     return printable(os.pread(fd, 200, 0).decode(errors="replace").strip()) or "another launch"
@@ -358,8 +392,9 @@ def _in_use(run_dir: Path, holder: str) -> str:
 
 def check_not_in_use(run_dir: Path) -> None:
     """Refuse, as ``lock_run_dir`` would, a run directory whose lock another process holds, without writing
-    anything (``train.py --check``: a launch script's check before torchrun, which would restart a refused
-    worker, and restarted, take the directory for its own once the other run has ended)."""
+    anything (``train.py --check``: a launch script's check before torchrun, so that a job launched into a
+    run that trains fails at once; two launched together both pass it, and the one refused later by
+    ``lock_run_dir`` stays refused through torchrun's restarts)."""
     import fcntl
 
     path = Path(run_dir) / LOCK
