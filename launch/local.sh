@@ -22,4 +22,36 @@ CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
 # One process checks the overrides for NPROC ranks first: a mistake is one line and exit status 2.
 WORLD_SIZE="$NPROC" "$PYTHON" train.py --check "$@" >/dev/null
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@"
+
+# Stopping: this script passes Ctrl-C and SIGTERM to the workers (torchrun starts each in a session of its
+# own, out of the terminal's reach); they finish their step, checkpoint and stop (exit 0:
+# PCDIST_PREEMPTED_STATUS), and this script exits 130 (Ctrl-C) or 3 (SIGTERM), as train.py does. torchrun's
+# agent only waits for them: it handles neither signal (it would pass them on itself, then end with a
+# traceback); a no-op handler, not an ignored signal, so that the workers it starts get the default ones.
+export PCDIST_PREEMPTED_STATUS=0 PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
+agent_code='import runpy, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: None)
+sys.argv[0] = "torchrun"
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)'
+"$PYTHON" -c "$agent_code" --standalone --nproc_per_node="$NPROC" train.py "$@" &
+agent=$!
+stopped=
+pending=
+forward() {  # pass SIG$1 to the workers; where none runs yet (the agent is starting them), to them once they do
+  if pkill "-$1" -P "$agent"; then pending=; else pending=$1; fi
+}
+trap 'stopped=${stopped:-130}; forward INT' INT
+trap 'stopped=${stopped:-3}; forward TERM' TERM
+while kill -0 "$agent" 2>/dev/null; do
+  sleep 0.2 &
+  wait $! || true
+  if [[ -n $pending ]]; then
+    forward "$pending"
+  fi
+done
+wait "$agent" && status=0 || status=$?
+if [[ -n $stopped && $status == 0 ]]; then
+  exit "$stopped"
+fi
+exit "$status"

@@ -102,6 +102,40 @@ def test_local_sh_trains_as_shipped_on_a_cpu_box(tmp_path):
     assert yaml_layer(run_dir) == 2
 
 
+def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_without_a_traceback(tmp_path):
+    """Ctrl-C at a terminal signals launch/local.sh and torchrun's agent (torchrun starts each worker in a
+    session of its own); SIGTERM may come to the script alone. The workers finish their step, checkpoint and
+    stop; the script ends as train.py does (130, 3), and no torchrun traceback follows (it ended with the agent's
+    SignalException, status 1). The stopped run resumes from that checkpoint."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    ends = []
+    for sig, status, line in ((signal.SIGINT, 130, "interrupted: stopped by Ctrl-C (SIGINT) after step "),
+                              (signal.SIGTERM, 3, "pre-empted: stopped by a signal after step ")):
+        proc = subprocess.Popen(["launch/local.sh", "logger=none", "logger.plots=false", "trainer.max_steps=100000",
+                                 "trainer.log_every=5", f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=dict(os.environ, NPROC="2", PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+        lines = []
+        for out in proc.stdout:  # a few steps into this launch
+            lines.append(out)
+            if out.startswith("step ") and len([x for x in lines if x.startswith("step ")]) == 2:
+                break
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # the terminal's foreground group: the script and the agent
+        else:
+            proc.send_signal(sig)
+        out = "".join(lines) + proc.communicate(timeout=300)[0]
+        assert proc.returncode == status and "Traceback" not in out and "FAILED" not in out, out[-3000:]
+        stopped = [x for x in out.splitlines() if x.startswith(line)]
+        assert len(stopped) == 1, out[-3000:]
+        step = int(stopped[0][len(line):].split(";")[0])
+        assert (run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+        ends.append((out, step))
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{ends[0][1]:08d}'} at step {ends[0][1]}" in ends[1][0]
+
+
 def yaml_layer(run_dir):
     import yaml
 

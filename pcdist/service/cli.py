@@ -66,12 +66,15 @@ def fail(message: str, status: int = 2) -> None:
     sys.exit(status)
 
 
-def preempted_status() -> int:
-    """The exit status of a pre-empted run: 3, or ``$PCDIST_PREEMPTED_STATUS``. launch/slurm.sbatch sets 0,
-    so that torchrun's agent neither restarts the stopped workers nor reports them as failed (with a
-    traceback); RUN_DIR/PREEMPTED tells the script to requeue. Anything but a number 0-255 means 3."""
-    value = os.environ.get("PCDIST_PREEMPTED_STATUS", "3")
-    return int(value) if value.isdigit() and int(value) < 256 else 3
+def preempted_status(signum: int = signal.SIGTERM) -> int:
+    """The exit status of a run stopped by ``signum`` after its checkpoint: 3 (130 for a Ctrl-C), or
+    ``$PCDIST_PREEMPTED_STATUS`` where it is set. launch/slurm.sbatch and launch/local.sh set 0, so that
+    torchrun's agent neither restarts the stopped workers nor reports them as failed (with a traceback);
+    RUN_DIR/PREEMPTED tells sbatch to requeue, and local.sh exits 130 or 3 itself. Anything but a number
+    0-255 means the default."""
+    default = 130 if signum == signal.SIGINT else 3
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", str(default))
+    return int(value) if value.isdigit() and int(value) < 256 else default
 
 
 def _ignore_stop_signals() -> None:
@@ -275,12 +278,12 @@ def _train(cfg) -> float | None:
     except pcdist.Preempted as e:
         # checkpointed, and said so (the logging rank's "interrupted: ..." or "pre-empted: ..." line); the exit
         # status (and, pre-empted, run_dir/PREEMPTED) tell the launcher
-        sys.exit(130 if e.signal == signal.SIGINT else preempted_status())
+        sys.exit(preempted_status(e.signal))
     except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, the end-of-run evaluation): at once
         _remove_new_dirs()
         print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"
               f"{f' (run directory: {run_dir})' if run_dir else ''}", file=sys.stderr, flush=True)
-        sys.exit(130)
+        sys.exit(preempted_status(signal.SIGINT))
     except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))
@@ -352,7 +355,7 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C in the checks before a run, or in an after-training command
         _remove_new_dirs()
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        status = 130
+        status = preempted_status(signal.SIGINT)
     except BrokenPipeError:  # `python -m pcdist --help | head`: the reader has gone, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 1
@@ -366,9 +369,10 @@ _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 def _end_at_once(signum, frame) -> NoReturn:
     """Ctrl-C while the process ends (its run's checkpoint and files are written by then; wandb or torch may
-    still be finishing): end now, status 130, without the KeyboardInterrupt traceback of an exit function."""
+    still be finishing): end now, status 130 (``preempted_status``), without the KeyboardInterrupt traceback of
+    an exit function."""
     print("Ctrl-C while the process was ending: ended at once", file=sys.stderr, flush=True)
-    os._exit(130)
+    os._exit(preempted_status(signal.SIGINT))
 
 
 def end_process(status: int | str | None) -> NoReturn:
