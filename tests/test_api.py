@@ -142,6 +142,9 @@ def test_bad_networks_name_the_problem(build, message):
          "ValueRule\\(name='sgd', momentum=0.0.* would be ignored: the rule carries its own momentum; set "
          "ValueRule\\(..., momentum=0.9\\) or leave x_momentum at 0$"),
         (dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau), "^scheduler=ReduceLROnPlateau steps on a metric"),
+        (dict(skip_above="1"), "^skip_above .* must be None or a finite number >= 0, got '1'$"),  # (API review: these
+        (dict(noise_seed="a"), "^noise_seed must be an integer, got 'a'$"),  # failed inside torch, at the first step)
+        (dict(precision_schedule=0.1), "^precision_schedule must be None or a callable factor"),
     ],
 )
 def test_bad_trainer_arguments_name_the_problem(kwargs, message):
@@ -267,3 +270,148 @@ def test_weights_changed_in_place_between_steps_are_seen(algorithm):
     assert got["energy"] == pytest.approx(want["energy"], rel=1e-12)
     for a, b in zip(tr.value_nodes(), fresh.value_nodes()):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+# -- what a PyTorch user does that the engine did not follow (API review) -----------------------------------------
+
+def _mlp_trainer(seed=0, **kw):
+    net = pcdist.PCNetwork.from_dims([4, 8, 8, 3], seed=seed, dtype=torch.float64)
+    return net, pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1), T=4, **kw)
+
+
+def _xy(seed=0, B=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 4, generator=g, dtype=torch.float64), torch.eye(3, dtype=torch.float64)[torch.arange(B) % 3]
+
+
+def test_a_trainer_used_under_inference_mode_still_trains():
+    """An evaluation loop under torch.inference_mode() made the stage's buffers inference tensors, and every later
+    step at that batch size raised torch's "Inplace update to inference tensor". The engine runs outside it: the
+    steps after it equal a trainer's that never saw it."""
+    (net_a, tr_a), (net_b, tr_b) = _mlp_trainer(), _mlp_trainer()
+    x, y = _xy()
+    with torch.inference_mode():
+        nodes = tr_a.infer(x, y)
+    torch.testing.assert_close(nodes[-1], tr_b.infer(x, y)[-1], rtol=0, atol=0)
+    for s in range(3):
+        assert tr_a.step(*_xy(s))["energy"] == tr_b.step(*_xy(s))["energy"]
+    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters()))
+
+
+def test_an_optimizer_over_other_tensors_than_the_network_s_is_refused():
+    """from_sequential copies the weights: an optimizer over the Sequential's parameters trained nothing, and the
+    energies kept coming as if it did."""
+    seq = seq_of([4, 8, 3])
+    net = pcdist.PCNetwork.from_sequential(seq)
+    with pytest.raises(ValueError, match=r"^the optimizer holds 4 tensor\(s\) that are not this network's parameters "
+                                         r"\(shapes \[\[8, 4\], \[8\], \[3, 8\], \[3\]\]\): from_sequential"):
+        pcdist.PCTrainer(net, torch.optim.AdamW(seq.parameters(), lr=0.01))
+    pcdist.PCTrainer(net, torch.optim.AdamW(list(net.parameters())[:1], lr=0.01))  # a subset is the user's choice
+
+
+def test_a_frozen_parameter_is_not_trained():
+    """requires_grad_(False) freezes a parameter in PyTorch (no .grad, so the optimizer leaves it); pcdist wrote
+    a .grad for every parameter and trained it anyway (AdamW's weight decay moves even a zero gradient's). The
+    other layers train as in a network whose frozen layer is left out of the optimizer. from_layers keeps a
+    module's frozen parameters frozen; layers fused into one stacked parameter freeze together or not at all."""
+    (net_a, tr_a) = _mlp_trainer()
+    net_b = pcdist.PCNetwork.from_dims([4, 8, 8, 3], seed=0, dtype=torch.float64)
+    frozen = list(net_a.groups[0].parameters())
+    for p in frozen:
+        p.requires_grad_(False)
+    before = [p.clone() for p in frozen]
+    keep = {id(p) for p in net_b.groups[0].parameters()}
+    tr_b = pcdist.PCTrainer(net_b, torch.optim.AdamW([p for p in net_b.parameters() if id(p) not in keep], lr=0.01,
+                                                     weight_decay=0.1), T=4)
+    for s in range(3):
+        tr_a.step(*_xy(s))
+        tr_b.step(*_xy(s))
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(frozen, before))
+    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters()))
+    pre = nn.Linear(4, 8)
+    pre.requires_grad_(False)
+    net = pcdist.PCNetwork.from_layers([nn.Sequential(pre, nn.Tanh()), nn.Linear(8, 3)])
+    assert [p.requires_grad for p in net.parameters()] == [False, False, True, True]
+    same = [nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)]
+    same[1].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^layers \[2\] are frozen .* and layers \[3\] not, but they share one "
+                                         r"stacked parameter"):
+        pcdist.PCNetwork.from_layers(same)
+
+
+class ScaledTanh(nn.Tanh):
+    def forward(self, x):
+        return 1.7159 * torch.tanh(2 * x / 3)
+
+
+class NormedLinear(nn.Linear):
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight / self.weight.norm(dim=1, keepdim=True), self.bias)
+
+
+def test_a_module_that_computes_its_own_forward_keeps_it():
+    """A subclass of nn.Linear or nn.Tanh with a forward of its own, and a weight_norm'd nn.Linear, were read as the
+    fused dense kind (the base class's function: 0.16-0.19 off; weight_norm a KeyError): they are module layers,
+    computing what their code says."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    for layers in ([nn.Sequential(nn.Linear(6, 8), ScaledTanh()), nn.Linear(8, 3)],
+                   [nn.Sequential(NormedLinear(6, 8), nn.Tanh()), nn.Linear(8, 3)],
+                   [nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(6, 8)), nn.Tanh()),
+                    nn.Linear(8, 3)]):
+        net = pcdist.PCNetwork.from_layers(layers, input_shape=(6,))
+        assert [g.kind.kind for g in net.groups][0] == "module"
+        torch.testing.assert_close(net(x), layers[1](layers[0](x)), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^input_shape=\[5\], but layer 1 \(Sequential\) takes inputs of shape "
+                                         r"\[6\]$"):  # (it was ignored)
+        pcdist.PCNetwork.from_layers([nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 3)], input_shape=(5,))
+
+
+def test_settings_changed_on_a_live_trainer_take_effect_or_are_refused():
+    """init and precision_schedule set on a live trainer take effect at the next step (as a fresh trainer's);
+    x_momentum and skip_above, fixed when it is made, are refused (they were silently ignored). A schedule's
+    factor that is not a finite number >= 0 is named (NaN trained the weights to NaN with energy 0)."""
+    x, y = _xy()
+    half = lambda l, t, L: 0.5  # noqa: E731
+    for name, value in (("init", "newton"), ("precision_schedule", half)):
+        (net_a, tr_a), (net_b, _) = _mlp_trainer(), _mlp_trainer()
+        tr_a.step(x, y)
+        tr_b = pcdist.PCTrainer(net_b, torch.optim.AdamW(net_b.parameters(), lr=0.01, weight_decay=0.1), T=4)
+        tr_b.step(x, y)
+        setattr(tr_a, name, value)
+        tr_b = pcdist.PCTrainer(net_b, tr_b.optimizer, T=4, **{name: value})
+        assert tr_a.step(x, y)["energy"] == tr_b.step(x, y)["energy"], name
+        assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters())), name
+    for name in ("x_momentum", "skip_above"):
+        with pytest.raises(AttributeError, match=f"^PCTrainer.{name} is fixed when the trainer is made"):
+            setattr(tr_a, name, 0.5)
+    tr_a.precision_schedule = lambda l, t, L: float("nan") if l == 2 else 1.0
+    with pytest.raises(ValueError, match=r"^the precision schedule gave nan for layer 2 at inference step 0: its "
+                                         r"factors must be finite numbers >= 0$"):
+        tr_a.step(x, y)
+    assert pcdist.PCTrainer(net_a, tr_a.optimizer, T=__import__("numpy").int64(3)).T == 3  # a numpy count
+
+
+def test_unchecked_arguments_are_named_where_they_are_passed():
+    """A network seed, adam's betas and a custom energy that autograd cannot differentiate each failed inside torch."""
+    with pytest.raises(ValueError, match=r"^seed must be None or an integer, got 1.5$"):
+        pcdist.PCNetwork.from_dims([4, 8, 3], seed=1.5)
+    with pytest.raises(ValueError, match=r"^adam's betas must be a pair \(beta1, beta2\), got \(0.9,\)$"):
+        pcdist.ValueRule("adam", betas=(0.9,))
+    net = pcdist.PCNetwork.from_dims([4, 8, 3], energy=lambda u, y: ((u - y) ** 2).sum(1).detach())
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2)
+    x, y = _xy()
+    with pytest.raises(ValueError, match=r"^the energy callable <lambda> returned energies without a gradient"):
+        tr.step(x.float(), y.float())
+
+
+def test_compile_graph_on_a_cpu_says_nothing_of_the_optimizer():
+    """On a CPU every step runs eagerly; the capture's probe named AdamW's host read of its step count (which a
+    CUDA device's capturable AdamW does not make) as the reason."""
+    notes = []
+    net = pcdist.PCNetwork.from_dims([4, 8, 3], seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=0.01), T=2, compile="graph", say=notes.append)
+    for s in range(3):
+        tr.step(*(t.float() for t in _xy(s)))
+    assert notes == []

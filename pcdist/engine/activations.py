@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Activation", "ACTIVATIONS", "ELEMENTWISE_MODULES", "SUPPORTED_MODULES", "activation_from_module",
+__all__ = ["stock", "Activation", "ACTIVATIONS", "ELEMENTWISE_MODULES", "SUPPORTED_MODULES", "activation_from_module",
            "get_activation"]
 
 _aten = torch.ops.aten
@@ -152,8 +152,24 @@ def get_activation(name: str, **kwargs) -> Activation:
     return Activation(name, **kwargs)
 
 
+def stock(module: nn.Module, classes) -> bool:
+    """``module`` is one of torch's ``classes`` as torch computes it: not a subclass with a forward of its own,
+    not parametrized (weight_norm, spectral_norm, ...), without forward hooks. Only such a module is read as a
+    fused kind (its weights and options); any other computes what its own code says (the module kind)."""
+    from torch.nn.utils import parametrize
+
+    base = next((c for c in (classes if isinstance(classes, tuple) else (classes,)) if isinstance(module, c)), None)
+    return (base is not None and type(module).forward is base.forward and not parametrize.is_parametrized(module)
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
 def activation_from_module(module: nn.Module) -> Activation:
-    """The Activation equivalent to a torch.nn activation module."""
+    """The Activation equivalent to a torch.nn activation module (as torch computes it: ``stock``)."""
+    fused = (nn.Tanh, nn.Sigmoid, nn.ReLU, nn.LeakyReLU, nn.GELU, nn.Hardtanh, nn.Identity, nn.SiLU, nn.Softplus,
+             nn.ELU, nn.Mish)
+    if isinstance(module, fused) and not stock(module, fused):
+        raise ValueError(f"{type(module).__name__} is a {type(module).__mro__[1].__name__} that computes its own "
+                         f"forward (a subclass, a parametrization or a hook): not a fused activation")
     if isinstance(module, nn.Tanh):
         return Activation("tanh")
     if isinstance(module, nn.Sigmoid):

@@ -5,6 +5,7 @@ are refused by the same rule, each in its caller's words (``T (inference steps) 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -49,8 +50,13 @@ def check_env() -> None:
 
 
 def finite(x: Any) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number: int, float or a numpy scalar (not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def whole(x: Any) -> bool:
+    """An integer: int or a numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class Rule(NamedTuple):
@@ -68,14 +74,18 @@ class Rule(NamedTuple):
 
 
 RULES = {
-    "T": Rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1",
-              "T (inference steps)"),
+    "T": Rule(lambda v: whole(v) and v >= 1, "an integer >= 1", "T (inference steps)"),
     "x_lr": Rule(lambda v: finite(v) and v > 0, "a finite number > 0", "x_lr (value-node learning rate)"),
     "x_momentum": Rule(lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)", "x_momentum"),
     "algorithm": Rule(lambda v: v in ALGORITHMS, "one of " + ", ".join(ALGORITHMS), "algorithm"),
     "init": Rule(lambda v: v in INITS, "one of " + ", ".join(INITS), "init (the value-node init)"),
     "value_noise": Rule(lambda v: finite(v) and v >= 0, "a finite number >= 0",
                         "value noise (the temperature tau)"),
+    "skip_above": Rule(lambda v: v is None or (finite(v) and v >= 0), "None or a finite number >= 0",
+                       "skip_above (the energy above which an update is skipped)"),
+    "noise_seed": Rule(whole, "an integer", "noise_seed"),
+    "precision_schedule": Rule(lambda v: v is None or callable(v), "None or a callable factor(layer, t, num_layers)",
+                               "precision_schedule"),
 }
 """Each engine setting's rule, by its ``PCTrainer`` argument name (the service's key is ``pc.<name>``)."""
 

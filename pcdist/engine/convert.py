@@ -41,6 +41,9 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
     picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
     for l, m in enumerate(mods, start=1):
         kind, params = kind_from_module(m, l, l == len(mods), shape)
+        if l == 1 and shape is not None and tuple(kind.in_shape) != shape:
+            raise ValueError(f"input_shape={list(shape)}, but layer 1 ({type(m).__name__}) takes inputs of shape "
+                             f"{list(kind.in_shape)}")
         picked.append((kind, params))  # shapes that do not chain are named by the constructor
         shape = tuple(kind.out_shape)
     p = next((t for _, params in picked for t in params.values()), None)  # a first layer may have none (a pooling)
@@ -51,6 +54,7 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
     if net.groups and net.groups[0].first == 0:  # a learned prior mean starts at its init (zero)
         state.update({f"layers.0.{name}": t.detach() for name, t in net.groups[0].public_params(0).items()})
     net.load_layer_state_dict(state)
+    _carry_frozen(net, picked)
     for g in net.groups:  # a module layer's own buffers (the parameters are in state)
         if getattr(g.kind, "kind", None) == "module":
             for k, l in enumerate(g.layers):
@@ -60,6 +64,27 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
         net._templates[l] = (copy.deepcopy(m), {pub: names[id(t)] for pub, t in params.items()})
         net.structure[l] = module_structure(m)
     return net if device is None and dtype is None else net.to(device=device, dtype=dtype)
+
+
+def _carry_frozen(net, picked) -> None:
+    """The user's frozen parameters (``requires_grad_(False)``) frozen in the network: the stacked parameter of a
+    group of layers is frozen where every one of its layers' is, and a group whose layers disagree is refused."""
+    stacked: dict[int, tuple[torch.Tensor, list]] = {}
+    for g in net.groups:
+        for k, l in enumerate(g.layers):
+            if l == 0:  # the prior of h_0: not one of the user's layers
+                continue
+            for name, view in g.public_params(k).items():
+                root = view if view._base is None else view._base
+                stacked.setdefault(id(root), (root, []))[1].append((l, not picked[l - 1][1][name].requires_grad))
+    for root, flags in stacked.values():
+        frozen = {f for _, f in flags}
+        if frozen == {True}:
+            root.requires_grad_(False)
+        elif len(frozen) > 1:
+            raise ValueError(f"layers {[l for l, f in flags if f]} are frozen (requires_grad=False) and layers "
+                             f"{[l for l, f in flags if not f]} not, but they share one stacked parameter (layers of "
+                             f"one shape are fused): freeze all of them or none")
 
 
 def from_sequential(cls, seq: nn.Sequential, energy: str = "se", layers: tuple[int, int] | None = None,

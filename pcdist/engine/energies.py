@@ -171,7 +171,12 @@ class FromCallable(Energy):
         with torch.enable_grad():
             args = [u_BO.detach(), y_BO.detach()]
             args[which].requires_grad_(True)
-            (g,) = torch.autograd.grad(self._call(*args).sum(), args[which], allow_unused=True)
+            e = self._call(*args).sum()
+            if not e.requires_grad:
+                raise ValueError(f"the energy callable {energy_name(self.fn)} returned energies without a gradient "
+                                 f"(torch.autograd cannot differentiate them: a .detach(), .item(), numpy or an "
+                                 f"integer op in it?); pcdist takes dE/du from autograd")
+            (g,) = torch.autograd.grad(e, args[which], allow_unused=True)
         return torch.zeros_like(args[which]) if g is None else g
 
 

@@ -34,6 +34,7 @@ Nothing here reads a device value on the host: the routine is part of a step's c
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Callable
 
@@ -151,14 +152,20 @@ def set_precision(st, schedule: PrecisionSchedule | None, t: int) -> None:
     """pi_l(t) = pi_l * factor(l, t, L) on the slice's layers (the schedule's step t); nothing without a schedule.
 
     Each step's row is computed on the host once per stage and kept on the device, so the step itself
-    only copies it (a captured step replays the copy)."""
+    only copies it (a captured step replays the copy): the schedule is a function of (l, t, L) alone (one
+    that changes over training is set anew: ``trainer.precision_schedule = ...``, which drops the rows)."""
     if schedule is None:
         return
     row = st.precision_rows.get(t)
     if row is None:
         net = st.net
         base = net.precision or (1.0,) * net.num_layers
-        row = st.precision_rows[t] = torch.tensor(
-            [base[l - 1] * schedule(l, t, net.num_layers) for l in range(net.first, net.stop)],
-            dtype=st.precision.dtype).to(st.precision.device)
+        factors = [schedule(l, t, net.num_layers) for l in range(net.first, net.stop)]
+        for l, f in zip(range(net.first, net.stop), factors):  # (host floats: no device read)
+            if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+                raise ValueError(f"the precision schedule gave {f!r} for layer {l} at inference step {t}: its "
+                                 f"factors must be finite numbers >= 0")
+        row = st.precision_rows[t] = torch.tensor([base[l - 1] * float(f) for l, f in zip(range(net.first, net.stop),
+                                                                                      factors)],
+                                                  dtype=st.precision.dtype).to(st.precision.device)
     st.precision.copy_(row)

@@ -255,9 +255,10 @@ class PCNetwork(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """One feed-forward pass through the owned layers; on the full network, the logits u_L.
 
-        The first layer takes what ``trainer.step`` takes, as the training service feeds it:
-        images for a vector input are flattened, floats are cast to the weights' dtype; integer
-        inputs are refused (scale them to floats as in training, e.g. uint8 / 255)."""
+        The first layer takes its input node's shape, as ``trainer.step`` does, and also images for
+        a vector input, flattened here (as the training service feeds them; ``step`` takes them
+        flat); floats are cast to the weights' dtype; integer inputs are refused (scale them to
+        floats as in training, e.g. uint8 / 255)."""
         if self.first == 1:
             x = network_input(self, x)
         for g in self.groups:

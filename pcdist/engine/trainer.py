@@ -12,7 +12,9 @@ call the same engine (pcdist/engine/modes.py):
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import time
 
 import torch
@@ -30,6 +32,34 @@ from .update import WeightUpdate
 from .values import ValueNoise, ValueRule, stage_noise, value_rule
 
 __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_stats", "set_precision", "check_batch"]
+
+
+def engine_mode(fn):
+    """Run ``fn`` without autograd's graph and outside inference mode whatever the caller's mode: a stage's
+    buffers made under ``torch.inference_mode()`` (an evaluation loop) could not be written by a later step."""
+    return functools.wraps(fn)(torch.inference_mode(False)(torch.no_grad()(fn)))
+
+
+def _setting(name: str, also):
+    """PCTrainer's ``name``, which may be set on a live trainer: checked (``arguments.RULES``, then ``also(trainer,
+    value)``); the next step or infer builds its stages with it (``cached_stage``'s key)."""
+    def put(self, value):
+        check(name, value)
+        also(self, value)
+        setattr(self, "_" + name, value)
+
+    return property(lambda self: getattr(self, "_" + name), put)
+
+
+def _drop_precision_rows(tr) -> None:
+    """A new precision schedule: the rows each stage kept of the old one (a function of l, t, L) go."""
+    for _, st in tr._stages.values():
+        st.precision_rows.clear()
+
+
+def _fixed(name: str):
+    raise AttributeError(f"PCTrainer.{name} is fixed when the trainer is made (set anew it would be ignored): "
+                         f"make a new PCTrainer with {name}=...")
 
 
 class PCTrainer:
@@ -52,8 +82,8 @@ class PCTrainer:
     Langevin term h += sqrt(2 x_lr tau) xi, drawn per (``noise_seed``, step) so any layer or data split
     draws alike (engine/values.py ValueNoise). ``compile``: "none" (eager), "graph" (each stage's step
     captured as CUDA graphs and replayed; on a CPU the same capturable core runs eagerly) or "auto"
-    (graph on CUDA; engine/capture.py). ``precision``: "fp32", "tf32" or "bf16" (engine/precision.py).
-    ``say``: where one-line notes go (a stage that cannot be captured).
+    (graph on CUDA; engine/capture.py). ``precision``: "fp32", "tf32" or "bf16" (engine/precision.py). ``say``:
+    where one-line notes go (a stage that cannot be captured).
     """
 
     def __init__(
@@ -77,17 +107,18 @@ class PCTrainer:
         value_optimizer: str | ValueRule = "sgd",
         solver: str = "euler",
     ):
-        _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler)
+        _check_arguments(net, T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler, skip_above,
+                         noise_seed, precision_schedule)
         parallel = _check_slice(net, parallel)
         self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
                                                value_noise, init, parallel)
         self.net, self.parallel = net, parallel
-        self.T, self.x_lr, self.x_momentum, self.algorithm = T, float(x_lr), self.rule.momentum, algorithm
-        self.init, self.skip_above = init, skip_above
-        self.precision_schedule, self.value_noise, self.noise_seed = precision_schedule, float(value_noise), noise_seed
+        self.T, self.x_lr, self.algorithm = operator.index(T), float(x_lr), algorithm
+        self._init, self._skip_above, self._precision_schedule = init, skip_above, precision_schedule
+        self.value_noise, self.noise_seed = float(value_noise), operator.index(noise_seed)
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
-        self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends) -> (weights' addresses, its Stage)
+        self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends, ...) -> (weights' addresses, Stage)
         self._stage: Stage | None = None
         self.mixed = MixedPrecision(precision, net)
         self._params = list(self.mixed.compute.parameters())  # the same Parameter objects for the trainer's life
@@ -102,6 +133,11 @@ class PCTrainer:
                              self.update.make_capturable)
 
     max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three
+
+    x_momentum = property(lambda self: self.rule.momentum, lambda self, v: _fixed("x_momentum"))  # (its rule's)
+    skip_above = property(lambda self: self._skip_above, lambda self, v: _fixed("skip_above"))
+    init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
+    precision_schedule = _setting("precision_schedule", lambda self, v: _drop_precision_rows(self))
 
     optimizer = property(lambda self: self.update.optimizer, lambda self, o: setattr(self.update, "optimizer", o))
     scheduler = property(lambda self: self.update.scheduler, lambda self, s: setattr(self.update, "scheduler", s))
@@ -118,7 +154,7 @@ class PCTrainer:
         self._stage = cached_stage(self, (batch_size, free_bottom, free_top))
         return self._stage
 
-    @torch.no_grad()
+    @engine_mode
     def step(self, x: Tensor | None, y: Tensor | None, log: bool = True, global_batch: int | None = None) -> dict:
         """One training step on a batch: h_0 clamped to ``x`` and h_L to ``y`` (None: free); returns the
         batch-mean energy F, its per-layer terms and, with a free h_0, its prior's term.
@@ -169,7 +205,7 @@ class PCTrainer:
             self.update(st)
         clock.append(time.perf_counter())
 
-    @torch.no_grad()
+    @engine_mode
     def infer(self, x: Tensor | None = None, y: Tensor | None = None, T: int | None = None, noise: float = 0.0,
               batch_size: int | None = None, gather: bool = True, global_batch: int | None = None,
               solver: str | None = None, tol: float = 1e-3):
@@ -234,12 +270,13 @@ def cached_stage(tr: PCTrainer, key: tuple) -> Stage:
     its graphs), so that inference over ever new batch sizes does not grow memory without bound; a stage that goes
     takes with it all the runner kept for it."""
     ptrs = tuple(p.data_ptr() for p in tr._params)
+    key = (*key, tr.init, tr.precision_schedule is not None)  # (both set on a live trainer: a stage of their own)
     cached = tr._stages.pop(key, None)  # put back last: the most recently used
     if cached is None or cached[0] != ptrs:
         if cached is not None:
             tr.runner.forget(cached[1])
         # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
-        B, free_bottom, free_top = key
+        B, free_bottom, free_top = key[:3]
         cached = (ptrs, Stage(tr.mixed.compute, B, tr.rule, tr.init, static_weights=tr.algorithm == "pc",
                               free_bottom=free_bottom, free_top=free_top,
                               dynamic_precision=tr.precision_schedule is not None, dtype=tr.mixed.master_dtype))
@@ -249,7 +286,7 @@ def cached_stage(tr: PCTrainer, key: tuple) -> Stage:
     return cached[1]
 
 
-@torch.no_grad()
+@engine_mode
 def energy_trace(tr: PCTrainer, x: Tensor | None, y: Tensor | None) -> list[list[float]] | None:
     """``tr.trace(x, y)``: the per-layer energies of T inference steps from the init, weights untouched."""
     st, par = tr._begin(x, y, None), tr.parallel
@@ -281,18 +318,33 @@ def _check_slice(net: PCNetwork, parallel):
     return parallel
 
 
-def _check_arguments(T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler) -> None:
+def _check_optimizer_params(net: PCNetwork, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer steps the network's own parameters: one over other tensors (the modules that
+    ``from_sequential`` / ``from_layers`` copied, another network) would train nothing, silently."""
+    own = {id(p) for p in net.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not this network's parameters "
+                         f"(shapes {[list(p.shape) for p in foreign[:4]]}{' ...' if len(foreign) > 4 else ''}): "
+                         f"from_sequential and from_layers copy the weights; build the optimizer over "
+                         f"net.parameters()")
+
+
+def _check_arguments(net, T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler, skip_above,
+                     noise_seed, precision_schedule) -> None:
     """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules), and the
     engine's environment switches (PCDIST_NATIVE, ...) against theirs."""
     check_env()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
                         f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
+    _check_optimizer_params(net, optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("scheduler=ReduceLROnPlateau steps on a metric, which the trainer does not have: step it "
                          "yourself where you measure one (scheduler.step(val_loss)) and pass scheduler=None")
     for name, value in (("T", T), ("x_lr", x_lr), ("x_momentum", x_momentum), ("algorithm", algorithm),
-                        ("init", init), ("value_noise", value_noise)):
+                        ("init", init), ("value_noise", value_noise), ("skip_above", skip_above),
+                        ("noise_seed", noise_seed), ("precision_schedule", precision_schedule)):
         check(name, value)
 
 

@@ -99,6 +99,10 @@ class WeightUpdate:
         self.par.reduce_grads()
         if self.grads is not None:
             self.grads()
+        for g in self.optimizer.param_groups:  # frozen (requires_grad_(False)): no gradient, so no update
+            for p in g["params"]:
+                if not p.requires_grad:
+                    p.grad = None
         if self.skip_above is None:
             self._step(i)
         else:

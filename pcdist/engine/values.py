@@ -81,6 +81,8 @@ class ValueRule:
             raise ValueError("value_optimizer='nesterov' needs a momentum > 0 (x_momentum)")
         if self.name in ("adam", "adamw") and self.momentum:
             raise ValueError("adam and adamw on the values keep their own averages: leave x_momentum at 0")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"adam's betas must be a pair (beta1, beta2), got {self.betas!r}")
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and self.eps > 0 and self.decay >= 0):
             raise ValueError(f"adam's betas must be in [0, 1), eps > 0 and decay >= 0, got {self}")

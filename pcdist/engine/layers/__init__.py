@@ -20,7 +20,7 @@ from typing import Sequence
 
 from torch import Tensor, nn
 
-from ..activations import Activation, activation_from_module
+from ..activations import Activation, activation_from_module, stock
 from .base import Binding, BoundGroup, LayerGroup, LayerKind, seeded_generator
 from .conv import Conv, ConvGroup
 from .dense import Dense, DenseGroup
@@ -65,12 +65,12 @@ def _activation_of(m: nn.Module | None) -> Activation | None:
 def _dense_from_module(m: nn.Module, in_shape, is_output: bool):
     """[nn.Flatten,] nn.Linear [, activation] as a Dense layer (None if the module is not that)."""
     mods = list(m) if isinstance(m, nn.Sequential) else [m]
-    flat = bool(mods) and isinstance(mods[0], nn.Flatten)
+    flat = bool(mods) and stock(mods[0], nn.Flatten)
     if flat:
         if (mods[0].start_dim, mods[0].end_dim) not in ((1, -1),):
             return None
         mods = mods[1:]
-    if not mods or not isinstance(mods[0], nn.Linear) or len(mods) > 2:
+    if not mods or not stock(mods[0], nn.Linear) or len(mods) > 2:
         return None
     lin = mods[0]
     act = _activation_of(mods[1]) if len(mods) == 2 else None
@@ -94,7 +94,7 @@ def _dense_from_module(m: nn.Module, in_shape, is_output: bool):
 def _conv_from_module(m: nn.Module, in_shape, is_output: bool):
     """nn.Conv1d/2d [, activation] [, MaxPool / AvgPool] (zero padding) as a Conv layer."""
     mods = list(m) if isinstance(m, nn.Sequential) else [m]
-    if not mods or not isinstance(mods[0], (nn.Conv1d, nn.Conv2d)) or len(mods) > 3 or in_shape is None:
+    if not mods or not stock(mods[0], (nn.Conv1d, nn.Conv2d)) or len(mods) > 3 or in_shape is None:
         return None
     conv, rest = mods[0], mods[1:]
     n = 1 if isinstance(conv, nn.Conv1d) else 2
@@ -107,7 +107,7 @@ def _conv_from_module(m: nn.Module, in_shape, is_output: bool):
     if rest:
         p = rest[0]
         kinds = {1: (nn.MaxPool1d, nn.AvgPool1d), 2: (nn.MaxPool2d, nn.AvgPool2d)}[n]
-        if len(rest) > 1 or not isinstance(p, kinds) or getattr(p, "ceil_mode", False) \
+        if len(rest) > 1 or not stock(p, kinds) or getattr(p, "ceil_mode", False) \
                 or getattr(p, "dilation", 1) not in (1, (1,) * n) or getattr(p, "count_include_pad", True) is False \
                 or getattr(p, "divisor_override", None) is not None or getattr(p, "return_indices", False):
             return None

@@ -35,6 +35,7 @@ schedule (pcdist/distributed/exchange.py) is the same for every kind.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -53,7 +54,9 @@ _aten = torch.ops.aten
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
     """Layer ``layer``'s own generator for a network ``seed`` (None: the global RNG), so a layer's
     initial weights do not depend on how the layers are split over ranks."""
-    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise ValueError(f"seed must be None or an integer, got {seed!r}")
+    return None if seed is None else torch.Generator().manual_seed(int(seed) * 1_000_003 + layer)
 
 
 @dataclass(frozen=True)
