@@ -1,7 +1,9 @@
 """Your own data: arrays on disk through train.py (data=arrays), and datasets passed to pcdist.train,
 streamed by real DataLoader worker processes in the same global batch order as in-memory data."""
 
+import gzip
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +167,11 @@ BAD_ARRAYS = [  # (arrays in the npz, data.num_classes, the exact message after 
     ({"x_train": X, "y_train": Y, "x_val": nan_at(4), "y_val": Y}, None, "x_val sample 4 holds NaN or Inf"),
     ({"x_train": X.astype(np.complex64), "y_train": Y, "x_val": X, "y_val": Y}, None,
      "x_train has dtype complex64; expected float or integer inputs"),
+    ({"x_train": X, "y_train": Y[:, None], "x_val": X, "y_val": Y}, None,  # (the hint was y.argmax(1): all zeros)
+     "y_train has shape (6, 1); expected [N] integer class ids (a column: use y.ravel())"),
+    ({"x_train": (X * 255).astype(np.uint8), "y_train": Y, "x_val": X * 255, "y_val": Y}, None,  # 255x apart, silently
+     "x_train is uint8 but x_val is float32: uint8 inputs are scaled to [0, 1] and others kept, so the two would "
+     "differ in scale; save both alike"),
 ]
 
 
@@ -446,6 +453,15 @@ def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
         pcdist.train(small_cfg(tmp_path / "val", trainer={"batch_size": 64}), data=data)
     assert str(info.value) == "StreamedData val sample 7 holds NaN or Inf"
     assert (tmp_path / "val" / "checkpoints" / "step-00000008").is_dir()
+    # met at an evaluation that is not a logged step (3, logging every 2): that step is checked and checkpointed
+    # too (data review: nothing was saved, and the directory refused to resume once the sample was mended)
+    with pytest.raises(DataError, match="val sample 7 holds NaN"):
+        pcdist.train(small_cfg(tmp_path / "mid", trainer={"batch_size": 64, "eval_every": 3, "log_every": 2}),
+                     data=data)
+    assert [p.name for p in (tmp_path / "mid" / "checkpoints").glob("step-*")] == ["step-00000003"]
+    mended = StreamedData(Samples(x, labels), Samples(x[:16], labels[:16]), 10)
+    pcdist.train({"run_dir": str(tmp_path / "mid")}, data=mended)
+    assert pcdist.load(tmp_path / "mid").step == 8
 
 
 def test_a_bad_sample_in_an_npy_folder_names_the_file(npy_folder, tmp_path):
@@ -506,3 +522,68 @@ def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(
     assert_same_weights(in_memory[0], tmp_path, atol=1e-9)
     val = [r["val/accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/accuracy" in r]
     assert val[-1] == in_memory[1]["val/accuracy"]
+
+
+class Items(torch.utils.data.Dataset):
+    """A map-style Dataset that returns whatever ``item(i)`` gives (the shapes users' datasets come in)."""
+
+    def __init__(self, n, item):
+        self.n, self.item = n, item
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.item(i)
+
+
+def test_streamed_items_that_are_not_x_and_a_class_id_are_one_line_naming_the_sample(tmp_path):
+    """A float label was truncated (2.9999998 trained as class 2: a fifth of the digits shifted), dicts, 1-tuples
+    (unlabelled data) and one-hot labels ended in tracebacks (data review): each is one DataError naming the sample."""
+    x = torch.rand(64)
+    cases = [(lambda i: (x, 2.9999998), r"StreamedData train sample \d+ has label 2.9999998 \(torch.float64\); "
+                                        r"expected an integer class id$"),
+             (lambda i: {"x": x, "y": 1}, r"StreamedData train sample 0 is a dict; a StreamedData dataset returns "
+                                          r"\(x, label\) pairs"),
+             (lambda i: (x,), r"StreamedData train sample 0 is a tuple of 1; a StreamedData dataset returns \(x, "
+                              r"label\) pairs, label an integer class id \(unlabelled data, pc.mode=unsupervised"),
+             (lambda i: (x, torch.eye(10)[i % 10]), r"StreamedData train sample \d+ has a label of shape \[10\]; "
+                                                   r"expected an integer class id \(one-hot: its argmax\)$")]
+    for item, message in cases:
+        with pytest.raises(DataError) as info:
+            pcdist.train(small_cfg(tmp_path / "run", data={"num_workers": 0}),
+                         data=StreamedData(Items(64, item), Items(16, lambda i: (x, 0)), 10))
+        assert re.match(message, str(info.value)), str(info.value)
+        assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_damaged_or_misnamed_files_and_python_datasets_are_one_line(tmp_path):
+    """A flipped byte in an .npz member, a cut .gz, an .npz saved as x_train.npy: tracebacks before (data review).
+    A Dataset's class count may be a numpy integer (y.max() + 1); a Dataset without a validation split is named."""
+    good = tmp_path / "good.npz"
+    np.savez(good, x_train=np.arange(4000, dtype=np.float32).reshape(1000, 4), y_train=np.zeros(1000, np.int64),
+             x_val=X, y_val=Y)
+    raw = bytearray(good.read_bytes())
+    raw[2000] ^= 0xFF  # inside x_train's data: the zip's CRC no longer matches
+    (tmp_path / "flipped.npz").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=rf"^data.path={tmp_path}/flipped.npz: damaged \(BadZipFile: Bad CRC-32"):
+        load_arrays(str(tmp_path / "flipped.npz"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        np.save(folder / f"{k}.npy", X if k.startswith("x") else Y)
+    (folder / "x_train.npy").write_bytes(good.read_bytes())
+    with pytest.raises(DataError, match=r"x_train.npy is an .npz archive, not a .npy file"):
+        load_arrays(str(folder))
+    from pcdist.service.data import read_idx
+
+    (tmp_path / "cut").write_bytes(gzip.compress(np.random.default_rng(0).bytes(5000))[:2000])
+    with pytest.raises(DataError, match=r"cut: not a complete gzip file \(.*an interrupted download\?\)$"):
+        read_idx(tmp_path / "cut", 2049)
+    d = pcdist.data.load_digits()
+    prepared = pcdist.service.data.prepared(pcdist.data.Dataset(d.x_train, d.y_train, d.x_val, d.y_val,
+                                                                num_classes=np.int64(10)))
+    assert prepared.num_classes == 10 and type(prepared.num_classes) is int
+    with pytest.raises(DataError, match=r"a Dataset needs x_train, y_train, x_val and y_val \(got none for x_val, "
+                                        r"y_val; a validation split is needed"):
+        pcdist.service.data.prepared(pcdist.data.Dataset(d.x_train, d.y_train, None, None, num_classes=10))

@@ -27,8 +27,11 @@ from __future__ import annotations
 import gzip
 import io
 import math
+import operator
 import pickle
 import struct
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,10 +114,10 @@ class StreamedData:
                                 f"rank reads its shard of each global batch by index; got {type(d).__name__}")
             if len(d) == 0:
                 raise DataError(f"StreamedData {split} dataset is empty")
-        if not isinstance(self.num_classes, int) or self.num_classes < 1:
-            raise DataError(f"StreamedData num_classes={self.num_classes!r}: expected an integer >= 1")
+        self.num_classes = count(self.num_classes, "StreamedData num_classes")
         if self.sample_shape is None:
-            self.sample_shape = tuple(torch.as_tensor(self.train[0][0]).shape)
+            x, _ = sample_pair(self.train[0], "StreamedData train sample 0")
+            self.sample_shape = tuple(torch.as_tensor(np.asarray(x) if not isinstance(x, Tensor) else x).shape)
         self.sample_shape = tuple(int(s) for s in self.sample_shape)
 
     @property
@@ -212,7 +215,10 @@ def _open(path: Path) -> bytes:
     for p in (path, path.with_name(path.name + ".gz")):
         if p.is_file():
             raw = p.read_bytes()
-            return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+            try:
+                return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+            except (OSError, EOFError, zlib.error) as e:
+                raise DataError(f"{p}: not a complete gzip file ({e}; an interrupted download?)") from None
     raise DataError(f"missing file {path} (or {path}.gz)")
 
 
@@ -312,14 +318,17 @@ def _check_arrays(where: str, a: dict, num_classes: int | None) -> int:
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer) or x.dtype == bool):
             raise DataError(f"{where}: x_{split} has dtype {x.dtype}; expected float or integer inputs")
         if y.ndim != 1:
-            raise DataError(f"{where}: y_{split} has shape {y.shape}; expected [N] integer class ids (not one-hot: "
-                            f"use y.argmax(1))")
+            fix = "a column: use y.ravel()" if y.ndim == 2 and y.shape[1] == 1 else "not one-hot: use y.argmax(1)"
+            raise DataError(f"{where}: y_{split} has shape {y.shape}; expected [N] integer class ids ({fix})")
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: y_{split} has dtype {y.dtype}; expected integer class ids (y.astype(int))")
         if len(x) != len(y):
             raise DataError(f"{where}: x_{split} has {len(x)} samples but y_{split} has {len(y)} labels")
         if len(x) == 0:
             raise DataError(f"{where}: x_{split} has no samples")
+    if (a["x_train"].dtype == np.uint8) != (a["x_val"].dtype == np.uint8):  # as_float scales uint8 only
+        raise DataError(f"{where}: x_train is {a['x_train'].dtype} but x_val is {a['x_val'].dtype}: uint8 inputs are "
+                        f"scaled to [0, 1] and others kept, so the two would differ in scale; save both alike")
     if a["x_train"].shape[1:] != a["x_val"].shape[1:]:
         raise DataError(f"{where}: x_train samples have shape {a['x_train'].shape[1:]} but x_val samples "
                         f"{a['x_val'].shape[1:]}")
@@ -414,6 +423,8 @@ def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
             except Exception as e:
                 raise DataError(f"{where}: {k}.npy is not a .npy file of numbers (np.save of a numeric array "
                                 f"writes one)") from e
+            if not isinstance(a[k], np.ndarray):  # np.load gives an archive for an .npz by another name
+                raise DataError(f"{where}: {k}.npy is an .npz archive, not a .npy file (np.save writes one)")
         classes = _check_arrays(where, a, num_classes)
         return StreamedData(NpyArrays(where, "train", a["x_train"], a["y_train"]),
                             NpyArrays(where, "val", a["x_val"], a["y_val"]), classes, a["x_train"].shape[1:])
@@ -437,6 +448,8 @@ def _load_arrays(path: str, num_classes: int | None) -> Dataset | StreamedData:
         except ValueError as e:  # an object array (np.savez of lists of other lengths, say): pickled, refused
             raise DataError(f"{where}: an array of Python objects ({e}); save numeric arrays (np.asarray(x, "
                             f"dtype=np.float32))") from None
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:  # a damaged copy
+            raise DataError(f"{where}: damaged ({type(e).__name__}: {e}); copy or save the file again") from None
     return _in_memory(where, a, num_classes)
 
 
@@ -458,9 +471,47 @@ def prepared(ds: Dataset, where: str = "pcdist.train(cfg, data=...)") -> Dataset
         t = torch.as_tensor(t).detach().cpu()
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
-    if not all(hasattr(ds, k) for k in ARRAYS):
-        raise DataError(f"{where}: a Dataset needs x_train, y_train, x_val and y_val")
-    return _in_memory(where, {k: array(getattr(ds, k)) for k in ARRAYS}, ds.num_classes)
+    if not all(getattr(ds, k, None) is not None for k in ARRAYS):
+        missing = [k for k in ARRAYS if getattr(ds, k, None) is None]
+        raise DataError(f"{where}: a Dataset needs x_train, y_train, x_val and y_val (got none for "
+                        f"{', '.join(missing)}; a validation split is needed: hold out part of the training set)")
+    return _in_memory(where, {k: array(getattr(ds, k)) for k in ARRAYS}, count(ds.num_classes, f"{where} num_classes"))
+
+
+def count(value, what: str) -> int:
+    """A class count given as an int, a numpy integer or a 0-d integer tensor (``y.max() + 1``), as an int >= 1."""
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value)
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise DataError(f"{what}={value!r}: expected an integer >= 1")
+    return n
+
+
+def class_id(label, what: str) -> int:
+    """One sample's label as an int: an integer class id (a Python, numpy or 0-d tensor integer), else a DataError
+    naming the sample (``what``): a float label would be truncated (2.9999998 -> class 2), one-hot has no id."""
+    t = torch.as_tensor(np.asarray(label)) if not isinstance(label, Tensor) else label
+    if t.numel() != 1:
+        raise DataError(f"{what} has a label of shape {list(t.shape)}; expected an integer class id (one-hot: "
+                        f"its argmax)")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise DataError(f"{what} has label {label!r} ({t.dtype}); expected an integer class id")
+    return int(t.reshape(()))
+
+
+def sample_pair(item, what: str):
+    """A StreamedData item as (x, label), or a DataError naming the sample (``what``)."""
+    if isinstance(item, (tuple, list)) and len(item) >= 2 and item[0] is not None:
+        return item[0], item[1]
+    got = (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else
+           f"a {type(item).__name__}")
+    raise DataError(f"{what} is {got}; a StreamedData dataset returns (x, label) pairs, label an integer class id "
+                    f"(unlabelled data, pc.mode=unsupervised: any label, e.g. 0, with num_classes=1)")
 
 
 def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:

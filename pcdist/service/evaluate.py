@@ -25,7 +25,7 @@ from ..engine.precision import restore_tf32, tf32_state
 from ..engine.trainer import PCTrainer
 from .config import (PYTHON_DATA, Config, check_combination, command, config_keys, did_you_mean, literal,
                      load_config)
-from .data import Dataset, StreamedData, load_dataset
+from .data import Dataset, StreamedData, class_id, load_dataset, sample_pair
 from .autostep import method_options, resolve_x_lr
 from .evaluators import EVALUATORS
 from .load import Run, RunError, load
@@ -85,9 +85,9 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
         data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
                             d.synthetic_val, d.path, d.num_classes, d.signal)
     if isinstance(data, StreamedData):
-        items = [data.val[i] for i in range(len(data.val))]
+        items = [sample_pair(data.val[i], f"StreamedData val sample {i}") for i in range(len(data.val))]
         x = torch.stack([torch.as_tensor(np.asarray(a)) for a, _ in items])
-        return x, torch.tensor([int(b) for _, b in items])
+        return x, torch.tensor([class_id(b, f"StreamedData val sample {i}") for i, (_, b) in enumerate(items)])
     if not isinstance(data, Dataset):
         raise RunError(f"data= takes a pcdist.data.Dataset or StreamedData, got {type(data).__name__}")
     return data.x_val, data.y_val

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from .data import DataError, NpyArrays, StreamedData, as_float
+from .data import DataError, NpyArrays, StreamedData, as_float, class_id, sample_pair
 
 __all__ = ["GlobalBatchSampler", "Streamed"]
 
@@ -55,10 +55,17 @@ class _Checked(torch.utils.data.Dataset):
         got = self.dataset.__getitems__(indices) if hasattr(self.dataset, "__getitems__") else None
         if got is None or isinstance(got, list):  # one (x, label) per index (torch's Subset returns a list)
             items = got if got is not None else [self.dataset[i] for i in indices]
-            x = torch.stack([as_float(item[0]) for item in items])
-            labels = torch.tensor([int(item[1]) for item in items])
+            pairs = [sample_pair(item, f"{self.what} sample {i}") for i, item in zip(indices, items)]
+            x = torch.stack([as_float(x) for x, _ in pairs])
+            labels = torch.tensor([class_id(y, f"{self.what} sample {i}") for i, (_, y) in zip(indices, pairs)])
         else:  # a batch at once: (x [b, ...], labels [b])
-            x, labels = as_float(got[0]), torch.as_tensor(got[1])
+            x, labels = sample_pair(got, f"{self.what} samples {indices[0]}..")
+            x, labels = as_float(x), torch.as_tensor(labels)
+            if tuple(labels.shape) != (len(indices),) or len(x) != len(indices) or labels.is_floating_point() \
+                    or labels.dtype == torch.bool:
+                raise DataError(f"{self.what} samples {indices[0]}..: __getitems__ gave {len(x)} inputs and labels "
+                                f"of shape {list(labels.shape)} ({labels.dtype}) for {len(indices)} indices; expected "
+                                f"[{len(indices)}] integer class ids")
         if tuple(x.shape[1:]) != self.sample_shape:
             raise DataError(f"{self.what}: samples {indices[0]}.. have shape {tuple(x.shape[1:])}, expected "
                             f"{self.sample_shape} (the first training sample's)")

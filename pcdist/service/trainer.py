@@ -285,13 +285,15 @@ class ServiceTrainer:
         t0 = time.perf_counter()
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == self.end or stop
-        log = done % t_cfg.log_every == 0 or ckpt
+        evaluates = done % t_cfg.eval_every == 0 or done == self.end
+        # and streamed data's evaluation: a bad validation sample, met there, keeps the training done (checkpointed)
+        log = done % t_cfg.log_every == 0 or ckpt or (evaluates and isinstance(self.data, Streamed))
         if self._diagnostics is not None and self._diagnostics.due(step):  # before the update: PC against backprop
             self._diagnostics(step, self.engine, x, y, t_cfg.batch_size)
         stats = self.engine.step(*clamps(self.config.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         metrics = self._log_step(stats, x, y, done) if log else None
         try:
-            val = self._evaluate(done) if done % t_cfg.eval_every == 0 or done == self.end else None
+            val = self._evaluate(done) if evaluates else None
         except DataError:  # a bad validation sample, found as streamed data is read: keep the training done
             if log:  # its energy was checked: the weights are finite
                 self._checkpoint(done)

@@ -89,6 +89,9 @@ class UserLayers:
         return isinstance(first, nn.Linear)
 
     def _build(self, energy: str, owned, node_shape, **kw) -> PCNetwork:
+        # the data's node shape where a first layer needs one (images); a vector's is checked against the mode's
+        # end nodes by the caller (ServiceTrainer._model_specs), in its words
+        node_shape = tuple(node_shape) if node_shape is not None and len(node_shape) > 1 else None
         try:
             if self.sequential is not None:
                 return PCNetwork.from_sequential(self.sequential, energy=energy, layers=owned, input_shape=node_shape,
