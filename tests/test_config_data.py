@@ -337,3 +337,41 @@ def test_non_finite_inputs_are_refused(tmp_path):
     ds = Dataset(x, torch.zeros(80, dtype=torch.long), torch.randn(8, 64), torch.zeros(8, dtype=torch.long), 10)
     with pytest.raises(DataError, match="data digits train inputs contain NaN or Inf"):
         _check_data(load_config({}), ds)
+
+
+def test_augment_for_a_model_that_flattens_the_images_is_refused_by_the_checks(tmp_path):
+    """data.augment with an MLP on the digits' images passed the launch checks (the images are [1, 8, 8]) and
+    failed at the first step, its run directory written (data review): the checks refuse it, before anything."""
+    from pcdist.service.config import make_config
+    from pcdist.service.datachecks import check_model_on_data
+
+    with pytest.raises(pcdist.ConfigError, match=r"^config data.augment=true crops and flips images, but "
+                                                 r"model.name=mlp reads them flattened"):
+        check_model_on_data(make_config({"data": {"augment": True}}))
+    with pytest.raises(pcdist.ConfigError, match=r"but the first of layers=... reads them flattened"):
+        pcdist.train({"data": {"augment": True}, "run_dir": str(tmp_path / "run")},
+                     layers=[torch.nn.Linear(64, 10)])  # (the service flattens its images; with nn.Flatten: fine)
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_num_classes_beside_data_from_python_must_agree_with_it(tmp_path):
+    """data.num_classes was accepted beside data passed from Python and ignored (5 or 12 trained the data's 10)."""
+    d = pcdist.data.load_digits()
+    with pytest.raises(pcdist.ConfigError, match=r"^config data.num_classes=12, but the data passed to pcdist.train "
+                                                 r"has num_classes=10"):
+        pcdist.train({"data": {"num_classes": 12}, "run_dir": str(tmp_path / "run")}, data=d)
+    assert not (tmp_path / "run").exists()
+
+
+def test_keys_one_data_set_reads_are_refused_for_another():
+    """data.val_fraction (digits) and data.synthetic_* (synthetic) set for data that never reads them did nothing
+    (an arrays run asked for a 50% split trained on the file's own): refused as data.path is."""
+    from pcdist.service.config import check_combination, make_config
+
+    for data, message in (({"name": "arrays", "path": "x.npz", "val_fraction": 0.5}, "data.val_fraction=0.5 is "
+                           "invalid: allowed 0.2 with data=arrays (it has its own validation split"),
+                          ({"name": "digits", "synthetic_val": 5}, "data.synthetic_val=5 is invalid: allowed 512 "
+                           "with data=digits (data.synthetic_val is read by data=synthetic)")):
+        with pytest.raises(pcdist.ConfigError, match=re.escape(message)):
+            check_combination(make_config({"data": data}))
+    check_combination(make_config({"data": {"name": "digits", "val_fraction": 0.5}}))

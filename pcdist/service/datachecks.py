@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .config import Config
+from .config import PYTHON_MODEL, Config
 from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
@@ -32,6 +32,10 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
                         f"StreamedData (torch Datasets), got {type(data).__name__}")
     elif isinstance(data, Dataset):
         data = prepared(data)
+    if c.data.num_classes is not None and c.data.num_classes != data.num_classes:  # (data from Python: its own)
+        raise ConfigError(f"config data.num_classes={c.data.num_classes}, but the data passed to pcdist.train has "
+                          f"num_classes={data.num_classes}: set it on the data (Dataset / StreamedData num_classes), "
+                          f"or leave data.num_classes out")
     _check_data(c, data)
     shape = tuple(data.sample_shape)
     flatten = _flattens(c, shape, user)
@@ -42,9 +46,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
                               "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
         inputs.mean, inputs.std = normalization_stats(data)
         data = normalized(data, (inputs.mean, inputs.std))
-    if c.data.augment and len(data.sample_shape) != 3:
-        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
-                          f"samples have shape {list(data.sample_shape)}")
+    _check_augment(c, data.sample_shape, flatten)
     if not flatten:
         return data, inputs
     return (data.flat() if isinstance(data, Dataset) else data), inputs
@@ -116,6 +118,18 @@ def signals_hint(c: Config, sample_shape: tuple[int, ...]) -> str | None:
             f"their channel: x[:, None], shape [N, 1, {h}, {w}]")
 
 
+def _check_augment(c: Config, sample_shape, flatten: bool) -> None:
+    """data.augment crops and flips images [C, H, W], for a model that reads them as images (the batches of a
+    vector model are flat by then)."""
+    if c.data.augment and len(sample_shape) != 3:
+        raise ConfigError(f"config data.augment=true crops and flips images [C, H, W], but data {c.data.name}'s "
+                          f"samples have shape {list(sample_shape)}")
+    if c.data.augment and flatten:
+        reader = "the first of layers=..." if c.model.name == PYTHON_MODEL else f"model.name={c.model.name}"
+        raise ConfigError(f"config data.augment=true crops and flips images, but {reader} reads them flattened: "
+                          f"augment for an image model (model=cnn, vgg), or leave it out")
+
+
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
     model = model_of(c)
@@ -126,6 +140,8 @@ def _check_data(c: Config, ds) -> None:
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     model.check_data(c, ds, shape)
+    if c.model.name != PYTHON_MODEL:  # (the user's layers: checked where they are built, load_data)
+        _check_augment(c, ds.sample_shape, not model.images)
     if isinstance(ds, Dataset):  # streamed batches are checked as they are read (pcdist.service.loader)
         for name, x, labels in (("train", ds.x_train, ds.y_train), ("val", ds.x_val, ds.y_val)):
             if not torch.isfinite(x).all():
