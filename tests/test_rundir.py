@@ -1,6 +1,8 @@
 """Run directories: a new one per launch (agreed by every torchrun rank and restart), resuming as a visible
 choice, changed settings on resume decided per key, and the config of every attempt kept."""
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -11,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -331,7 +334,9 @@ def test_a_resume_checks_what_it_changes_against_the_run_s_own_settings(tmp_path
 def test_a_resume_refused_at_its_checkpoint_changes_nothing_in_the_run_directory(tmp_path):
     """A model that the settings do not show (a conv net on in-memory images of another size) is refused where
     the checkpoint is read, naming both models: model.json, the run's record of its layers and input
-    normalization that pcdist.load and evaluate read, must not have been rewritten for the refused attempt."""
+    normalization that pcdist.load and evaluate read, must not have been rewritten for the refused attempt. (The
+    checkpoint's record of its data refuses the other images first, as it does here; a checkpoint without one,
+    from before it, meets the model's refusal.)"""
     digits = pcdist.data.load_dataset("digits")
 
     def images(side: int) -> pcdist.data.Dataset:
@@ -342,6 +347,18 @@ def test_a_resume_refused_at_its_checkpoint_changes_nothing_in_the_run_directory
     run_dir = tmp_path / "run"
     pcdist.train(["model=cnn", "trainer.max_steps=4", "trainer.stop_at=2", "trainer.ckpt_every=2", "logger=none",
                   "logger.plots=false", "trainer.progress=off", f"run_dir={run_dir}"], data=images(8))
+    before = snapshot(run_dir)
+    with pytest.raises(pcdist.data.DataError, match=r"its data changed since its checkpoint was trained \(sample "
+                                                    r"shape \[1, 8, 8\] -> \[1, 16, 16\]\)"):
+        pcdist.train({"run_dir": str(run_dir)}, data=images(16))
+    assert snapshot(run_dir) == before
+    meta = run_dir / "checkpoints" / "step-00000002" / "meta.pt"
+    old = torch.load(meta, weights_only=False)
+    del old["data"]
+    torch.save(old, meta)  # (its checksum in the manifest mended as a checkpoint of before the record would have it)
+    manifest = json.loads((meta.parent / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256(meta.read_bytes()).hexdigest()
+    (meta.parent / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(run_dir)
     with pytest.raises(pcdist.service.checkpoint.CheckpointError, match=r"step-00000002 was written by a different "
                        r"model: conv \[1, 8, 8\].*; this run has conv \[1, 16, 16\]"):
@@ -520,3 +537,33 @@ def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces():
 
     for folder in ("/tmp/a b/run", "/tmp/ab/run", "/tmp/it's/run"):
         assert shlex.split(resume_command(make_config(None), folder))[-1] == f"hydra.run.dir={folder}"
+
+
+def test_a_resume_on_data_that_changed_since_the_checkpoint_is_refused(tmp_path):
+    """The same data.path rewritten with other samples (half of them, the labels rolled) resumed without a word,
+    and by trainer.epochs to another length (44 steps -> 20: the LR schedule's too; data review). A checkpoint
+    records its data's identity: such a resume is refused in one line and changes nothing; the data restored, it
+    resumes."""
+    from pcdist.service.data import DataError
+
+    d = pcdist.data.load_digits()
+    arrays = {"x_train": d.x_train.numpy(), "y_train": d.y_train.numpy(), "x_val": d.x_val.numpy(),
+              "y_val": d.y_val.numpy()}
+    path, run_dir = tmp_path / "data.npz", tmp_path / "run"
+    np.savez(path, **arrays)
+    cfg_ = {"data": {"name": "arrays", "path": str(path)}, "run_dir": str(run_dir), "logger": "none",
+            "logger.plots": False, "pc": {"T": 2, "x_lr": 0.1}, "model": {"dims": [64, 16, 10]},
+            "trainer": {"epochs": 1, "stop_at": 3, "ckpt_every": 3, "progress": "off"}}
+    pcdist.train(cfg_)
+    before = snapshot(run_dir)
+    np.savez(path, **dict(arrays, x_train=arrays["x_train"][:700], y_train=np.roll(arrays["y_train"][:700], 1)))
+    with pytest.raises(DataError, match=rf"^cannot resume {re.escape(str(run_dir))}: its data changed since its "
+                                        r"checkpoint was trained \(training samples 1437 -> 700; the labels differ\)"):
+        pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 5}})
+    assert snapshot(run_dir) == before
+    np.savez(path, **dict(arrays, y_val=(arrays["y_val"] + 1) % 10))  # the same sizes: the content tells
+    with pytest.raises(DataError, match=r"was trained \(the labels differ\); a resume would train on other data"):
+        pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 5}})
+    np.savez(path, **arrays)
+    pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 5}})
+    assert pcdist.load(run_dir).step == 5

@@ -4,11 +4,14 @@ reads them (``load_data``)."""
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 
 from ..errors import ConfigError
 from .config import PYTHON_MODEL, Config
-from .data import DataError, Dataset, StreamedData, load_dataset, normalization_stats, normalized, prepared
+from .data import DataError, Dataset, NpyArrays, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
 from .models import model_of, model_specs
@@ -16,14 +19,15 @@ from .userlayers import UserLayers
 
 
 def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers | None = None
-               ) -> tuple[Dataset | StreamedData, Inputs]:
+               ) -> tuple[Dataset | StreamedData, Inputs, dict]:
     """This run's data: ``data`` if given, else data.name's; checked against the model and the batch size.
 
     Image models (cnn, vgg, deconv: ``Model.images``, pcdist/service/models.py) take images as they are
     ([N, C, H, W]); the vector models (mlp, mupc) take in-memory inputs flattened to [N, features] (a view),
     and streamed batches flattened as they arrive (pcdist.service.loader). ``data.normalize`` standardises
     in-memory inputs per channel.
-    Returns the data and how its inputs were prepared (saved in the run's model.json).
+    Returns the data, how its inputs were prepared (saved in the run's model.json) and its identity (what a
+    checkpoint records of it: ``data_identity``).
     """
     if data is None:
         data = _dataset(c)
@@ -37,6 +41,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
                           f"num_classes={data.num_classes}: set it on the data (Dataset / StreamedData num_classes), "
                           f"or leave data.num_classes out")
     _check_data(c, data)
+    identity = data_identity(data)  # of the data as given (normalizing rounds by the machine's threads)
     shape = tuple(data.sample_shape)
     flatten = _flattens(c, shape, user)
     inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
@@ -47,9 +52,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
         inputs.mean, inputs.std = normalization_stats(data)
         data = normalized(data, (inputs.mean, inputs.std))
     _check_augment(c, data.sample_shape, flatten)
-    if not flatten:
-        return data, inputs
-    return (data.flat() if isinstance(data, Dataset) else data), inputs
+    return (data.flat() if flatten and isinstance(data, Dataset) else data), inputs, identity
 
 
 def _dataset_args(c: Config) -> tuple:
@@ -84,6 +87,42 @@ def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None)
     if user is not None:
         return user.flattens(sample_shape)
     return not model_of(c).images
+
+
+def data_identity(ds: Dataset | StreamedData) -> dict:
+    """What a checkpoint records of the data it was trained on, so that a resume on other data is seen (the same
+    file rewritten, other files under the old path): the sizes, the sample shape, the classes and a digest of every
+    label, where they are at hand without reading the samples (in memory, an arrays folder's y_*.npy). A sample's
+    inputs mended (a NaN replaced) leave it as it was."""
+    digest = hashlib.sha256()
+    out = {"train": num_train(ds), "val": len(ds.val) if isinstance(ds, StreamedData) else len(ds.x_val),
+           "sample_shape": [int(d) for d in ds.sample_shape], "num_classes": int(ds.num_classes)}
+    for split in ("train", "val"):
+        if isinstance(ds, Dataset):
+            labels = getattr(ds, f"y_{split}").cpu().numpy()
+        else:
+            inner = getattr(getattr(ds, split), "inner", getattr(ds, split))  # (data.signal=true wraps the arrays)
+            labels = inner.y if isinstance(inner, NpyArrays) else None
+        if labels is None:  # a user's torch Dataset: its labels would mean reading every sample
+            return out
+        digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+    out["labels"] = digest.hexdigest()[:16]
+    return out
+
+
+def check_same_data(run_dir, meta: dict | None, identity: dict) -> None:
+    """Refuse to resume a run whose checkpoint was trained on other data than ``identity`` (its record says so;
+    a checkpoint from before the record: not checked)."""
+    old = (meta or {}).get("data") or {}
+    names = {"train": "training samples", "val": "validation samples", "sample_shape": "sample shape",
+             "num_classes": "classes", "labels": "labels"}
+    changed = "; ".join(f"{names[k]} {old[k]} -> {identity[k]}" if k != "labels" else "the labels differ"
+                        for k in names if k in old and k in identity and old[k] != identity[k])
+    if not changed:
+        return
+    raise DataError(f"cannot resume {run_dir}: its data changed since its checkpoint was trained ({changed}); a "
+                    f"resume would train on other data and, by epochs, to another length; nothing was changed: "
+                    f"restore the data, or train on the new data in a new run directory")
 
 
 def num_train(ds: Dataset | StreamedData | Streamed) -> int:

@@ -37,7 +37,7 @@ from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside
 from .config import Config, network_options
 from .data import DataError, StreamedData
-from .datachecks import load_data, num_train, signals_hint
+from .datachecks import check_same_data, load_data, num_train, signals_hint
 from .diagnostics import Diagnostics, check_trace
 from .loader import Streamed
 from .metrics import make_logger
@@ -85,7 +85,9 @@ class ServiceTrainer:
         self.run_dir = Path(config.run_dir)
         self.resume = resume if resume is not None else self._find_resume()
         self.dtype = getattr(torch, config.trainer.dtype)
-        self.data, self.inputs = load_data(config, data, user)
+        self.data, self.inputs, self.data_identity = load_data(config, data, user)
+        if self.resume.checkpoint is not None:
+            check_same_data(self.run_dir, self.resume.meta, self.data_identity)
         self.specs = self._model_specs()
         self.parallel = self._place_in_mesh()
         t = config.trainer
@@ -384,7 +386,8 @@ class ServiceTrainer:
         c = self.config
         meta = {"step": done, "model": self.network.signature(), "scheduler": self.scheduler.state_dict(),
                 "lr": self.optimizer.param_groups[0]["lr"], "rng": torch.get_rng_state(),
-                "config": asdict(c)}  # what pcdist/service/rundir.py compares a resumed run's settings with
+                "config": asdict(c),  # what pcdist/service/rundir.py compares a resumed run's settings with
+                "data": self.data_identity}  # and the data (datachecks.check_same_data)
         return save_checkpoint(self.run_dir, done, self.network, self.optimizer, meta, c.trainer.ckpt_keep,
                                writer=self.parallel.data_rank == 0, leader=self.is_rank0)
 
