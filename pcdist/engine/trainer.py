@@ -37,7 +37,16 @@ __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_sta
 def engine_mode(fn):
     """Run ``fn`` without autograd's graph and outside inference mode whatever the caller's mode: a stage's
     buffers made under ``torch.inference_mode()`` (an evaluation loop) could not be written by a later step."""
-    return functools.wraps(fn)(torch.inference_mode(False)(torch.no_grad()(fn)))
+    fn = torch.no_grad()(fn)
+
+    @functools.wraps(fn)
+    def outside(*args, **kw):
+        if not torch.is_inference_mode_enabled():  # (the usual case: no second context to enter on every step)
+            return fn(*args, **kw)
+        with torch.inference_mode(False):
+            return fn(*args, **kw)
+
+    return outside
 
 
 def _setting(name: str, also):
