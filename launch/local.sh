@@ -27,19 +27,30 @@ WORLD_SIZE="$NPROC" "$PYTHON" train.py --check "$@" >/dev/null
 # own, out of the terminal's reach); they finish their step, checkpoint and stop (exit 0:
 # PCDIST_PREEMPTED_STATUS), and this script exits 130 (Ctrl-C) or 3 (SIGTERM), as train.py does. torchrun's
 # agent only waits for them: it handles neither signal (it would pass them on itself, then end with a
-# traceback); a no-op handler, not an ignored signal, so that the workers it starts get the default ones.
+# traceback); a no-op handler, not an ignored signal, so that the workers it starts get the default ones, kept
+# where torchrun would set its own (PET_SIGNALS_TO_HANDLE says so from torch 2.9; the agent's code, before).
 export PCDIST_PREEMPTED_STATUS=0 PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
 agent_code='import runpy, signal, sys
-for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: None)
+stops, setter = (signal.SIGINT, signal.SIGTERM), signal.signal
+for sig in stops:
+    setter(sig, lambda *_: None)
+signal.signal = lambda sig, handler: signal.getsignal(sig) if sig in stops else setter(sig, handler)
 sys.argv[0] = "torchrun"
 runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)'
 "$PYTHON" -c "$agent_code" --standalone --nproc_per_node="$NPROC" train.py "$@" &
 agent=$!
 stopped=
 pending=
-forward() {  # pass SIG$1 to the workers; where none runs yet (the agent is starting them), to them once they do
-  if pkill "-$1" -P "$agent"; then pending=; else pending=$1; fi
+forward() {  # pass SIG$1 to the workers once each has run a second (its Python catches signals by then); till
+  # then (none yet, or just started) keep it, and pass it on as soon as they have
+  local ages
+  ages=$(ps -o etimes= --ppid "$agent" 2>/dev/null || true)
+  if [[ -n $ages ]] && ! awk '$1 < 1 { young = 1 } END { exit !young }' <<<"$ages"; then
+    pkill "-$1" -P "$agent" || true
+    pending=
+  else
+    pending=$1
+  fi
 }
 trap 'stopped=${stopped:-130}; forward INT' INT
 trap 'stopped=${stopped:-3}; forward TERM' TERM

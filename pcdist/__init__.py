@@ -34,8 +34,9 @@ def _interrupted_while_starting(signum, frame):
     which left numpy half-imported and the run going on, to fail later or not at all)."""
     print("interrupted (Ctrl-C) while starting: nothing was run", file=_sys.stderr, flush=True)
     _sys.stdout.flush()
-    status = _os.environ.get("PCDIST_PREEMPTED_STATUS", "")  # launch/local.sh: 0 (pcdist.service.cli.preempted_status)
-    _os._exit(int(status) if status.isdigit() and int(status) < 256 else 130)
+    from .errors import stop_status
+
+    _os._exit(stop_status(ctrl_c=True))
 
 
 if (_sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0]) == "pcdist-train"

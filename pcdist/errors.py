@@ -9,6 +9,18 @@ command line prints ConfigError, DataError, CheckpointError and RunError as one 
 import difflib
 
 
+def stop_status(ctrl_c: bool) -> int:
+    """The exit status of a process a signal stopped: 130 for a Ctrl-C, else 3 (pre-empted), or
+    ``$PCDIST_PREEMPTED_STATUS`` where a launcher set it (launch/slurm.sbatch and launch/local.sh: 0, so that
+    torchrun's agent neither restarts the stopped workers nor reports them as failed, with a traceback; the
+    scripts say how it stopped). Anything but a number 0-255 means the default."""
+    import os
+
+    default = 130 if ctrl_c else 3
+    value = os.environ.get("PCDIST_PREEMPTED_STATUS", str(default))
+    return int(value) if value.isdigit() and int(value) < 256 else default
+
+
 def did_you_mean(word: str, known) -> str:
     """``; did you mean trainer.max_steps?`` for a near miss among ``known``, else ``""`` (a dotted key matches
     by its last part first)."""

@@ -363,6 +363,10 @@ def test_a_module_that_computes_its_own_forward_keeps_it():
         net = pcdist.PCNetwork.from_layers(layers, input_shape=(6,))
         assert [g.kind.kind for g in net.groups][0] == "module"
         torch.testing.assert_close(net(x), layers[1](layers[0](x)), rtol=0, atol=1e-6)
+    seq = nn.Sequential(nn.Linear(6, 8), ScaledTanh(), nn.Linear(8, 3))  # from_sequential: a layer of its own too
+    with pytest.warns(UserWarning, match="ScaledTanh .module 1. is not among the fused activations"):
+        net = pcdist.PCNetwork.from_sequential(seq)
+    torch.testing.assert_close(net(x), seq(x), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"^input_shape=\[5\], but layer 1 \(Sequential\) takes inputs of shape "
                                          r"\[6\]$"):  # (it was ignored)
         pcdist.PCNetwork.from_layers([nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 3)], input_shape=(5,))

@@ -116,7 +116,7 @@ def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_with
         proc = subprocess.Popen(["launch/local.sh", "logger=none", "logger.plots=false", "trainer.max_steps=100000",
                                  "trainer.log_every=5", f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env=dict(os.environ, NPROC="2", PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+                                env=dict(os.environ, NPROC="1", PYTHON=sys.executable, OMP_NUM_THREADS="1"))
         lines = []
         for out in proc.stdout:  # a few steps into this launch
             lines.append(out)

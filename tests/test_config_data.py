@@ -362,16 +362,3 @@ def test_data_num_classes_beside_data_from_python_must_agree_with_it(tmp_path):
         pcdist.train({"data": {"num_classes": 12}, "run_dir": str(tmp_path / "run")}, data=d)
     assert not (tmp_path / "run").exists()
 
-
-def test_keys_one_data_set_reads_are_refused_for_another():
-    """data.val_fraction (digits) and data.synthetic_* (synthetic) set for data that never reads them did nothing
-    (an arrays run asked for a 50% split trained on the file's own): refused as data.path is."""
-    from pcdist.service.config import check_combination, make_config
-
-    for data, message in (({"name": "arrays", "path": "x.npz", "val_fraction": 0.5}, "data.val_fraction=0.5 is "
-                           "invalid: allowed 0.2 with data=arrays (it has its own validation split"),
-                          ({"name": "digits", "synthetic_val": 5}, "data.synthetic_val=5 is invalid: allowed 512 "
-                           "with data=digits (data.synthetic_val is read by data=synthetic)")):
-        with pytest.raises(pcdist.ConfigError, match=re.escape(message)):
-            check_combination(make_config({"data": data}))
-    check_combination(make_config({"data": {"name": "digits", "val_fraction": 0.5}}))

@@ -489,10 +489,11 @@ def test_a_torchrun_launch_refused_a_directory_stays_refused_when_torchrun_resta
     settings on in it (cluster review). A launch once refused stays refused through its restarts: its record in
     the directory's .refused/ says so, and the run's files are never written by it."""
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pcdist.service."
-                               "rundir import lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('held', flush="
-                               "True); sys.stdin.read()", str(run_dir)], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # the run that holds it (what a run's rank 0 holds)
+    run_dir.mkdir()  # the run that holds it: the lock a run's first rank holds (lock_run_dir's), without torch
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+                               "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX); os.write(fd, b'pid %d on here' % "
+                               "os.getpid()); print('held', flush=True); sys.stdin.read()", str(run_dir / LOCK)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -516,6 +517,12 @@ def test_a_torchrun_launch_refused_a_directory_stays_refused_when_torchrun_resta
 
     assert run_files(run_dir) == [], "the refused launch wrote none of a run's files"
     assert [p.name for p in (run_dir / ".refused").iterdir()], "its record names the launch"
+    # a lock still held by the launch's own earlier attempt (ending): no record, or every restart would be refused
+    from pcdist.service.rundir import _remember_refusal
+
+    own = run_dir / ".refused" / "agent-1-2-none-r0"
+    _remember_refusal(own, f"pid 7 on here since today (launch {own.name})")
+    assert not own.exists()
 
 
 def wait_for(ready, proc, what: str, timeout: float = 300) -> None:

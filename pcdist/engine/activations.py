@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["stock", "Activation", "ACTIVATIONS", "ELEMENTWISE_MODULES", "SUPPORTED_MODULES", "activation_from_module",
-           "get_activation"]
+__all__ = ["Activation", "ACTIVATIONS", "ELEMENTWISE_MODULES", "FUSED_MODULES", "SUPPORTED_MODULES",
+           "activation_from_module", "get_activation", "stock"]
 
 _aten = torch.ops.aten
 
@@ -152,6 +152,11 @@ def get_activation(name: str, **kwargs) -> Activation:
     return Activation(name, **kwargs)
 
 
+FUSED_MODULES = (nn.Tanh, nn.Sigmoid, nn.ReLU, nn.LeakyReLU, nn.GELU, nn.Hardtanh, nn.Identity, nn.SiLU, nn.Softplus,
+                 nn.ELU, nn.Mish)
+"""The torch.nn activation classes with an Activation (as torch computes them: ``stock``)."""
+
+
 def stock(module: nn.Module, classes) -> bool:
     """``module`` is one of torch's ``classes`` as torch computes it: not a subclass with a forward of its own,
     not parametrized (weight_norm, spectral_norm, ...), without forward hooks. Only such a module is read as a
@@ -165,9 +170,7 @@ def stock(module: nn.Module, classes) -> bool:
 
 def activation_from_module(module: nn.Module) -> Activation:
     """The Activation equivalent to a torch.nn activation module (as torch computes it: ``stock``)."""
-    fused = (nn.Tanh, nn.Sigmoid, nn.ReLU, nn.LeakyReLU, nn.GELU, nn.Hardtanh, nn.Identity, nn.SiLU, nn.Softplus,
-             nn.ELU, nn.Mish)
-    if isinstance(module, fused) and not stock(module, fused):
+    if isinstance(module, FUSED_MODULES) and not stock(module, FUSED_MODULES):
         raise ValueError(f"{type(module).__name__} is a {type(module).__mro__[1].__name__} that computes its own "
                          f"forward (a subclass, a parametrization or a hook): not a fused activation")
     if isinstance(module, nn.Tanh):

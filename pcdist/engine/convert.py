@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .activations import ELEMENTWISE_MODULES, SUPPORTED_MODULES, activation_from_module
+from .activations import ELEMENTWISE_MODULES, FUSED_MODULES, SUPPORTED_MODULES, activation_from_module
 from .layers import kind_from_module
 
 __all__ = ["from_layers", "from_sequential", "to_layers", "to_sequential", "split_sequential", "module_structure",
@@ -201,21 +201,20 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
         else:
             cur = blocks[-1]
             layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
-            has_act = any(_is_activation(x) or isinstance(x, ELEMENTWISE_MODULES) for x in cur
-                          if x is not layer and not isinstance(x, nn.Flatten))
+            has_act = any(_elementwise(x) for x in cur if x is not layer and not isinstance(x, nn.Flatten))
             has_pool = any(isinstance(x, _POOLS) for x in cur)
-            if (_is_activation(m) or isinstance(m, ELEMENTWISE_MODULES)) and not has_act and not has_pool:
+            if _elementwise(m) and not has_act and not has_pool:
                 cur.append(m)
             elif isinstance(m, (nn.Softmax, nn.LogSoftmax)) and i == len(mods) - 1:
                 raise ValueError(f"module {i} ({type(m).__name__}) after the output layer: leave it out; energy='ce' "
                                  f"applies the softmax to the output layer's u_L = a_L (the logits) itself")
             elif isinstance(m, _POOLS) and isinstance(layer, (nn.Conv1d, nn.Conv2d)) and not has_pool:
                 cur.append(m)
-            elif _is_activation(m) and has_pool:
+            elif _elementwise(m) and has_pool:
                 raise ValueError(f"module {i} ({type(m).__name__}) after the pooling: a conv PC layer is convolution, "
                                  f"activation, then pooling; put the activation before the pooling (with max pooling "
                                  f"and a non-decreasing activation such as ReLU it is the same function)")
-            elif _is_activation(m):
+            elif _elementwise(m):
                 raise ValueError(f"module {i} ({type(m).__name__}): two activations in a row cannot be placed "
                                  f"where a value node would go; {hint}")
             else:
@@ -226,18 +225,24 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
     if not blocks:
         raise ValueError("the Sequential has no nn.Linear or nn.Conv layer")
     last = blocks[-1]
-    acts = [type(x).__name__ for x in last if isinstance(x, ELEMENTWISE_MODULES)]
-    acts += [activation_from_module(x).name for x in last if _is_activation(x)]
+    acts = [activation_from_module(x).name if _is_activation(x) else type(x).__name__ for x in last
+            if _elementwise(x)]
     if acts and acts[0] != "identity":
         raise ValueError(f"the output layer must not be followed by an activation (found {acts[0]}); "
                          "the output energy acts on u_L = a_L")
     unfused = [f"{type(x).__name__} (module {mods.index(x)})" for b in blocks for x in b
-               if isinstance(x, ELEMENTWISE_MODULES)]
+               if _elementwise(x) and not _is_activation(x)]
     if unfused:
         warnings.warn(f"from_sequential: {', '.join(unfused)} {'is' if len(unfused) == 1 else 'are'} not among the "
                       f"fused activations ({SUPPORTED_MODULES}); such a layer runs through the module kind "
                       f"(autograd's VJPs, slower than a fused activation)", stacklevel=stacklevel)
     return [nn.Sequential(*b) for b in blocks]
+
+
+def _elementwise(m: nn.Module) -> bool:
+    """An activation: fused (``_is_activation``), one of torch's other elementwise modules, or a fused one's class
+    computing its own forward (a subclass, a hook: the module kind runs it)."""
+    return _is_activation(m) or isinstance(m, ELEMENTWISE_MODULES + FUSED_MODULES)
 
 
 def _is_activation(m: nn.Module) -> bool:

@@ -40,7 +40,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of m
 
 from .config import (CONF_DIR, Config, check_overrides, command, config_keys, did_you_mean, groups,  # noqa: E402
                      load_config)
-from ..errors import PeerError, printable  # noqa: E402
+from ..errors import PeerError, printable, stop_status  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -67,14 +67,8 @@ def fail(message: str, status: int = 2) -> None:
 
 
 def preempted_status(signum: int = signal.SIGTERM) -> int:
-    """The exit status of a run stopped by ``signum`` after its checkpoint: 3 (130 for a Ctrl-C), or
-    ``$PCDIST_PREEMPTED_STATUS`` where it is set. launch/slurm.sbatch and launch/local.sh set 0, so that
-    torchrun's agent neither restarts the stopped workers nor reports them as failed (with a traceback);
-    RUN_DIR/PREEMPTED tells sbatch to requeue, and local.sh exits 130 or 3 itself. Anything but a number
-    0-255 means the default."""
-    default = 130 if signum == signal.SIGINT else 3
-    value = os.environ.get("PCDIST_PREEMPTED_STATUS", str(default))
-    return int(value) if value.isdigit() and int(value) < 256 else default
+    """The exit status of a run stopped by ``signum`` (``errors.stop_status``)."""
+    return stop_status(signum == signal.SIGINT)
 
 
 def _ignore_stop_signals() -> None:

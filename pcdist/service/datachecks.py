@@ -41,7 +41,8 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
                           f"num_classes={data.num_classes}: set it on the data (Dataset / StreamedData num_classes), "
                           f"or leave data.num_classes out")
     _check_data(c, data)
-    identity = data_identity(data)  # of the data as given (normalizing rounds by the machine's threads)
+    # of the data as given (normalizing rounds by the machine's threads; synthetic labels are a teacher's argmax)
+    identity = data_identity(data, labels=c.data.name != "synthetic")
     shape = tuple(data.sample_shape)
     flatten = _flattens(c, shape, user)
     inputs = Inputs(shape, flatten, c.trainer.dtype, data.num_classes)
@@ -89,23 +90,26 @@ def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None)
     return not model_of(c).images
 
 
-def data_identity(ds: Dataset | StreamedData) -> dict:
+def data_identity(ds: Dataset | StreamedData, labels: bool = True) -> dict:
     """What a checkpoint records of the data it was trained on, so that a resume on other data is seen (the same
     file rewritten, other files under the old path): the sizes, the sample shape, the classes and a digest of every
-    label, where they are at hand without reading the samples (in memory, an arrays folder's y_*.npy). A sample's
-    inputs mended (a NaN replaced) leave it as it was."""
+    label, where they are at hand without reading the samples (in memory, an arrays folder's y_*.npy; ``labels``
+    False: none, for labels a computation makes, data=synthetic's). A sample's inputs mended (a NaN replaced)
+    leave it as it was."""
     digest = hashlib.sha256()
     out = {"train": num_train(ds), "val": len(ds.val) if isinstance(ds, StreamedData) else len(ds.x_val),
            "sample_shape": [int(d) for d in ds.sample_shape], "num_classes": int(ds.num_classes)}
-    for split in ("train", "val"):
+    for split in ("train", "val") if labels else ():
         if isinstance(ds, Dataset):
-            labels = getattr(ds, f"y_{split}").cpu().numpy()
+            ys = getattr(ds, f"y_{split}").cpu().numpy()
         else:
             inner = getattr(getattr(ds, split), "inner", getattr(ds, split))  # (data.signal=true wraps the arrays)
-            labels = inner.y if isinstance(inner, NpyArrays) else None
-        if labels is None:  # a user's torch Dataset: its labels would mean reading every sample
+            ys = inner.y if isinstance(inner, NpyArrays) else None
+        if ys is None:  # a user's torch Dataset: its labels would mean reading every sample
             return out
-        digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+        digest.update(np.asarray(ys, dtype=np.int64).tobytes())
+    if not labels:
+        return out
     out["labels"] = digest.hexdigest()[:16]
     return out
 

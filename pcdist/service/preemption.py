@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.parallel import collective
+from ..errors import stop_status
 
 
 class Preempted(RuntimeError):
@@ -46,7 +47,7 @@ def _on_stop_signal(got: dict, signum: int, frame) -> None:
     if signum == signal.SIGINT and got["signal"]:
         print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
               "newest checkpoint)", file=sys.stderr, flush=True)
-        os._exit(130)
+        os._exit(stop_status(ctrl_c=True))
     got["signal"] = got["signal"] or signum
 
 

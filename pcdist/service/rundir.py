@@ -348,7 +348,9 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
         os.close(fd)
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
+    launch = _launch_name()
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}"
+                  f"{'' if launch is None else f' (launch {launch})'}\n".encode(), 0)
     _held[:] = [fd, path, run_dir if made else None]
 
 
@@ -358,19 +360,28 @@ restarts a refused worker, and the restart, finding the directory free once that
 take it for its own (and train a second job's settings into a run it never started)."""
 
 
-def _refused_record(run_dir: Path) -> Path | None:
-    """Where this torchrun launch (every restart of it) records a refusal of ``run_dir``; None outside torchrun."""
+def _launch_name() -> str | None:
+    """This torchrun launch, the same on its every restart (``_launch_key``) and new at each SLURM requeue; None
+    outside torchrun."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     try:
         key = _launch_key()[0]
     except ConfigError:
         return None
-    return run_dir / REFUSED / key
+    return f"{key}-r{os.environ.get('SLURM_RESTART_COUNT', '0') or '0'}"
+
+
+def _refused_record(run_dir: Path) -> Path | None:
+    """Where this torchrun launch (every restart of it) records a refusal of ``run_dir``; None outside torchrun."""
+    name = _launch_name()
+    return None if name is None else run_dir / REFUSED / name
 
 
 def _remember_refusal(record: Path | None, holder: str) -> None:
-    if record is None:
+    """Record a refusal by another run (not by this launch's own earlier attempt, still ending: the lock names
+    the launch that holds it)."""
+    if record is None or f"(launch {record.name})" in holder:
         return
     try:
         record.parent.mkdir(exist_ok=True)

@@ -160,14 +160,6 @@ class DataConfig:
                f"null with data={self.name} (it has its own classes; data.num_classes is read by data=arrays)")
         _check(not self.signal or self.name == "arrays", "data.signal", self.signal,
                f"false with data={self.name} (it reads data=arrays' [N, L] inputs as one-channel signals)")
-        default = DataConfig()  # keys one data set reads, set off their defaults for another (they did nothing)
-        _check(self.val_fraction == default.val_fraction or self.name == "digits", "data.val_fraction",
-               self.val_fraction, f"{default.val_fraction} with data={self.name} (it has its own validation split; "
-               f"data.val_fraction is read by data=digits)")
-        for key in ("synthetic_train", "synthetic_val"):
-            _check(getattr(self, key) == getattr(default, key) or self.name == "synthetic", f"data.{key}",
-                   getattr(self, key), f"{getattr(default, key)} with data={self.name} (data.{key} is read by "
-                   f"data=synthetic)")
 
 
 @dataclass
