@@ -161,6 +161,20 @@ def signals_hint(c: Config, sample_shape: tuple[int, ...]) -> str | None:
             f"their channel: x[:, None], shape [N, 1, {h}, {w}]")
 
 
+def unread_keys_note(c: Config) -> str | None:
+    """The one line for data keys set off their defaults for a data set that does not read them (data.val_fraction:
+    digits; data.synthetic_*: synthetic): said, not refused, as a run made so, or a sweep over data sets sharing
+    them, must go on."""
+    default = type(c.data)()
+    unread = [f"data.{k}={getattr(c.data, k)}" for k, reader in (("val_fraction", "digits"), ("synthetic_train",
+              "synthetic"), ("synthetic_val", "synthetic")) if getattr(c.data, k) != getattr(default, k)
+              and c.data.name != reader]
+    if not unread:
+        return None
+    return (f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by data={c.data.name} (it has "
+            f"its own split and size; data.val_fraction is data=digits', data.synthetic_* data=synthetic's)")
+
+
 def _check_augment(c: Config, sample_shape, flatten: bool) -> None:
     """data.augment crops and flips images [C, H, W], for a model that reads them as images (the batches of a
     vector model are flat by then)."""

@@ -37,7 +37,7 @@ from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside
 from .config import Config, network_options
 from .data import DataError, StreamedData
-from .datachecks import check_same_data, load_data, num_train, signals_hint
+from .datachecks import check_same_data, load_data, num_train, signals_hint, unread_keys_note
 from .diagnostics import Diagnostics, check_trace
 from .loader import Streamed
 from .metrics import make_logger
@@ -204,9 +204,10 @@ class ServiceTrainer:
             self.logger.say(self.mesh_line)
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
-            hint = signals_hint(c, self.inputs.sample_shape) if self.user is None else None
-            if hint:
-                self.logger.say(hint)
+            for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
+                         unread_keys_note(c)):
+                if hint:
+                    self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
             (self.run_dir / "PREEMPTED").unlink(missing_ok=True)
         B, seed, n = c.trainer.batch_size, c.trainer.seed, num_train(self.data)
