@@ -34,12 +34,12 @@ Nothing here reads a device value on the host: the routine is part of a step's c
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import Callable
 
 import torch
 
+from .arguments import finite
 from .schedules import PrecisionSchedule
 from .values import TABLEAUS
 
@@ -160,12 +160,12 @@ def set_precision(st, schedule: PrecisionSchedule | None, t: int) -> None:
     if row is None:
         net = st.net
         base = net.precision or (1.0,) * net.num_layers
-        factors = [schedule(l, t, net.num_layers) for l in range(net.first, net.stop)]
-        for l, f in zip(range(net.first, net.stop), factors):  # (host floats: no device read)
-            if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+        row = []
+        for l in range(net.first, net.stop):  # (host floats: no device read)
+            f = schedule(l, t, net.num_layers)
+            if not finite(f) or f < 0:
                 raise ValueError(f"the precision schedule gave {f!r} for layer {l} at inference step {t}: its "
                                  f"factors must be finite numbers >= 0")
-        row = st.precision_rows[t] = torch.tensor([base[l - 1] * float(f) for l, f in zip(range(net.first, net.stop),
-                                                                                      factors)],
-                                                  dtype=st.precision.dtype).to(st.precision.device)
+            row.append(base[l - 1] * float(f))
+        row = st.precision_rows[t] = torch.tensor(row, dtype=st.precision.dtype).to(st.precision.device)
     st.precision.copy_(row)

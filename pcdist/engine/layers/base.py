@@ -35,7 +35,6 @@ schedule (pcdist/distributed/exchange.py) is the same for every kind.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import gemm
+from ..arguments import whole
 from ..energies import OutputEnergy
 
 __all__ = ["LayerKind", "LayerGroup", "BoundGroup", "Binding", "TransposedWeight", "accumulate", "low",
@@ -54,7 +54,7 @@ _aten = torch.ops.aten
 def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
     """Layer ``layer``'s own generator for a network ``seed`` (None: the global RNG), so a layer's
     initial weights do not depend on how the layers are split over ranks."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+    if seed is not None and not whole(seed):
         raise ValueError(f"seed must be None or an integer, got {seed!r}")
     return None if seed is None else torch.Generator().manual_seed(int(seed) * 1_000_003 + layer)
 
