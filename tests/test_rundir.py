@@ -574,3 +574,38 @@ def test_a_resume_on_data_that_changed_since_the_checkpoint_is_refused(tmp_path)
     np.savez(path, **arrays)
     pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 5}})
     assert pcdist.load(run_dir).step == 5
+
+
+def test_a_resume_on_torch_datasets_whose_targets_changed_is_refused(tmp_path):
+    """Torch Datasets that keep their labels as torchvision's do (``targets``; the validation split a Subset of
+    one, as random_split makes): a resume on the same sizes and shapes with other labels is refused as the arrays'
+    is; the labels restored, it resumes."""
+    from pcdist.service.data import DataError, StreamedData
+
+    d = pcdist.data.load_digits()
+
+    class Digits(torch.utils.data.Dataset):
+        def __init__(self, x, y):
+            self.x, self.targets = x, list(y.tolist())
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], self.targets[i]
+
+    def data(shift_val: int) -> StreamedData:
+        val = Digits(d.x_val, (d.y_val + shift_val) % 10)
+        return StreamedData(Digits(d.x_train, d.y_train), torch.utils.data.Subset(val, range(100)), 10)
+
+    run_dir = tmp_path / "run"
+    cfg_ = {"run_dir": str(run_dir), "logger": "none", "logger.plots": False, "pc": {"T": 2, "x_lr": 0.1},
+            "model": {"dims": [64, 16, 10]}, "data": {"num_workers": 0},
+            "trainer": {"max_steps": 4, "stop_at": 2, "ckpt_every": 2, "eval_every": 2, "progress": "off"}}
+    pcdist.train(cfg_, data=data(0))
+    before = snapshot(run_dir)
+    with pytest.raises(DataError, match=r"was trained \(the labels differ\); a resume would train on other data"):
+        pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 4}}, data=data(1))
+    assert snapshot(run_dir) == before
+    pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 4}}, data=data(0))
+    assert pcdist.load(run_dir).step == 4

@@ -93,9 +93,9 @@ def _flattens(c: Config, sample_shape: tuple[int, ...], user: UserLayers | None)
 def data_identity(ds: Dataset | StreamedData, labels: bool = True) -> dict:
     """What a checkpoint records of the data it was trained on, so that a resume on other data is seen (the same
     file rewritten, other files under the old path): the sizes, the sample shape, the classes and a digest of every
-    label, where they are at hand without reading the samples (in memory, an arrays folder's y_*.npy; ``labels``
-    False: none, for labels a computation makes, data=synthetic's). A sample's inputs mended (a NaN replaced)
-    leave it as it was."""
+    label, where they are at hand without reading the samples (in memory, an arrays folder's y_*.npy, a torch
+    Dataset's ``targets`` as torchvision's keep them, through ``Subset``s; ``labels`` False: none, for labels a
+    computation makes, data=synthetic's). A sample's inputs mended (a NaN replaced) leave it as it was."""
     digest = hashlib.sha256()
     out = {"train": num_train(ds), "val": len(ds.val) if isinstance(ds, StreamedData) else len(ds.x_val),
            "sample_shape": [int(d) for d in ds.sample_shape], "num_classes": int(ds.num_classes)}
@@ -104,14 +104,28 @@ def data_identity(ds: Dataset | StreamedData, labels: bool = True) -> dict:
             ys = getattr(ds, f"y_{split}").cpu().numpy()
         else:
             inner = getattr(getattr(ds, split), "inner", getattr(ds, split))  # (data.signal=true wraps the arrays)
-            ys = inner.y if isinstance(inner, NpyArrays) else None
-        if ys is None:  # a user's torch Dataset: its labels would mean reading every sample
+            ys = inner.y if isinstance(inner, NpyArrays) else _targets(inner)
+        if ys is None:  # a torch Dataset without targets: its labels would mean reading every sample
             return out
         digest.update(np.asarray(ys, dtype=np.int64).tobytes())
     if not labels:
         return out
     out["labels"] = digest.hexdigest()[:16]
     return out
+
+
+def _targets(d) -> np.ndarray | None:
+    """A torch Dataset's labels where it keeps them as torchvision's datasets do (``targets``: a list, an array or
+    a tensor of class indices, one per sample), through ``Subset``s (``random_split``'s); else None."""
+    if isinstance(d, torch.utils.data.Subset):
+        ys = _targets(d.dataset)
+        return None if ys is None else ys[np.asarray(d.indices, dtype=np.int64)]
+    ys = getattr(d, "targets", None)
+    try:
+        ys = np.asarray(ys.cpu() if isinstance(ys, torch.Tensor) else ys)
+    except (TypeError, ValueError, RuntimeError):  # not an array of numbers
+        return None
+    return ys if ys.dtype.kind in "iu" and ys.shape == (len(d),) else None
 
 
 def check_same_data(run_dir, meta: dict | None, identity: dict) -> None:
