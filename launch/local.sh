@@ -26,18 +26,10 @@ WORLD_SIZE="$NPROC" "$PYTHON" train.py --check "$@" >/dev/null
 # Stopping: this script passes Ctrl-C and SIGTERM to the workers (torchrun starts each in a session of its
 # own, out of the terminal's reach); they finish their step, checkpoint and stop (exit 0:
 # PCDIST_PREEMPTED_STATUS), and this script exits 130 (Ctrl-C) or 3 (SIGTERM), as train.py does. torchrun's
-# agent only waits for them: it handles neither signal (it would pass them on itself, then end with a
-# traceback); a no-op handler, not an ignored signal, so that the workers it starts get the default ones, kept
-# where torchrun would set its own (PET_SIGNALS_TO_HANDLE says so from torch 2.9; the agent's code, before).
-export PCDIST_PREEMPTED_STATUS=0 PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
-agent_code='import runpy, signal, sys
-stops, setter = (signal.SIGINT, signal.SIGTERM), signal.signal
-for sig in stops:
-    setter(sig, lambda *_: None)
-signal.signal = lambda sig, handler: signal.getsignal(sig) if sig in stops else setter(sig, handler)
-sys.argv[0] = "torchrun"
-runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)'
-"$PYTHON" -c "$agent_code" --standalone --nproc_per_node="$NPROC" train.py "$@" &
+# agent only waits for them: launch/torchrun_agent.py keeps it from handling either signal (it would pass them on
+# itself, then end with a traceback) with no-op handlers, so that the workers it starts get the default ones.
+export PCDIST_PREEMPTED_STATUS=0
+"$PYTHON" launch/torchrun_agent.py --noop INT,TERM --standalone --nproc_per_node="$NPROC" train.py "$@" &
 agent=$!
 stopped=
 pending=

@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
 # One node's share of a launch/slurm.sbatch job (srun starts it once per node): torchrun's agent, which
 # starts this node's training processes, and SLURM's stop signals passed on to those processes.
-#   launch/slurm_node.sh python -m torch.distributed.run ... train.py ...
+#   launch/slurm_node.sh python launch/torchrun_agent.py USR1,TERM ... train.py ...
 #
 # SLURM sends USR1 (scancel --signal=USR1, the --signal warning before the time limit) and TERM (its own
 # pre-emption, scancel, the time limit) to this shell only: proctrack/cgroup signals the processes a step
 # started, not their children (SIGKILL excepted). proctrack/linuxproc signals every process of the step.
 # Either way the agent ignores both (an agent killed by a signal takes its workers down with it, before
-# they checkpoint), and this shell passes each signal to the agent's workers: at once, then every
-# RESEND_S seconds until the agent exits, so that a worker still starting up (it ignores them until its
-# training loop catches them) or restarted after a crash stops as well.
+# they checkpoint; launch/torchrun_agent.py keeps torchrun's own handlers off them), and this shell passes
+# each signal to the agent's workers: at once, then every RESEND_S seconds until the agent exits, so that a
+# worker still starting up (it ignores them until its training loop catches them) or restarted after a crash
+# stops as well.
 set -uo pipefail
 RESEND_S=${RESEND_S:-5}
-# torchrun's agent handles SIGTERM itself by default (it stops the workers within 30 s, then raises);
-# told to handle only these, it keeps the ignored dispositions below.
-export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 (trap '' USR1 TERM; exec "$@") &
 agent=$!
 stop=

@@ -106,7 +106,9 @@ def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_with
     """Ctrl-C at a terminal signals launch/local.sh and torchrun's agent (torchrun starts each worker in a
     session of its own); SIGTERM may come to the script alone. The workers finish their step, checkpoint and
     stop; the script ends as train.py does (130, 3), and no torchrun traceback follows (it ended with the agent's
-    SignalException, status 1). The stopped run resumes from that checkpoint."""
+    SignalException, status 1). The stopped run resumes from that checkpoint. The agent runs with torch's default
+    PET_SIGNALS_TO_HANDLE (both signals handled, as torch < 2.9 handles them whatever it is told): what keeps its
+    handlers off is launch/torchrun_agent.py."""
     import signal
 
     run_dir = tmp_path / "run"

@@ -413,7 +413,8 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
 
 
 def workers(job_id: str) -> list[int]:
-    """The training processes of the job: the children of its torchrun agent."""
+    """The training processes of the job: the children of its torchrun agent (launch/torchrun_agent.py, or
+    torchrun itself)."""
     agents, parents = set(), {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -423,7 +424,8 @@ def workers(job_id: str) -> list[int]:
             continue
         pid = int(stat.parent.name)
         parents[pid] = ppid
-        if cmd[1:3] == [b"-m", b"torch.distributed.run"] and f"--rdzv_id={job_id}".encode() in cmd:
+        agent = cmd[1:3] == [b"-m", b"torch.distributed.run"] or b"".join(cmd[1:2]).endswith(b"/torchrun_agent.py")
+        if agent and f"--rdzv_id={job_id}".encode() in cmd:
             agents.add(pid)
     return sorted(pid for pid, ppid in parents.items() if ppid in agents)
 
