@@ -387,7 +387,7 @@ def test_settings_changed_on_a_live_trainer_take_effect_or_are_refused():
         tr_b = pcdist.PCTrainer(net_b, tr_b.optimizer, T=4, **{name: value})
         assert tr_a.step(x, y)["energy"] == tr_b.step(x, y)["energy"], name
         assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters())), name
-    for name in ("x_momentum", "skip_above"):
+    for name in ("x_momentum", "skip_above", "algorithm", "precision", "compile"):
         with pytest.raises(AttributeError, match=f"^PCTrainer.{name} is fixed when the trainer is made"):
             setattr(tr_a, name, 0.5)
     tr_a.precision_schedule = lambda l, t, L: float("nan") if l == 2 else 1.0
@@ -395,6 +395,46 @@ def test_settings_changed_on_a_live_trainer_take_effect_or_are_refused():
                                          r"factors must be finite numbers >= 0$"):
         tr_a.step(x, y)
     assert pcdist.PCTrainer(net_a, tr_a.optimizer, T=__import__("numpy").int64(3)).T == 3  # a numpy count
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_what_a_live_trainer_is_given_anew_is_what_its_next_steps_run(algorithm):
+    """T, x_lr, the solver, value noise and its seed, a precision schedule, an optimizer of other parameter groups
+    and a scheduler, each set on a live trainer: compile="graph" (its captured step's constants, its plan of
+    learning rates: T per step under ipc) steps as compile="none" does, bit for bit (an ipc trainer's T raised
+    indexed past its plan, lowered put the schedule out of place; a new optimizer of two groups raised). The
+    schedule counts the optimizer steps taken. A step that raises leaves the schedule where it was."""
+    x, y = _xy()
+    nan_at_2 = lambda l, t, L: float("nan") if l == 2 else 1.0  # noqa: E731
+    changes = [("T", 6), ("x_lr", 0.05), ("T", 2), ("solver", "heun"), ("solver", "euler"), ("value_noise", 0.01),
+               ("noise_seed", 3), ("precision_schedule", lambda l, t, L: 0.5 + 0.1 * l), ("optimizer", "groups"),
+               ("scheduler", "cosine"), ("precision_schedule", nan_at_2), ("precision_schedule", None)]
+    runs = {}
+    for compile in ("none", "graph"):
+        net, tr = _mlp_trainer(algorithm=algorithm, compile=compile)
+        optimizer_steps, energies = 0, []
+        for name, value in changes:
+            if value == "groups":
+                ps = list(net.parameters())
+                value = torch.optim.SGD([{"params": ps[:2], "lr": 0.1}, {"params": ps[2:], "lr": 0.01}])
+            elif value == "cosine":
+                value = pcdist.warmup_cosine(tr.optimizer, 1, 20)
+                optimizer_steps = 0
+            setattr(tr, name, value)
+            if value is nan_at_2:
+                before = tr.scheduler.state_dict()["last_epoch"]
+                with pytest.raises(ValueError, match="the precision schedule gave nan"):
+                    tr.step(x, y)
+                assert tr.scheduler.last_epoch == before
+                continue
+            for _ in range(2):
+                energies.append(tr.step(x, y)["energy"])
+                optimizer_steps += tr.T if algorithm == "ipc" else 1
+        assert tr.scheduler.last_epoch == optimizer_steps
+        runs[compile] = energies, [p.clone() for p in net.parameters()], tr.optimizer.param_groups[1]["lr"]
+    assert runs["graph"][0] == runs["none"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["graph"][1], runs["none"][1]))
+    assert runs["graph"][2] == runs["none"][2]
 
 
 def test_unchecked_arguments_are_named_where_they_are_passed():

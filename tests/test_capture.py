@@ -333,6 +333,23 @@ def test_the_device_side_skip_equals_the_host_decision(optimizer, compile):
                 assert torch.equal(v.to(ref_state[k].dtype), ref_state[k]), k
 
 
+def test_ops_whose_output_size_depends_on_the_values_are_host_reads():
+    """On a GPU the host waits for a boolean mask's positions or a nonzero's count before it can size the output,
+    which a capture cannot do: HostReads counted none of them (a user's module using one passed the CPU check).
+    Ops of a fixed output size (where, an integer index) are not reads."""
+    h = torch.randn(7)
+    reads = {}
+    for name, op in (("mask", lambda: h[h > 0]), ("masked write", lambda: h.clone().masked_fill_(h < 0, 0)),
+                     ("mask write", lambda: h.clone().__setitem__(h < 0, 0)), ("nonzero", lambda: h.nonzero()),
+                     ("masked_select", lambda: h.masked_select(h > 0)), ("unique", lambda: h.unique()),
+                     ("where", lambda: torch.where(h > 0, h, 0.0)), ("index", lambda: h[torch.tensor([0, 2])])):
+        with HostReads() as r:
+            op()
+        reads[name] = len(r.reads)
+    assert reads == {"mask": 1, "masked write": 0, "mask write": 1, "nonzero": 1, "masked_select": 1, "unique": 1,
+                     "where": 0, "index": 0}
+
+
 def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     """A layer that reads a value of its input on the host cannot be captured: the stage says so once, in one
     line that names the stage and the read, and then trains exactly as compile="none"."""

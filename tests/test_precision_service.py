@@ -60,3 +60,99 @@ def test_backprop_under_bf16_runs_its_products_in_bfloat16(tmp_path):
     after = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.get_num_threads()
     torch.set_num_threads(threads)
     assert after == before
+
+
+def test_the_switches_the_caller_set_through_torchs_per_backend_api_are_put_back():
+    """torch >= 2.9 has per-backend float32 precision switches beside the older two, and refuses to read the older
+    ones once only the newer were written: a caller's TF32 choice so set could not be read, so a run (whose trainer
+    sets the switches at each step on a GPU: set_tf32) put nothing back."""
+    from pcdist.engine.precision import restore_tf32, set_tf32, tf32_state
+
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no per-backend float32 precision switches (torch < 2.9)")
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = tf32_state()
+    try:
+        for chosen in ("tf32", "ieee"):
+            matmul.fp32_precision, conv.fp32_precision = chosen, chosen
+            state = tf32_state()
+            set_tf32(chosen == "ieee")  # what a trainer of the other choice does
+            restore_tf32(state)
+            assert (matmul.fp32_precision, conv.fp32_precision) == (chosen, chosen)
+    finally:
+        restore_tf32(before)
+
+
+def test_float32_matmuls_on_a_cpu_are_ieee_whatever_the_process_set():
+    """A process-wide set_float32_matmul_precision("medium") has oneDNN compute float32 matmuls in bfloat16 (2e-3
+    off): a trainer's fp32 (or tf32, which a CPU does not have) step computes in float32 all the same, equal to the
+    step under "highest"; so does backprop's."""
+    from pcdist.service.backprop import BackpropTrainer
+
+    def energies(precision):
+        out = []
+        for algorithm in ("pc", "bp"):
+            torch.manual_seed(0)
+            net = pcdist.PCNetwork.from_dims([64, 128, 10], seed=0)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            tr = pcdist.PCTrainer(net, opt, T=3, precision=precision) if algorithm == "pc" else BackpropTrainer(
+                net, opt)
+            x, y = torch.randn(32, 64), torch.eye(10)[torch.arange(32) % 10]
+            out.append([tr.step(x, y)["energy"] for _ in range(2)])
+        return out
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        reference = energies("fp32")
+        for precision in ("fp32", "tf32"):
+            torch.set_float32_matmul_precision("medium")
+            assert energies(precision) == reference, precision
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_bf16_trainer_uses_its_networks_buffers_and_refuses_a_cast_network():
+    """bf16 computes on a copy of the network: a buffer loaded into the network after the trainer was made (a
+    BatchNorm's statistics) was ignored (energy 0.59 against a fresh trainer's 2.60), and a network cast to float64
+    or bfloat16 afterwards trained on silently in the precision bf16 exists to avoid."""
+    def made(seed):
+        torch.manual_seed(seed)
+        layers = [torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh()),
+                  torch.nn.Linear(8, 3)]
+        for m in layers[0]:
+            m.eval()
+        return pcdist.PCNetwork.from_layers(layers, input_shape=(6,))
+
+    x, y = torch.randn(5, 6), torch.eye(3)[[0, 1, 2, 0, 1]]
+    net = made(0)
+    live = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=2, precision="bf16")
+    live.step(x, y)
+    stats = {k: v for k, v in made(1).state_dict().items() if "running" in k}
+    assert stats and net.load_state_dict({**net.state_dict(), **{k: v * 3 + 1 for k, v in stats.items()}})
+    fresh = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=2, precision="bf16")
+    assert live.step(x, y)["energy"] == fresh.step(x, y)["energy"]
+    net2 = pcdist.PCNetwork.from_dims([6, 8, 3], seed=0)
+    tr = pcdist.PCTrainer(net2, torch.optim.SGD(net2.parameters(), lr=0.1), T=2, precision="bf16")
+    tr.step(x, y)
+    net2.double()
+    with pytest.raises(ValueError, match=r"^precision='bf16' keeps float32 master weights .* the network is now "
+                                         r"torch.float64 on cpu"):
+        tr.step(x.double(), y.double())
+
+
+def test_backprop_steps_its_schedule_on_a_skipped_update_as_pc_does(tmp_path):
+    """The schedule counts training steps, skipped or not (engine/update.py; a resume positions it so): backprop
+    under skip_above did not step it on a skipped update."""
+    from pcdist.service.backprop import BackpropTrainer
+
+    counts = {}
+    for algorithm in ("pc", "bp"):
+        net = pcdist.PCNetwork.from_dims([4, 8, 3], seed=0)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = pcdist.warmup_cosine(opt, 1, 10)
+        kw = dict(scheduler=sched, skip_above=0.0)
+        tr = pcdist.PCTrainer(net, opt, T=2, **kw) if algorithm == "pc" else BackpropTrainer(net, opt, **kw)
+        for s in range(4):
+            tr.step(torch.randn(5, 4), torch.eye(3)[[0, 1, 2, 0, 1]])
+        counts[algorithm] = sched.last_epoch, tr.skipped_updates
+    assert counts == {"pc": (4, 4), "bp": (4, 4)}

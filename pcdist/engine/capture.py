@@ -65,6 +65,9 @@ _VIEWS = {"view", "_unsafe_view", "as_strided", "unsqueeze", "squeeze", "transpo
           "slice", "expand", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
           "flatten", "reshape", "unflatten", "diagonal", "view_as", "movedim", "_reshape_alias", "lift_fresh"}
 _READ_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
+_SHAPE_OPS = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+              "unique_dim_consecutive", "argwhere", "bincount", "histc"}
+"""Ops whose output's size depends on the values: the host waits for them (``h[h > 0]`` indexes with a mask)."""
 _READ_METHODS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__format__",
                  "__repr__"}
 
@@ -74,6 +77,12 @@ def _name(op) -> str:
 
 
 _FACTORIES = {"arange", "tensor", "zeros", "ones", "empty", "full", "eye", "linspace", "rand", "randn", "randint"}
+
+
+def _bool_index(name: str, args) -> bool:
+    """Indexing with a boolean mask (``h[h > 0]``, ``h[mask] = 0``): its positions are read on the host."""
+    return name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
 
 
 def _on_device(args) -> bool:
@@ -100,8 +109,9 @@ class _Ops(TorchDispatchMode):
         o.ops += 1
         o.views += name in _VIEWS
         o.by_op[name] += 1
-        if name in _READ_OPS and (o.strict or _on_device(args)):
-            o.read(f"aten.{name}")
+        if (name in _READ_OPS or name in _SHAPE_OPS or _bool_index(name, args)) and (o.strict or _on_device(args)):
+            o.read(f"aten.{name}" + ("" if name in _READ_OPS else " (its output's size depends on the values)"
+                                     if name in _SHAPE_OPS else " with a boolean mask (its positions are read)"))
         elif name == "_to_copy" and _on_device(args[:1]) and str(kwargs.get("device", "")).startswith("cpu"):
             o.read("a copy to the host")
         elif name == "copy_" and args[0].device.type == "cpu" and _on_device(args[1:2]):
@@ -142,7 +152,8 @@ class HostReads:
 
     ``strict``: treat every tensor as a device tensor (on a CPU, a read of any tensor would be a
     device read on a GPU), so a CPU run finds the reads a GPU run would make: ``.item()``, ``bool(t)``,
-    ``float(t)``, ``.tolist()``, ``.numpy()``, ``.cpu()``, and a tensor made with no ``device=`` (``torch.arange(n)``:
+    ``float(t)``, ``.tolist()``, ``.numpy()``, ``.cpu()``, an op whose output's size depends on the values
+    (``nonzero``, ``unique``, indexing with a boolean mask), and a tensor made with no ``device=`` (``torch.arange(n)``:
     on a GPU a host tensor, copied to the device, blocking, where it is used). (A ``.to(device)`` cannot tell the host
     from the device on a CPU; on a GPU every copy into host memory, and every host array handed to a device op, is
     found where it is dispatched.)"""

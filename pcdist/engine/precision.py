@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_state", "restore_tf32", "tf32_convolutions"]
+__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_state", "restore_tf32", "tf32_convolutions", "cpu_float32"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -39,19 +39,47 @@ def set_tf32(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = on
 
 
-def tf32_state() -> tuple[str, bool] | None:
-    """The TF32 switches now (``restore_tf32`` puts them back); None where torch cannot say (switches set through
-    its newer settings alone)."""
-    try:
-        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        return None
+_BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+"""The float32 precision switches of torch >= 2.9, one per backend and operation (``torch.backends.<name>``)."""
 
 
-def restore_tf32(state: tuple[str, bool] | None) -> None:
-    if state is not None:
+def _switch(name: str):
+    backend, op = name.split(".")
+    return getattr(getattr(torch.backends, backend, None), op, None)
+
+
+def tf32_state() -> dict | tuple[str, bool]:
+    """The TF32 switches now, for ``restore_tf32``: every per-backend switch where torch has them (whichever of its
+    APIs the caller set them through), else the older two."""
+    if hasattr(torch.backends, "fp32_precision"):
+        return {"": torch.backends.fp32_precision,
+                **{n: _switch(n).fp32_precision for n in _BACKENDS if hasattr(_switch(n), "fp32_precision")}}
+    return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+
+
+def restore_tf32(state: dict | tuple[str, bool] | None) -> None:
+    """Put back the switches ``tf32_state`` returned."""
+    if isinstance(state, dict):
+        torch.backends.fp32_precision = state[""]  # (the default of the others: first)
+        for n in _BACKENDS:
+            if n in state:
+                _switch(n).fp32_precision = state[n]
+    elif state is not None:
         torch.set_float32_matmul_precision(state[0])
         torch.backends.cudnn.allow_tf32 = state[1]
+
+
+def cpu_float32() -> None:
+    """float32 matmuls on CPUs in IEEE float32: a process-wide ``set_float32_matmul_precision("medium")`` has
+    oneDNN compute them in bfloat16 (a relative error of 2e-3), which no precision of a trainer asks for."""
+    try:
+        now = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the newer per-backend switches: change only the CPU's
+        if _switch("mkldnn.matmul").fp32_precision not in ("ieee", "none"):
+            _switch("mkldnn.matmul").fp32_precision = "ieee"
+        return
+    if now != "highest":
+        torch.set_float32_matmul_precision("highest")
 
 
 def tf32_convolutions() -> bool:
@@ -81,6 +109,8 @@ class MixedPrecision:
             self.compute = copy.deepcopy(master)
             for (_, mod), (_, twin) in zip(master.named_modules(), self.compute.named_modules()):
                 low = getattr(twin, "lowp_params", ())
+                for name_, buffer in mod.named_buffers(recurse=False):  # the master's own (a BatchNorm's statistics,
+                    twin._buffers[name_] = buffer  # loaded later, say)
                 for name_, param in list(mod.named_parameters(recurse=False)):
                     if name_ in low:
                         twin_param = getattr(twin, name_)
@@ -90,9 +120,24 @@ class MixedPrecision:
                         setattr(twin, name_, param)
 
     def apply(self) -> None:
-        """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured)."""
+        """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured); on a
+        CPU, IEEE float32 matmuls (a CPU has no TF32)."""
         if self.cuda:
             set_tf32(self.name == "tf32")
+        else:
+            cpu_float32()
+
+    def check(self) -> None:
+        """A bf16 trainer's master network still float32 and where its compute copy is (a stage is rebuilt
+        because the master's storage changed: ``net.double()``, ``net.to(...)`` after the trainer was made)."""
+        if self.name != "bf16":
+            return
+        p = next(self.master.parameters())
+        twin = next(iter(self.pairs), (p, p))[1]
+        if p.dtype != torch.float32 or p.device != twin.device:
+            raise ValueError(f"precision='bf16' keeps float32 master weights and a bfloat16 copy of them where they "
+                             f"are: the network is now {p.dtype} on {p.device}, its copy on {twin.device}; make a "
+                             f"new PCTrainer after moving or casting the network")
 
     @property
     def master_dtype(self) -> torch.dtype:

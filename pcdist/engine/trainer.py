@@ -49,21 +49,32 @@ def engine_mode(fn):
     return outside
 
 
-def _setting(name: str, also):
+def _setting(name: str, also=None, kind=None):
     """PCTrainer's ``name``, which may be set on a live trainer: checked (``arguments.RULES``, then ``also(trainer,
-    value)``); the next step or infer builds its stages with it (``cached_stage``'s key)."""
+    value)``) and stored as ``kind(value)``; the next step or infer runs with it (``cached_stage``'s key, the
+    runner's key of a captured step, or ``also`` making what depends on it anew)."""
     def put(self, value):
         check(name, value)
-        also(self, value)
+        value = value if kind is None else kind(value)
+        if also is not None:
+            also(self, value)
         setattr(self, "_" + name, value)
 
     return property(lambda self: getattr(self, "_" + name), put)
 
 
-def _drop_precision_rows(tr) -> None:
-    """A new precision schedule: the rows each stage kept of the old one (a function of l, t, L) go."""
+def _drop_precision_rows(tr, schedule) -> None:
+    """A new precision schedule: the rows each stage kept of the old one (a function of l, t, L) go, and with them
+    the captured steps that copy from those rows."""
     for _, st in tr._stages.values():
         st.precision_rows.clear()
+        tr.runner.forget(st)
+
+
+def _new_T(tr, T: int) -> None:
+    """ipc takes an optimizer step per inference step: its plan of learning rates is made for the new T."""
+    if tr.algorithm == "ipc":
+        tr._new_update(tr.optimizer, tr.scheduler, steps=T)
 
 
 def _fixed(name: str):
@@ -119,37 +130,70 @@ class PCTrainer:
         _check_arguments(net, T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler, skip_above,
                          noise_seed, precision_schedule)
         parallel = _check_slice(net, parallel)
-        self.rule, self.solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
-                                               value_noise, init, parallel)
+        self.rule, self._solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
+                                                value_noise, init, parallel)
         self.net, self.parallel = net, parallel
-        self.T, self.x_lr, self.algorithm = operator.index(T), float(x_lr), algorithm
+        self._T, self._x_lr, self._algorithm = operator.index(T), float(x_lr), algorithm
         self._init, self._skip_above, self._precision_schedule = init, skip_above, precision_schedule
-        self.value_noise, self.noise_seed = float(value_noise), operator.index(noise_seed)
+        self._value_noise, self._noise_seed = float(value_noise), operator.index(noise_seed)
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends, ...) -> (weights' addresses, Stage)
         self._stage: Stage | None = None
         self.mixed = MixedPrecision(precision, net)
         self._params = list(self.mixed.compute.parameters())  # the same Parameter objects for the trainer's life
-        device = next(net.parameters()).device
-        self.compile = compile_mode(compile, device)
-        self.update = WeightUpdate(optimizer, scheduler, parallel, skip_above, planned=self.compile == "graph",
-                                   steps=T if algorithm == "ipc" else 1, device=device,
-                                   grads=self.mixed.grads if self.mixed.pairs else None,
-                                   sync=self.mixed.weights if self.mixed.pairs else None)
-        self._generator = torch.Generator(device=device)  # value noise (graph-safe: seeded per call on the host)
-        self.runner = Runner(self.compile, device, say, (self._generator,) if device.type == "cuda" else (),
-                             self.update.make_capturable)
+        self._device = next(net.parameters()).device
+        self._compile = compile_mode(compile, self._device)
+        self._generator = torch.Generator(device=self._device)  # value noise (graph-safe: seeded per call on the host)
+        self.runner = Runner(self.compile, self._device, say,
+                             (self._generator,) if self._device.type == "cuda" else (), self._make_capturable)
+        self._new_update(optimizer, scheduler, steps=self.T if algorithm == "ipc" else 1)
 
     max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three
 
+    # What may be set on a live trainer (its next step runs with it), and what is fixed when it is made.
+    T = _setting("T", _new_T, operator.index)
+    x_lr = _setting("x_lr", kind=float)
+    value_noise = _setting("value_noise", lambda self, v: _check_method(self.rule, self.solver, v, self.init,
+                                                                        self.parallel), float)
+    noise_seed = _setting("noise_seed", kind=operator.index)
+    init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
+    precision_schedule = _setting("precision_schedule", _drop_precision_rows)
     x_momentum = property(lambda self: self.rule.momentum, lambda self, v: _fixed("x_momentum"))  # (its rule's)
     skip_above = property(lambda self: self._skip_above, lambda self, v: _fixed("skip_above"))
-    init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
-    precision_schedule = _setting("precision_schedule", lambda self, v: _drop_precision_rows(self))
+    algorithm = property(lambda self: self._algorithm, lambda self, v: _fixed("algorithm"))
+    precision = property(lambda self: self.mixed.name, lambda self, v: _fixed("precision"))
+    compile = property(lambda self: self._compile, lambda self, v: _fixed("compile"))
 
-    optimizer = property(lambda self: self.update.optimizer, lambda self, o: setattr(self.update, "optimizer", o))
-    scheduler = property(lambda self: self.update.scheduler, lambda self, s: setattr(self.update, "scheduler", s))
+    @property
+    def solver(self) -> str:
+        return self._solver
+
+    @solver.setter
+    def solver(self, value: str) -> None:
+        self._solver = _check_method(self.rule, check_solver(value), self.value_noise, self.init, self.parallel)[1]
+
+    optimizer = property(lambda self: self.update.optimizer,
+                         lambda self, o: self._new_update(o, self.scheduler, self.update.steps))
+    scheduler = property(lambda self: self.update.scheduler,
+                         lambda self, s: self._new_update(self.optimizer, s, self.update.steps))
+
+    def _new_update(self, optimizer, scheduler, steps: int) -> None:
+        """The weight update of this optimizer, schedule and optimizer steps per training step (a live trainer's
+        new ones: checked as the trainer's own were, and its captured steps, which step the old, dropped)."""
+        _check_optimizer(self.net, optimizer, scheduler)
+        old = getattr(self, "update", None)
+        self.update = WeightUpdate(optimizer, scheduler, self.parallel, self._skip_above,
+                                   planned=self.compile == "graph", steps=steps, device=self._device,
+                                   grads=self.mixed.grads if self.mixed.pairs else None,
+                                   sync=self.mixed.weights if self.mixed.pairs else None)
+        if old is not None:
+            self.update.skipped = old.skipped  # (the count goes on)
+            for _, st in self._stages.values():
+                self.runner.forget(st)
+
+    def _make_capturable(self) -> None:
+        self.update.make_capturable()
 
     @property
     def skipped_updates(self) -> int:
@@ -177,7 +221,11 @@ class PCTrainer:
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.update.prepare()
         clock = [time.perf_counter()]
-        self.runner(("step", st, self.x_lr, noise), lambda: self._train(st, noise, log, clock))  # a replay's constants
+        try:  # the key: a replay's constants
+            self.runner(("step", st, self.x_lr, noise, self.T, self.solver), lambda: self._train(st, noise, log, clock))
+        except BaseException:
+            self.update.unprepare()  # (a step that raised, Ctrl-C in it: the schedule stays where it was)
+            raise
         clock.append(time.perf_counter())
         self.steps_done += 1
         if not log:
@@ -284,6 +332,7 @@ def cached_stage(tr: PCTrainer, key: tuple) -> Stage:
     if cached is None or cached[0] != ptrs:
         if cached is not None:
             tr.runner.forget(cached[1])
+        tr.mixed.check()
         # pc keeps the weights for T steps: a row-major w^T copy per batch pays off; ipc does not.
         B, free_bottom, free_top = key[:3]
         cached = (ptrs, Stage(tr.mixed.compute, B, tr.rule, tr.init, static_weights=tr.algorithm == "pc",
@@ -327,9 +376,16 @@ def _check_slice(net: PCNetwork, parallel):
     return parallel
 
 
-def _check_optimizer_params(net: PCNetwork, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer steps the network's own parameters: one over other tensors (the modules that
-    ``from_sequential`` / ``from_layers`` copied, another network) would train nothing, silently."""
+def _check_optimizer(net: PCNetwork, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """An optimizer of the network's own parameters, and a scheduler the trainer can step: one over other tensors
+    (the modules that ``from_sequential`` / ``from_layers`` copied, another network) would train nothing,
+    silently."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
+                        f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("scheduler=ReduceLROnPlateau steps on a metric, which the trainer does not have: step it "
+                         "yourself where you measure one (scheduler.step(val_loss)) and pass scheduler=None")
     own = {id(p) for p in net.parameters()}
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
     if foreign:
@@ -344,13 +400,7 @@ def _check_arguments(net, T, x_lr, x_momentum, algorithm, init, value_noise, opt
     """Each argument against its rule (arguments.py: the service's pc.* keys are checked by the same rules), and the
     engine's environment switches (PCDIST_NATIVE, ...) against theirs."""
     check_env()
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer over net.parameters() (inference only: "
-                        f"torch.optim.SGD(net.parameters(), lr=0.0)), got {type(optimizer).__name__}")
-    _check_optimizer_params(net, optimizer)
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ValueError("scheduler=ReduceLROnPlateau steps on a metric, which the trainer does not have: step it "
-                         "yourself where you measure one (scheduler.step(val_loss)) and pass scheduler=None")
+    _check_optimizer(net, optimizer, scheduler)
     for name, value in (("T", T), ("x_lr", x_lr), ("x_momentum", x_momentum), ("algorithm", algorithm),
                         ("init", init), ("value_noise", value_noise), ("skip_above", skip_above),
                         ("noise_seed", noise_seed), ("precision_schedule", precision_schedule)):

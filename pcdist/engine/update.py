@@ -56,6 +56,8 @@ class WeightUpdate:
         """Before a step's core runs: under a plan, its learning rates, stepping the schedule as the step will."""
         if self.plan is None:
             return
+        self._before = (None if self.scheduler is None else self.scheduler.state_dict(),
+                        [g["lr"] for g in self.optimizer.param_groups])
         rows, tensors = [], []
         for i in range(self.steps + 1):
             row = []
@@ -76,6 +78,17 @@ class WeightUpdate:
         self.plan.copy_(host, non_blocking=True)
         for i, j, lr in tensors:
             self.plan[i, j].copy_(lr)
+
+    def unprepare(self) -> None:
+        """After a step's core raised: the schedule and the learning rates as before ``prepare`` (an eager step
+        steps the schedule only after each optimizer step)."""
+        if self.plan is None:
+            return
+        schedule, rates = self._before
+        if schedule is not None:
+            self.scheduler.load_state_dict(schedule)
+        for g, lr in zip(self.optimizer.param_groups, rates):
+            g["lr"] = lr
 
     def make_capturable(self) -> None:
         """Before a step is captured: optimizers that have the option step with device-side counters."""

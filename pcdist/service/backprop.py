@@ -14,6 +14,7 @@ and one optimizer step per batch on dF/dtheta by autograd through ``net.forward`
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from torch import Tensor
@@ -21,7 +22,7 @@ from torch import Tensor
 from ..distributed.parallel import Parallel
 from ..engine.energies import OutputEnergy
 from ..engine.network import PCNetwork
-from ..engine.precision import set_tf32
+from ..engine.precision import cpu_float32, set_tf32
 
 __all__ = ["BackpropTrainer", "bp_loss"]
 
@@ -51,6 +52,8 @@ class BackpropTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if x.is_cuda:
             set_tf32(self.precision == "tf32")
+        else:
+            cpu_float32()
         with torch.enable_grad():
             with torch.autocast(x.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
                 u = self.net(x)
@@ -63,7 +66,9 @@ class BackpropTrainer:
             self.skipped_updates += 1
         else:
             self.optimizer.step()
-            if self.scheduler is not None:
+        if self.scheduler is not None:  # once per step, skipped or not (engine/update.py: what a resume positions)
+            with warnings.catch_warnings():  # (a first step skipped: the optimizer has not stepped, on purpose)
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
                 self.scheduler.step()
         clock.append(time.perf_counter())
         if not log:
