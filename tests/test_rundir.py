@@ -159,14 +159,15 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
         in lines
     assert "resume: trainer.max_steps changed 24 -> 36: applied (the LR schedule is recomputed at the resumed step)" \
         in lines
-    # The LR used after the resume is the new schedule's: an independent LambdaLR at each logged step.
+    # The LR each step trains with after the resume is the new schedule's: an independent LambdaLR at each logged
+    # step.
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
     sched = warmup_cosine(opt, 4, 36)
     expected = {}
     for step in range(1, 37):
+        expected[step] = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
-        expected[step] = opt.param_groups[0]["lr"]
     logged = {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "train/lr" in r}
     for step in (16, 24, 36):
         assert logged[step] == pytest.approx(expected[step], rel=1e-12), step
@@ -175,6 +176,33 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
     assert attempts[1]["optim"]["lr"] == 0.01 and attempts[1]["pc"]["T"] == 3
     assert yaml.safe_load((tmp_path / "run/config.yaml").read_text()) == attempts[1]
     assert "# resume: optim.lr changed 0.002 -> 0.01" in (tmp_path / "run/configs/attempt-2.yaml").read_text()
+
+
+def test_an_ipc_runs_schedule_spans_its_steps_and_a_resume_with_another_T_keeps_its_place(tmp_path):
+    """ipc takes T weight steps per training step and the engine steps the schedule after each: the service's
+    schedule (warm-up and cosine over trainer.max_steps) ran out at max_steps / T, and the weights stopped for the
+    rest of the run. It counts max_steps x T optimizer steps (warm-up x T), and a resume with another T puts the
+    new T's schedule at the same fraction of the run. Each logged train/lr is the closed form's at that step's
+    first weight step; the weights still move in the run's last steps."""
+    def closed_form(T, step):  # the LR of training step `step`'s first weight step, an independent LambdaLR
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.002)
+        sched = warmup_cosine(opt, 4 * T, 24 * T)
+        for _ in range((step - 1) * T):
+            opt.step()
+            sched.step()
+        return opt.param_groups[0]["lr"]
+
+    run = tmp_path / "run"
+    pcdist.train(cfg(run, pc={"T": 4, "algorithm": "ipc"}, trainer={"stop_at": 12}))
+    pcdist.train(cfg(run, pc={"T": 2, "algorithm": "ipc"}, trainer={"ckpt_every": 4}))
+    logged = {r["step"]: r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r}
+    assert sorted(logged) == [4, 8, 12, 16, 20, 24]
+    for step, lr in logged.items():
+        assert lr == pytest.approx(closed_form(4 if step <= 12 else 2, step), rel=1e-12, abs=1e-15), step
+    assert logged[24] > 0
+    w20, w24 = (torch.load(run / f"checkpoints/step-{s:08d}/layers-0001-0003.pt", weights_only=True)["layers"]
+                for s in (20, 24))
+    assert any(not torch.equal(w20[k], w24[k]) for k in w20)
 
 
 def test_changes_to_the_model_or_data_are_refused_naming_every_key(stopped_at_12, tmp_path):

@@ -9,16 +9,24 @@ from ..errors import ConfigError
 from .config import Config
 
 
+def optimizer_steps(c: Config) -> int:
+    """Optimizer steps per training step: pc.T under ipc (a weight step at every inference step), else 1. The
+    engine steps the LR schedule after each (engine/update.py), so the schedule counts them."""
+    return c.pc.T if c.pc.algorithm == "ipc" else 1
+
+
 def make_optimizer(c: Config, params, total_steps: int, device: torch.device | None = None):
-    """The configured optimizer and LR schedule; fused kernels, so that a captured step can skip an update
-    and read its learning rate from the device (pcdist/engine/update.py)."""
-    o = c.optim
+    """The configured optimizer and LR schedule over ``total_steps`` training steps (``optimizer_steps`` each: ipc's
+    warm-up and cosine span the run, not its first max_steps / T steps); fused kernels, so that a captured step can
+    skip an update and read its learning rate from the device (pcdist/engine/update.py)."""
+    o, k = c.optim, optimizer_steps(c)
+    total_steps = total_steps * k
     if o.name == "adamw":
         opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True)
     else:
         opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                               fused=device is not None and device.type == "cuda")
-    warm = min(o.warmup_steps, total_steps)
+    warm = min(o.warmup_steps * k, total_steps)
     if o.schedule == "cosine":
         return opt, warmup_cosine(opt, warm, total_steps, o.final_lr_ratio)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))

@@ -15,6 +15,7 @@ from .checkpoint import load_checkpoint
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, command
 from .diagnostics import FILE as DIAGNOSTICS_FILE
 from .metrics import truncate_jsonl
+from .optimizer import optimizer_steps
 from .rundir import Resume, position_schedule, write_attempt
 
 
@@ -90,7 +91,7 @@ def restore_checkpoint(resume: Resume, net, opt, sched) -> None:
         return
     meta = load_checkpoint(resume.checkpoint, net, opt)
     if resume.schedule_changed:  # this run's schedule, at the resumed step
-        position_schedule(sched, opt, resume.step)
+        position_schedule(sched, opt, resume.step * optimizer_steps(resume.config))
     else:
         sched.load_state_dict(meta["scheduler"])
         for g in opt.param_groups:

@@ -225,7 +225,11 @@ class Resume:
 
     @property
     def schedule_changed(self) -> bool:
-        return any(k in SCHEDULE_KEYS for k, *_ in self.changes)
+        """A changed setting the LR schedule depends on: SCHEDULE_KEYS, and the optimizer steps per training step
+        it counts (pc.T under ipc, pc.algorithm to or from ipc: service/optimizer.py optimizer_steps)."""
+        ipc = self.config is not None and self.config.pc.algorithm == "ipc"
+        return any(k in SCHEDULE_KEYS or (k == "pc.T" and ipc) or (k == "pc.algorithm" and "ipc" in (old, new))
+                   for k, old, new, *_ in self.changes)
 
     def lines(self) -> list[str]:
         """One line per changed setting, with its decision and why."""

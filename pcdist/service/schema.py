@@ -294,7 +294,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """adamw: (beta1, beta2), each in [0, 1)."""
     warmup_steps: int = 22
-    """Linear warm-up steps (>= 0) before the cosine decay."""
+    """Linear warm-up training steps (>= 0) before the cosine decay (under pc.algorithm=ipc, T weight steps each)."""
     schedule: str = "cosine"
     """cosine (warm-up then cosine decay to final_lr_ratio) or constant (warm-up then flat)."""
     final_lr_ratio: float = 0.0

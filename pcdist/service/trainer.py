@@ -293,7 +293,10 @@ class ServiceTrainer:
         log = done % t_cfg.log_every == 0 or ckpt or (evaluates and isinstance(self.data, Streamed))
         if self._diagnostics is not None and self._diagnostics.due(step):  # before the update: PC against backprop
             self._diagnostics(step, self.engine, x, y, t_cfg.batch_size)
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step trains with (under ipc: its first weight step)
         stats = self.engine.step(*clamps(self.config.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
+        if stats:
+            stats["lr"] = lr
         metrics = self._log_step(stats, x, y, done) if log else None
         try:
             val = self._evaluate(done) if evaluates else None
@@ -349,7 +352,7 @@ class ServiceTrainer:
         now = time.perf_counter()
         elapsed, steps = now - clock["t"], max(1, done - clock["step"])
         metrics = {"train/energy": energy, **({"train/accuracy": stats["accuracy"]} if "accuracy" in stats else {}),
-                   "train/lr": self.optimizer.param_groups[0]["lr"],
+                   "train/lr": stats["lr"],
                    "train/skipped_updates": stats["skipped_updates"],
                    "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
                    "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
