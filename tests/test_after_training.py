@@ -111,6 +111,24 @@ def test_load_picks_last_best_or_a_step_and_names_bad_requests(digits_run):
         pcdist.load(run_dir.parent)
 
 
+def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits_run, tmp_path):
+    """pc.x_lr=auto's choice lived only in x_lr.json: a copy without it was loaded and evaluated at 0.1 (an energy
+    after T 1.15 against the run's 1.35), without a word. The checkpoint records the step; a damaged x_lr.json
+    where no checkpoint does is one line naming it."""
+    from pcdist.service.autostep import saved_x_lr
+
+    run_dir, _ = digits_run
+    chosen = json.loads((run_dir / "x_lr.json").read_text())["x_lr"]
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    (copy / "x_lr.json").unlink()
+    assert chosen != 0.1 and pcdist.load(copy).config.pc.x_lr == pcdist.load(run_dir).config.pc.x_lr == chosen
+    assert pcdist.evaluate(copy, write=False)["energy"] == pcdist.evaluate(run_dir, write=False)["energy"]
+    (copy / "x_lr.json").write_text("")
+    with pytest.raises(pcdist.ConfigError, match=rf"^{re.escape(str(copy / 'x_lr.json'))} is damaged "
+                                                 r"\(JSONDecodeError: .*\); it holds the value step pc.x_lr=auto"):
+        saved_x_lr(copy)
+
+
 def test_train_returns_the_trained_network(digits_run):
     """result.network is the network the run ended with: the same weights the last checkpoint holds."""
     run_dir, result = digits_run
@@ -143,6 +161,7 @@ def test_evaluate_writes_eval_json_and_a_confusion_matrix(digits_run):
     assert conf.sum() == ev["samples"] == 360 and np.trace(conf) / conf.sum() == pytest.approx(ev["accuracy"])
     per_class = np.diag(conf) / conf.sum(1)
     assert np.allclose(per_class, ev["per_class_accuracy"])
+    assert ev["overrides"] == ["pc.T=5"]
     assert ev["T"] == 5 and math.isfinite(ev["energy"]) and ev["energy"] <= ev["loss"] + 1e-6, \
         "inference lowers the label-clamped energy below its feed-forward value"
     assert (run_dir / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -220,7 +239,7 @@ def test_exported_program_runs_without_pcdist_and_matches_the_network(digits_run
     normalisation itself, so raw inputs give the network's logits (float32, 1e-6)."""
     run_dir, _ = digits_run
     out = cli("export", run_dir, tmp_path / "net.pt2")
-    assert "a torch.export program (raw inputs [N, 1, 8, 8] -> logits)" in out.stdout
+    assert "a torch.export program (raw inputs float32 [N, 1, 8, 8] -> logits)" in out.stdout
     x = load_dataset("digits").x_val[:100]
     np.save(tmp_path / "x.npy", x.numpy())
     (tmp_path / "standalone.py").write_text(NO_PCDIST)
@@ -317,6 +336,15 @@ def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_pa
         # keys an evaluation cannot change (they were accepted and did nothing, or model.energy half of something)
         with pytest.raises(pcdist.RunError, match=rf"^{re.escape(key)}: an evaluation takes pc.\* \(the inference\), "
                                                   rf"data.root and data.path"):
+            pcdist.evaluate(run_dir, [key], write=False)
+    for key, value in (("pc.mode=generative", "supervised"), ("pc.precision=[1,100]", "None"),
+                       ("pc.prior_precision=1000", "1.0"), ("pc.latent_dim=3", "10"), ("pc.prior_mean=zero", "auto")):
+        # pc.* keys that make the network: accepted and ignored (the numbers of the run's own), or a meaningless
+        # test (an unsupervised latent read as class scores) written to eval.json
+        with pytest.raises(pcdist.RunError, match=rf"^{re.escape(key)}: {key.split('=')[0]} is the run's own \(it "
+                                                  rf"makes the network the checkpoint was trained as: "
+                                                  rf"{key.split('=')[0]}={value}\); an evaluation takes the "
+                                                  rf"inference's pc.\* keys"):
             pcdist.evaluate(run_dir, [key], write=False)
     for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
                     [sys.executable, str(ROOT / "train.py")]):

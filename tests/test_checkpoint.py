@@ -199,12 +199,19 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
 
 def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
     """on_divergence=skip with a value learning rate that blows inference up: no weight update is ever
-    applied (the weights stay at their seeded init) and every batch is counted as skipped."""
+    applied (the weights stay at their seeded init) and every batch is counted as skipped; the run says so at
+    each log point and in its last line (it ended as a success with a counter in metrics.jsonl its only trace)."""
     cfg = {"logger": {"name": "none", "plots": False}, "run_dir": str(tmp_path), "model": TANH, "pc": {"x_lr": 1e6},
            "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3, "eval_every": 6, "progress": "off",
                        "on_divergence": "skip", "max_energy": 1e3}}
     result = pcdist.train(cfg)
     assert result["step"] == 6 and result["train/skipped_updates"] == 6
+    log = (tmp_path / "train.log").read_text()
+    for since, at in ((0, 3), (3, 6)):
+        assert (f"step {at}: every weight update since step {since} was skipped (3: an energy above "
+                f"trainer.max_energy=1000.0 or not finite, trainer.on_divergence=skip): the weights are not "
+                f"training") in log
+    assert "6 weight updates skipped (trainer.on_divergence=skip); run directory" in log
     init = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh", seed=0)
     trained = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
     load_checkpoint(latest_checkpoint(tmp_path), trained, None)

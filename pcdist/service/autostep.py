@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..distributed.parallel import collective
 from ..engine.diagnostics import diagnose
+from ..errors import ConfigError
 
 __all__ = ["CANDIDATES", "BATCHES", "MIN_COS", "choose_x_lr", "resolve_x_lr", "saved_x_lr", "method_options",
            "OTHER_MODES"]
@@ -100,28 +101,37 @@ CHOSEN_FOR = ("T", "solver", "init", "value_optimizer", "x_momentum", "algorithm
 """The pc.* settings the step is chosen at (kept in x_lr.json beside it)."""
 
 
-def saved_x_lr(run_dir: str | Path) -> float | None:
-    """The step a run with pc.x_lr=auto chose (its x_lr.json), None if it has none."""
+def saved_x_lr(run_dir: str | Path, meta: dict | None = None) -> float | None:
+    """The step a run with pc.x_lr=auto chose: its checkpoint's record (``meta``, from 2026-11-29 on), else its
+    x_lr.json; None if neither has it (a run not yet started; a checkpoint of before the record whose
+    x_lr.json was not copied with it)."""
+    if meta and meta.get("x_lr") is not None:
+        return float(meta["x_lr"])
     path = Path(run_dir) / FILE
     if not path.is_file():
         return None
-    return float(json.loads(path.read_text())["x_lr"])
+    try:
+        return float(json.loads(path.read_text())["x_lr"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is damaged ({type(e).__name__}: {e}); it holds the value step pc.x_lr=auto "
+                          f"chose: restore it, or set pc.x_lr to a number") from None
 
 
-def resolve_x_lr(c, run_dir: str | Path | None) -> float:
-    """pc.x_lr as a number: itself, or what the run chose (x_lr.json), or 0.1 outside supervised mode; a run
-    directory without the file (a run made before auto, or not yet started) gives 0.1 as well."""
+def resolve_x_lr(c, run_dir: str | Path | None, meta: dict | None = None) -> float:
+    """pc.x_lr as a number: itself, or what the run chose (its checkpoint's ``meta``, else x_lr.json), or 0.1
+    outside supervised mode; a run directory with neither (not yet started) gives 0.1 as well."""
     if c.pc.x_lr != "auto":
         return float(c.pc.x_lr)
     if c.pc.mode != "supervised" or run_dir is None:
         return OTHER_MODES
-    saved = saved_x_lr(run_dir)
+    saved = saved_x_lr(run_dir, meta)
     return OTHER_MODES if saved is None else saved
 
 
-def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: bool, say) -> float:
-    """For pc.x_lr=auto: choose the step (or read the run's choice when resuming), set it on the trainer, say it
-    and keep it in run_dir/x_lr.json; returns it. Any other pc.x_lr is returned as it is."""
+def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_logging: bool, say) -> float:
+    """For pc.x_lr=auto: choose the step (or read the run's choice when resuming: ``resumed``, the meta of the
+    checkpoint it resumes), set it on the trainer, say it and keep it in run_dir/x_lr.json; returns it. Any other
+    pc.x_lr is returned as it is."""
     if c.pc.x_lr != "auto":
         return float(c.pc.x_lr)
     if c.pc.mode != "supervised":
@@ -130,11 +140,11 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: bool, is_logging: b
             say(f"pc.x_lr=auto: {OTHER_MODES:g} (pc.mode={c.pc.mode}: the step is chosen against backprop's "
                 "gradient, which only supervised PC has)")
         return OTHER_MODES
-    saved = saved_x_lr(run_dir) if resumed else None
+    saved = saved_x_lr(run_dir, resumed) if resumed is not None else None
     if saved is not None:
         trainer.x_lr = saved
         if is_logging:
-            at = json.loads((run_dir / FILE).read_text()).get("chosen_for", {})
+            at = json.loads((run_dir / FILE).read_text()).get("chosen_for", {}) if (run_dir / FILE).is_file() else {}
             moved = [f"pc.{k} {at[k]} -> {getattr(c.pc, k)}" for k in CHOSEN_FOR
                      if k in at and at[k] != getattr(c.pc, k)]
             note = (f"; it was chosen at other settings ({', '.join(moved)}) and is kept: set pc.x_lr to a number to "

@@ -37,9 +37,12 @@ __all__ = ["evaluate", "predict", "EVALUATORS", "held_out_test", "read_inputs"]
 
 
 EVAL_KEYS = ("pc.", "data.root", "data.path", "data.num_workers", "data.prefetch_factor", "trainer.precision")
-"""What an evaluation's overrides may set: the inference (``pc.*``), where the data is and how it is read, the
-products' precision. The rest is the run's own: its layers and input preparation come from model.json and the
-checkpoint, its held-out split from its data settings."""
+"""What an evaluation's overrides may set: the inference (``pc.*`` but ``RUN_OWN``), where the data is and how it
+is read, the products' precision. The rest is the run's own: its layers and input preparation come from model.json
+and the checkpoint, its held-out split from its data settings."""
+RUN_OWN = ("pc.mode", "pc.latent_dim", "pc.precision", "pc.prior_precision", "pc.prior_mean")
+"""pc.* keys that make the network (its mode and ends, its energy's precisions and prior): the run's own, as it
+was trained (an evaluation took them and computed with the run's all the same)."""
 
 
 def _with_overrides(c: Config, overrides) -> Config:
@@ -61,6 +64,10 @@ def _with_overrides(c: Config, overrides) -> Config:
                            f"moved), data.num_workers, data.prefetch_factor and trainer.precision; {key} is the "
                            f"run's own (its layers and input preparation come from model.json and its checkpoint, "
                            f"its held-out split from its data settings)")
+        if key in RUN_OWN:
+            raise RunError(f"{o}: {key} is the run's own (it makes the network the checkpoint was trained as: "
+                           f"{key}={OmegaConf.select(base, key)}); an evaluation takes the inference's pc.* keys "
+                           f"(pc.T, pc.x_lr, pc.solver, ...)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
     c = load_config(base)
     check_combination(c)
@@ -129,7 +136,7 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
         raise RunError(f"pc.mode={mode}: no evaluation for this mode yet (known: {', '.join(EVALUATORS)})")
     x, labels = _val_split(c, data)
     result = {"run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step, "split": "val",
-              **held_out_test(run, c, x, labels, mode)}
+              "overrides": list(overrides), **held_out_test(run, c, x, labels, mode)}
     if write:
         replace_file(run.run_dir / "eval.json", json.dumps(result, indent=1))
         if "confusion" in result:

@@ -102,4 +102,5 @@ def export_run(run: Run, out) -> ExportResult:
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, out, extra_files={"pcdist.json": json.dumps(info)})
     return ExportResult(path=str(out), format="torch.export",
-                        inputs=f"[N, {', '.join(map(str, run.inputs.sample_shape))}]")  # its inputs' one layout
+                        inputs=f"{run.inputs.dtype} [N, {', '.join(map(str, run.inputs.sample_shape))}]")  # its
+    # inputs' one dtype and layout (torch.export fixes both: numpy's float64 into a float32 program is refused)

@@ -212,7 +212,7 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     if not isinstance(signature, list):
         raise CheckpointError(f"{path}: its meta.pt holds no layer signatures")
     c = _config(p, meta)
-    c.pc.x_lr = resolve_x_lr(c, p)  # what the run trained with, as a resume and evaluate take it
+    c.pc.x_lr = resolve_x_lr(c, p, meta)  # what the run trained with, as a resume and evaluate take it
     try:
         model = read_model_file(p)
         specs = _specs(p, model, signature)

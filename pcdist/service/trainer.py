@@ -169,7 +169,7 @@ class ServiceTrainer:
         resumed_dir = self.run_dir if self.resume.checkpoint is not None else None
         engine = PCTrainer(self.network, self.optimizer, T=c.pc.T, algorithm=c.pc.algorithm,
                            scheduler=self.scheduler, parallel=par, skip_above=skip,
-                           **method_options(c, resolve_x_lr(c, resumed_dir)),
+                           **method_options(c, resolve_x_lr(c, resumed_dir, self.resume.meta)),
                            precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
                            precision=c.trainer.precision)
@@ -218,7 +218,8 @@ class ServiceTrainer:
         if isinstance(self.engine, PCTrainer):  # pc.x_lr=auto: the step from the first batches (autostep.py)
             first = [self.batch(s) for s in range(BATCHES)]
             settle_x_lr(c, self.engine, self.run_dir, [clamps(c.pc.mode, x, y) for x, y in first],
-                        self.resume.checkpoint is not None, par.is_logging, self.logger.say)
+                        self.resume.meta if self.resume.checkpoint is not None else None, par.is_logging,
+                        self.logger.say)
 
     def train(self, until: int | None = None) -> Result:
         """Train from ``step`` to the end of the run, then trace the inference of the first batch and say the
@@ -262,7 +263,7 @@ class ServiceTrainer:
         """Steps ``step + 1`` to ``last``, each on its batch; ``got``: the stop signal this rank caught
         (``catch_stop_signals``), which every rank votes on (``StopVote``) so that all stop after the same step."""
         c = self.config
-        self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds}
+        self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds, "skipped": 0}
         if self._vote is None:  # every rank makes it at the same call, as a new group must be
             self._vote = StopVote(self.parallel.logging_rank is not None, self.device,
                                   self.parallel.timeout)
@@ -360,7 +361,13 @@ class ServiceTrainer:
                    **({"train/prior_energy": stats["prior_energy"]} if "prior_energy" in stats else {}),
                    **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
         self.logger.log(metrics, done)
-        clock.update(t=now, step=done, comm=par.comm_seconds)
+        skipped = stats["skipped_updates"] - clock["skipped"]
+        if skipped >= steps:  # (trainer.on_divergence=skip; say so where it is all the run does)
+            self.logger.say(f"step {done}: every weight update since step {clock['step']} was skipped ({skipped}: "
+                            f"an energy above trainer.max_energy={t_cfg.max_energy} or not finite, "
+                            f"trainer.on_divergence=skip): the weights are not training; lower optim.lr or pc.x_lr, "
+                            f"or raise trainer.max_energy")
+        clock.update(t=now, step=done, comm=par.comm_seconds, skipped=stats["skipped_updates"])
         return metrics
 
     def _evaluate(self, done: int) -> dict | None:
@@ -390,6 +397,7 @@ class ServiceTrainer:
         c = self.config
         meta = {"step": done, "model": self.network.signature(), "scheduler": self.scheduler.state_dict(),
                 "lr": self.optimizer.param_groups[0]["lr"], "rng": torch.get_rng_state(),
+                "x_lr": getattr(self.engine, "x_lr", None),  # the value step pc.x_lr=auto chose (and x_lr.json)
                 "config": asdict(c),  # what pcdist/service/rundir.py compares a resumed run's settings with
                 "data": self.data_identity}  # and the data (datachecks.check_same_data)
         return save_checkpoint(self.run_dir, done, self.network, self.optimizer, meta, c.trainer.ckpt_keep,
@@ -410,6 +418,8 @@ def _end_line(c: Config, result: dict) -> str:
     to go on."""
     acc = "".join(f"{k} {result[k]:.4f}; " if k == "val/accuracy" else f"{k} {result[k]:.4g}; "
                   for k in ("val/accuracy", "val/reconstruction_mse") if k in result)
+    if result.get("train/skipped_updates"):
+        acc += f"{result['train/skipped_updates']} weight updates skipped (trainer.on_divergence=skip); "
     if result["finished"]:
         return f"step {result['step']}: {acc}run directory: {result['run_dir']}"
     return (f"stopped early at step {result['step']} of {c.trainer.max_steps} (trainer.stop_at={c.trainer.stop_at}): "
