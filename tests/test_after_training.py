@@ -107,6 +107,10 @@ def test_load_picks_last_best_or_a_step_and_names_bad_requests(digits_run):
     assert pcdist.load(run_dir, "best").step == max(acc, key=lambda s: (acc[s], s))
     with pytest.raises(pcdist.RunError, match="no checkpoint at step 7 .kept: steps 20, 40"):
         pcdist.load(run_dir, 7)
+    for bad in (20.7, True, "2x"):  # (20.7 loaded step 20)
+        with pytest.raises(pcdist.RunError, match=r"^checkpoint=.*: use 'last', 'best' or a step number$"):
+            pcdist.load(run_dir, bad)
+    assert pcdist.load(run_dir, "20").step == pcdist.load(run_dir, 20.0).step == 20
     with pytest.raises(pcdist.RunError, match="not a pcdist run directory"):
         pcdist.load(run_dir.parent)
 
@@ -127,6 +131,24 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
     with pytest.raises(pcdist.ConfigError, match=rf"^{re.escape(str(copy / 'x_lr.json'))} is damaged "
                                                  r"\(JSONDecodeError: .*\); it holds the value step pc.x_lr=auto"):
         saved_x_lr(copy)
+
+
+def test_a_run_whose_model_json_was_lost_takes_its_own_inputs_or_names_the_file(digits_run, tmp_path):
+    """model.json lost from a copy: the run's own images were refused ("this run takes [N, 64]", the first layer's
+    shape, as for a run from before the file), and a normalised run's refusal said the run predated the file. The
+    checkpoint's record of its data gives the samples' shape; the normalisation is only in the file."""
+    run_dir = tmp_path / "run"
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 4}})
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    (copy / "model.json").unlink()
+    x = load_dataset("digits").x_val[:50]
+    assert torch.equal(pcdist.load(copy).predict(x), pcdist.load(run_dir).predict(x))
+    assert pcdist.evaluate(copy, write=False)["accuracy"] == pcdist.evaluate(run_dir, write=False)["accuracy"]
+    normalised = shutil.copytree(digits_run[0], tmp_path / "normalised")
+    (normalised / "model.json").unlink()
+    with pytest.raises(pcdist.RunError, match=rf"^{re.escape(str(normalised / 'model.json'))} is missing: it holds "
+                                              r"the input normalisation this run was trained with"):
+        pcdist.load(normalised)
 
 
 def test_train_returns_the_trained_network(digits_run):
@@ -174,6 +196,14 @@ def test_evaluate_and_predict_run_where_device_says(digits_run, tmp_path):
     auto = cli("evaluate", run_dir, "pc.T=5", "--device", "auto")
     assert json.loads((run_dir / "eval.json").read_text())["accuracy"] == pytest.approx(logged_accuracy(run_dir),
                                                                                         abs=1e-12), auto.stdout
+    with pytest.raises(pcdist.RunError, match=r"^device 'mps': pcdist runs on cpu or cuda"):  # (a traceback)
+        pcdist.load(run_dir, device="mps")
+    from pcdist.service.evaluate import held_out_test
+
+    run, data = pcdist.load(run_dir), load_dataset("digits")
+    with pytest.raises(pcdist.RunError, match=r"^the labels go from 10 to 19, but the run's network has 10 classes "
+                                              r"\(0 to 9\): not the data it was trained on$"):  # (a reshape's error)
+        held_out_test(run, run.config, data.x_val, data.y_val + 10, "supervised")
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine has the device the refusals below ask for")
     for args in (("evaluate", run_dir), ("predict", run_dir, tmp_path / "x.npz", "--out", tmp_path / "p.npz")):
@@ -264,9 +294,10 @@ class Unexportable(nn.Module):
         return self.lin(h) if float(h.sum()) != 1234.5 else self.lin(-h)
 
 
-def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path):
-    """A layer torch.export cannot trace: the weights are saved instead (tensors only), and the note
-    names the layer and why."""
+def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path, capfd):
+    """A layer torch.export cannot trace: the weights are saved instead (tensors only), named as what they are (a
+    .pt2 is torch.export's archive), keyed as the layers' own nn.Sequential (they load into the user's modules),
+    and the note names the layer and why, without torch's tracing logs (80 lines of them came first)."""
     run_dir = tmp_path / "run"
     layers = lambda: [nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh()), Unexportable()]  # noqa: E731
     pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 4}}, layers=layers)
@@ -274,10 +305,16 @@ def test_export_falls_back_to_the_state_dict_and_names_the_layer(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "pcdist.load(run_dir, layers=...)" in out.stderr
     res = pcdist.export(run_dir, tmp_path / "net.pt2", layers=layers)
     assert res["format"] == "state_dict" and "layer 2 (Unexportable) cannot be exported" in res["note"]
-    saved = torch.load(tmp_path / "net.pt2", weights_only=True)
+    assert res["path"] == str(tmp_path / "net.state_dict.pt") and not (tmp_path / "net.pt2").exists()
+    saved = torch.load(tmp_path / "net.state_dict.pt", weights_only=True)
     net = pcdist.load(run_dir, layers=layers).network
-    assert list(saved["state_dict"]) == list(net.to_sequential().state_dict())
-    assert torch.equal(saved["state_dict"]["3.lin.weight"], net.layer_params(2)["lin.weight"])
+    mine = nn.Sequential(*layers())
+    mine.load_state_dict(saved["state_dict"])  # the user's own modules take it as it is
+    x = torch.rand(5, 1, 8, 8)
+    torch.testing.assert_close(mine(x), net(x.flatten(1)) if net.node_shapes[0] == (64,) else net(x))
+    capfd.readouterr()
+    pcdist.export(run_dir, tmp_path / "again.pt2", layers=layers)
+    assert capfd.readouterr().err == ""
 
 
 # -- bad input: one line naming the problem -----------------------------------------------------------

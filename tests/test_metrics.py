@@ -201,11 +201,20 @@ def test_plots_false_draws_no_pictures_and_a_resume_with_plots_draws_them(tmp_pa
 
 def test_metrics_with_a_last_line_cut_short_read_as_a_resume_keeps_them(tmp_path):
     """A run killed while writing its last row (or a full disk) leaves it cut short: read_metrics (pcdist.load,
-    evaluate, predict, export, compare) leaves it out, as a resume drops it; a damaged row before the last is a
-    ValueError naming the file and the line."""
+    evaluate, predict, export, compare) leaves it out, as a resume drops it; a damaged row before the last (not
+    JSON, not a logged step's) is a RunError naming the file and the line (a ValueError traceback at the command
+    line); compare leaves out a value that is not a number (a hand-edited row: a TypeError)."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 5, "train/energy": 1.5}\n{"step": 10, "train/energy": 1.25}\n{"step": 15, "train/en')
     assert read_metrics(path) == [{"step": 5, "train/energy": 1.5}, {"step": 10, "train/energy": 1.25}]
     path.write_text('{"step": 5, "train/energy": 1.5}\n{"step": 10, "tra\n{"step": 15, "train/energy": 1.0}\n')
-    with pytest.raises(ValueError, match=f"^{path}: line 2 is not a JSON row"):
+    with pytest.raises(pcdist.RunError, match=f"^{path}: line 2 is not a JSON row"):
         read_metrics(path)
+    for row in ('["x"]', '{"train/energy": 1.0}', '{"step": "7"}'):
+        path.write_text(f'{{"step": 5, "train/energy": 1.5}}\n{row}\n{{"step": 15, "train/energy": 1.0}}\n')
+        with pytest.raises(pcdist.RunError, match=f"^{path}: line 2 is not a row of a logged step"):
+            read_metrics(path)
+    from pcdist.service.compare import _summary
+
+    rows = [{"step": 5, "val/accuracy": 0.5}, {"step": 10, "val/accuracy": "x", "train/energy": "y"}]
+    assert _summary(rows)["val/accuracy"] == 0.5 and _summary(rows)["train/energy"] is None

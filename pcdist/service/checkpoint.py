@@ -183,10 +183,13 @@ def newest_valid(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning, at every call
+    (Python shows a warning once per line of code: a second load of the run fell back silently)."""
     path, skipped = newest_valid(run_dir)
-    for bad, why in skipped:
-        warnings.warn(f"skipping damaged checkpoint {bad}: {why}", stacklevel=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UserWarning)
+        for bad, why in skipped:
+            warnings.warn(f"skipping damaged checkpoint {bad}: {why}", stacklevel=2)
     return path
 
 

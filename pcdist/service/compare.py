@@ -51,11 +51,14 @@ def find_runs(paths) -> list[Path]:
     return runs
 
 
+def _numbers(rows: list[dict], key: str) -> list[float]:
+    """The rows' values of ``key`` that are numbers (a hand-edited row's text is left out, as a missing value)."""
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+
+
 def _summary(rows: list[dict]) -> dict:
-    acc = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    mse = [r["val/reconstruction_mse"] for r in rows if "val/reconstruction_mse" in r]
-    energy = [r["train/energy"] for r in rows if "train/energy" in r]
-    step_s = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
+    acc, mse = _numbers(rows, "val/accuracy"), _numbers(rows, "val/reconstruction_mse")
+    energy, step_s = _numbers(rows, "train/energy"), _numbers(rows, "perf/step_s")
     return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
             "val/accuracy(best)": max(acc) if acc else None, "val/reconstruction_mse": mse[-1] if mse else None,
             "train/energy": energy[-1] if energy else None,
@@ -123,12 +126,14 @@ def _label(row: dict, differing: list[str]) -> str:
 def _plot(runs, histories, rows, differing, path: Path) -> None:
     fig, ax = subplots(figsize=(7.5, 4.5))
     for r, h, row in zip(runs, histories, rows):
-        va = [(m["step"], m["val/accuracy"]) for m in h if "val/accuracy" in m]
+        va = [(m["step"], m["val/accuracy"]) for m in h if _numbers([m], "val/accuracy")]
         if va:
             ax.plot(*zip(*va), "o-", ms=3, label=f"{Path(r).name}: {_label(row, differing)}")
     ax.set_xlabel("training step")
     ax.set_ylabel("validation accuracy")
-    ax.set_title(f"{len(runs)} runs" + (f"; differing: {', '.join(differing[:6])}" if differing else ""), fontsize=9)
+    drawn = f"{len(ax.lines)} of {len(runs)} runs (the others logged no val/accuracy)" if len(ax.lines) < len(runs) \
+        else f"{len(runs)} runs"
+    ax.set_title(drawn + (f"; differing: {', '.join(differing[:6])}" if differing else ""), fontsize=9)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7)

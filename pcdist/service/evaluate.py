@@ -105,7 +105,10 @@ def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> di
     """The full test of PC mode ``mode`` (its ``Evaluator``, pcdist/service/evaluators.py: the one validation
     runs during training, with the per-class accuracy and confusion matrix) on held-out inputs ``x`` (raw, as
     loaded) and ``labels``, in chunks of 1024, in this process."""
-    test_of, net = EVALUATORS[mode], run.network
+    test_of, net, classes = EVALUATORS[mode], run.network, run.inputs.num_classes
+    if classes and len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < classes:
+        raise RunError(f"the labels go from {int(labels.min())} to {int(labels.max())}, but the run's network has "
+                       f"{classes} classes (0 to {classes - 1}): not the data it was trained on")
     tf32 = tf32_state()  # a trainer under trainer.precision sets the TF32 switches on a GPU: the caller's put back
     try:
         trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),  # as validation:

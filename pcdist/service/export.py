@@ -8,14 +8,19 @@ logits u_L; the batch size is dynamic. Load it with torch alone:
     logits = program(x)
 
 ``extra_files["pcdist.json"]`` holds the sample shape, dtype, classes and source run. Where a
-layer cannot be exported (a module torch.export cannot trace), the file is instead a
-``torch.save`` of ``{"state_dict": to_sequential().state_dict(), "note": ...}`` (tensors only,
-loadable with ``weights_only=True``) and the note names the layer and why.
+layer cannot be exported (a module torch.export cannot trace), ``out.state_dict.pt`` is written
+instead (for ``out.pt2``): a ``torch.save`` of ``{"state_dict": nn.Sequential(*layers).state_dict(),
+"note": ...}`` (tensors only, loadable with ``weights_only=True``; the keys of the layers as
+modules, as ``nn.Sequential(*your_layers)`` has them) and the note names the layer and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +50,20 @@ class Deployed(nn.Module):
         if self.flatten:
             x = x.flatten(1)
         return self.layers(x)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.export's warnings and graph dumps while it tries (a layer it cannot trace: the note says so in one
+    line) kept off the terminal."""
+    before = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
 
 
 class ExportResult(dict):
@@ -90,15 +109,20 @@ def export_run(run: Run, out) -> ExportResult:
             "run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step,
             "input": "raw float inputs [N, *sample_shape] (uint8 images / 255); output: logits [N, num_classes]"}
     try:
-        batch = torch.export.Dim("batch", min=1)
-        program = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
+        with _quiet():
+            batch = torch.export.Dim("batch", min=1)
+            program = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
     except Exception:  # noqa: BLE001 - fall back to the weights, saying which layer could not be traced
-        note = _first_failing_layer(run, example)
-        state = {"state_dict": model.layers.state_dict(), "note": note, "info": json.dumps(info)}
+        with _quiet():
+            note = _first_failing_layer(run, example)
+        layers = torch.nn.Sequential(*run.network.to_layers())  # the layers' own keys ("0.1.weight"): they load
+        state = {"state_dict": layers.state_dict(), "note": note, "info": json.dumps(info)}  # into your modules
+        out = out.with_name(out.name.removesuffix(".pt2") + ".state_dict.pt") if out.suffix == ".pt2" else out
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
         return ExportResult(path=str(out), format="state_dict", note=note + f"; wrote the state_dict of "
-                            f"to_sequential() to {out} instead (torch.load(..., weights_only=True)['state_dict'])")
+                            f"nn.Sequential(*layers) to {out} instead (torch.load(..., weights_only=True)"
+                            f"['state_dict'])")
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, out, extra_files={"pcdist.json": json.dumps(info)})
     return ExportResult(path=str(out), format="torch.export",

@@ -18,6 +18,7 @@ directory, no checkpoint, a checkpoint of another architecture) raises ``RunErro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +154,8 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
     else:
         try:
             step = int(checkpoint)
+            if step != float(checkpoint) or isinstance(checkpoint, bool):  # (20.7 loaded step 20)
+                raise ValueError
         except (TypeError, ValueError):
             raise RunError(f"checkpoint={checkpoint!r}: use 'last', 'best' or a step number") from None
         found = p / "checkpoints" / f"step-{step:08d}"
@@ -160,6 +163,21 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
             raise RunError(f"{p} has no checkpoint at step {step} (kept: steps {steps})")
     _verify(found)
     return found
+
+
+def _inputs_without_model_file(p: Path, c: Config, meta: dict, in_shape: tuple[int, ...]) -> Inputs:
+    """How a run without model.json fed its inputs: a run from before the file (its first layer's input shape),
+    or one whose file was lost, which its checkpoint's record of the data tells (its samples' shape: images a
+    vector model read flattened)."""
+    lost = "data" in meta  # checkpoints record their data from 2026-11-29, long after model.json came
+    if c.data.normalize:
+        raise RunError(f"{p / 'model.json'} is missing: it holds the input normalisation this run was trained with "
+                       f"(data.normalize=true); restore it from where the run was made" if lost else
+                       f"{p} was trained with data.normalize=true before runs saved their normalisation "
+                       f"statistics (model.json): its inputs cannot be prepared as in training")
+    sample = tuple(meta["data"].get("sample_shape") or in_shape) if lost else in_shape
+    flatten = sample != in_shape and math.prod(sample) == math.prod(in_shape) and len(in_shape) == 1
+    return Inputs(sample if flatten or sample == in_shape else in_shape, flatten, c.trainer.dtype)
 
 
 def _config(p: Path, meta: dict) -> Config:
@@ -188,6 +206,8 @@ def _device(device) -> torch.device:
         d = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise RunError(f"device {device!r} is not a device (cpu, cuda, cuda:N or auto)") from e
+    if d.type not in ("cpu", "cuda"):
+        raise RunError(f"device {device!r}: pcdist runs on cpu or cuda (cuda:N), or auto")
     if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
         have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
         raise RunError(f"device {device!r}: this machine has {have}; use cpu (or auto)")
@@ -228,10 +248,7 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
         specs = [b if s is None else s for s, b in zip(specs, built)]
     dtype = getattr(torch, c.trainer.dtype)
     if model is None:
-        if c.data.normalize:
-            raise RunError(f"{p} was trained with data.normalize=true before runs saved their normalisation "
-                           f"statistics (model.json): its inputs cannot be prepared as in training")
-        inputs = Inputs(tuple(specs[0].in_shape), False, c.trainer.dtype)
+        inputs = _inputs_without_model_file(p, c, meta, tuple(specs[0].in_shape))
     source = _layer_source(p, specs, layers, (model or {}).get("factory"), trust_code)
     if source is not None:
         user = UserLayers.of(source)

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, printable
+from ..errors import ConfigError, RunError, printable
 
 __all__ = ["RunLogger", "NullLogger", "make_logger", "read_metrics", "truncate_jsonl", "check_logger",
            "progress_line", "plot_training", "plot_inference", "plot_heatmap"]
@@ -449,7 +449,8 @@ def _keeps(line: str, keep) -> bool:
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a metrics.jsonl file; a last line cut short (a run killed while writing it, a full disk) is
-    left out, as a resume drops it; a damaged line before it is a ValueError naming the file and the line."""
+    left out, as a resume drops it; a damaged line before it (not JSON, not a row with its step) is a RunError
+    naming the file and the line."""
     with open(path) as f:
         lines = f.read().splitlines()
     rows = []
@@ -457,9 +458,14 @@ def read_metrics(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines):
                 break
-            raise ValueError(f"{path}: line {n} is not a JSON row ({e.msg})") from None
+            raise RunError(f"{path}: line {n} is not a JSON row ({e.msg}); pcdist writes whole rows: mend or remove "
+                           f"that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            raise RunError(f"{path}: line {n} is not a row of a logged step (an object with an integer \"step\"); "
+                           f"pcdist writes no other: mend or remove that line")
+        rows.append(row)
     return rows
