@@ -441,6 +441,8 @@ def test_unchecked_arguments_are_named_where_they_are_passed():
     """A network seed, adam's betas and a custom energy that autograd cannot differentiate each failed inside torch."""
     with pytest.raises(ValueError, match=r"^seed must be None or an integer, got 1.5$"):
         pcdist.PCNetwork.from_dims([4, 8, 3], seed=1.5)
+    big = [pcdist.PCNetwork.from_dims([4, 8, 3], seed=2**62) for _ in range(2)]  # (torch's overflow: any integer)
+    assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in big)))
     with pytest.raises(ValueError, match=r"^adam's betas must be a pair \(beta1, beta2\), got \(0.9,\)$"):
         pcdist.ValueRule("adam", betas=(0.9,))
     net = pcdist.PCNetwork.from_dims([4, 8, 3], energy=lambda u, y: ((u - y) ** 2).sum(1).detach())

@@ -172,6 +172,8 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     (["--help", "pc.T=7"], 0, "  pc.T = 7\n"),
     (["--cfg", "job", "pc.T=7"], 0, "\n  T: 7\n"),  # Hydra's own printing
     (["pc.T=7", "--info"], 0, "\nDefaults List\n"),  # a bare --info last (it takes an optional value)
+    (["--cfg", "job", "trainer.mx_steps=3"], 2, "error: unknown config key trainer.mx_steps; did you mean "
+                                                 "trainer.max_steps?"),  # (Hydra's report, advising +key, status 1)
 ])
 def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, status, says):
     """A mistyped key, a value of the wrong type, --help and Hydra's --cfg and --info are answered from the

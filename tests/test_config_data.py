@@ -135,6 +135,13 @@ def test_a_cnn_trains_on_cifar100_images(tmp_path):
 
 BAD_CONFIGS = [
     (["pc.T=0"], "config pc.T=0 is invalid: allowed an integer >= 1"),
+    # (each below was a traceback from torch or wandb, after the run directory was made)
+    (["trainer.seed=9223372036854775808"], "config trainer.seed=9223372036854775808 is invalid: allowed a 64-bit "
+                                           "integer (-2**63 to 2**63 - 1)"),
+    (["trainer.threads=100000"], "config trainer.threads=100000 is invalid: allowed an integer from 0 (automatic) to "
+                                 "1024 (torch crashes on tens of thousands)"),
+    (["logger.project=a/b"], "config logger.project='a/b' is invalid: allowed a name of 1-128 characters without / \\ "
+                             "# ? % :"),
     (["pc.x_lr=-1"], "config pc.x_lr=-1 is invalid: allowed a finite number > 0 or auto"),
     (["pc.x_lr=fast"], "config pc.x_lr='fast' is invalid: allowed a finite number > 0 or auto"),
     (["pc.value_optimizer=rmsprop"], "config pc.value_optimizer='rmsprop' is invalid: allowed sgd, nesterov, adam, "
@@ -374,3 +381,30 @@ def test_data_keys_a_data_set_does_not_read_are_said_in_a_line(tmp_path, capsys)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: data.")]
     assert notes == ["note: data.val_fraction=0.3 is not read by data=synthetic (it has its own split and size; "
                      "data.val_fraction is data=digits', data.synthetic_* data=synthetic's)"]
+
+
+@pytest.mark.parametrize("pc, said", [
+    ({"latent_dim": 5, "eval_T": 50, "prior_precision": 7.0}, "pc.latent_dim=5 (read by pc.mode=unsupervised), "
+     "pc.prior_precision=7.0 (read by a free h_0: pc.mode=generative or unsupervised), pc.eval_T=50 (read by the "
+     "generative and unsupervised tests)"),
+    ({"precision_decay": 0.5, "mode": "generative", "latent_dim": 5}, "pc.latent_dim=5 (read by "
+     "pc.mode=unsupervised), pc.precision_decay=0.5 (read by pc.precision_schedule=top_down)"),
+    ({"mode": "generative", "eval_T": 5, "precision_schedule": "top_down", "precision_decay": 0.5}, None),
+])
+def test_pc_keys_a_run_does_not_read_are_said_in_a_line(pc, said):
+    """pc.latent_dim, pc.prior_*, pc.eval_* in a supervised run, pc.precision_decay without its schedule: accepted
+    without a word (config review), where an unread model.* or optim.* key is refused; said in one line (a sweep
+    over modes shares them), and nothing where each key is read."""
+    from pcdist.service.config import load_config, unread_pc_note
+
+    c = load_config(pcdist.compose([f"pc.{k}={v}" for k, v in pc.items()]))
+    assert unread_pc_note(c) == (None if said is None else f"note: this run does not read {said}")
+
+
+def test_a_warm_up_longer_than_the_run_is_said_in_a_line(tmp_path, capsys):
+    """optim.warmup_steps=100 in a 4-step run was shortened to the run without a word (config review)."""
+    pcdist.train({"optim": {"warmup_steps": 100}, "model": {"dims": [64, 16, 10]}, "pc": {"T": 2, "x_lr": 0.1},
+                  "trainer": {"max_steps": 4, "progress": "off"}, "logger": "none", "logger.plots": False,
+                  "run_dir": str(tmp_path / "run")})
+    assert ("note: optim.warmup_steps=100 is longer than the run (trainer.max_steps=4): the warm-up is shortened to "
+            "the run, and no cosine decay follows") in capsys.readouterr().out.splitlines()

@@ -17,7 +17,7 @@ def batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
     """The global batch of ``step``: epoch-wise permutations seeded by (seed, epoch), last partial batch dropped."""
     per_epoch = n // B
     epoch, i = divmod(step, per_epoch)
-    return _permutation(n, seed * 7919 + epoch)[i * B : (i + 1) * B]
+    return _permutation(n, (seed * 7919 + epoch) % 2**64)[i * B : (i + 1) * B]  # (the seeds torch takes)
 
 
 @functools.lru_cache(maxsize=2)
@@ -39,7 +39,7 @@ def step_batches(c: Config, ds, par: Parallel, start: int, end: int, device, dty
     try:
         for step, (x, y) in enumerate(steps, start):
             if c.data.augment and par.is_first:
-                x = augment(x, torch.Generator().manual_seed(seed * 104_729 + step), rows, B)
+                x = augment(x, torch.Generator().manual_seed((seed * 104_729 + step) % 2**64), rows, B)
             yield x, y
     finally:
         steps.close()  # closed early: a streamed loader stops its workers now

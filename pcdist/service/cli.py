@@ -91,9 +91,13 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     _checked.clear()
     check = "--check" in argv
     args = get_args_parser().parse_args([a for a in argv if a != "--check"])
+    own_tree = not (args.config_path or args.config_dir or args.config_name)  # (else: Hydra's own business)
     if args.hydra_help or args.cfg or args.info or args.shell_completion:  # Hydra prints: nothing trains
+        problem = check_overrides(conf_dir, args.overrides) if own_tree and (args.cfg or args.info) else None
+        if problem:  # (a mistyped key: Hydra's report, advising +key, status 1)
+            fail(problem)
         return False
-    if args.config_path or args.config_dir or args.config_name:  # another config tree: Hydra's own business
+    if not own_tree:
         return True
     for o in args.overrides:
         if o.split("=", 1)[0] in ("run_dir", "+run_dir", "++run_dir"):

@@ -287,6 +287,29 @@ def network_options(c: Config) -> dict:
     return {"precision": c.pc.precision, "prior": Prior(float(c.pc.prior_precision), mean)}
 
 
+_PC_READERS = {
+    "latent_dim": ("pc.mode=unsupervised", lambda pc: pc.mode == "unsupervised"),
+    "prior_precision": ("a free h_0: pc.mode=generative or unsupervised", lambda pc: pc.mode != "supervised"),
+    "prior_mean": ("a free h_0: pc.mode=generative or unsupervised", lambda pc: pc.mode != "supervised"),
+    "eval_T": ("the generative and unsupervised tests", lambda pc: pc.mode != "supervised"),
+    "eval_solver": ("the generative and unsupervised tests", lambda pc: pc.mode != "supervised"),
+    "eval_tol": ("pc.eval_solver=adaptive", lambda pc: pc.mode != "supervised" and pc.eval_solver == "adaptive"),
+    "precision_decay": ("pc.precision_schedule=top_down", lambda pc: pc.precision_schedule == "top_down"),
+}
+"""pc.* keys that only some runs read: key -> (what reads it, whether this run's pc.* settings do)."""
+
+
+def unread_pc_note(c: Config) -> str | None:
+    """The one line for pc.* keys set off their defaults that this run does not read (pc.latent_dim in a
+    supervised run): said, not refused, as sweeps over modes share them."""
+    default = type(c.pc)()
+    unread = [f"pc.{k}={getattr(c.pc, k)} (read by {what})" for k, (what, reads) in _PC_READERS.items()
+              if getattr(c.pc, k) != getattr(default, k) and not reads(c.pc)]
+    if not unread:
+        return None
+    return f"note: this run does not read {', '.join(unread)}"
+
+
 def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
     """Config group -> its options (conf/<group>/<option>.yaml)."""
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(conf_dir.iterdir()) if d.is_dir()}

@@ -408,7 +408,9 @@ class TrainerConfig:
         _check(self.precision != "bf16" or self.dtype == "float32", "trainer.dtype", self.dtype,
                "float32 under trainer.precision=bf16 (its float32 master weights)")
         _check(self.compile in COMPILE, "trainer.compile", self.compile, ", ".join(COMPILE))
-        _check(self.threads >= 0, "trainer.threads", self.threads, "an integer >= 0 (0: automatic)")
+        _check(0 <= self.threads <= 1024, "trainer.threads", self.threads, "an integer from 0 (automatic) to 1024 "
+               "(torch crashes on tens of thousands)")
+        _check(-2**63 <= self.seed < 2**63, "trainer.seed", self.seed, "a 64-bit integer (-2**63 to 2**63 - 1)")
         _check(self.progress in ("auto", "on", "off"), "trainer.progress", self.progress, "auto, on, off")
 
 
@@ -435,6 +437,9 @@ class LoggerConfig:
         """Refuse a value out of its key's range."""
         _check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none")
         _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
+        for key, name in (("logger.project", self.project), ("logger.entity", self.entity)):  # wandb's rule (it
+            _check(name is None or (0 < len(str(name)) <= 128 and not set(str(name)) & set("/\\#?%:")), key, name,
+                   "a name of 1-128 characters without / \\ # ? % :")  # raised after the run directory was made)
 
 
 @dataclass

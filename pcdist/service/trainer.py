@@ -35,14 +35,14 @@ from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside
-from .config import Config, network_options
+from .config import Config, network_options, unread_pc_note
 from .data import DataError, StreamedData
 from .datachecks import check_same_data, load_data, num_train, signals_hint, unread_keys_note
 from .diagnostics import Diagnostics, check_trace
 from .loader import Streamed
 from .metrics import make_logger
 from .models import make_network, model_specs, record_model
-from .optimizer import make_optimizer
+from .optimizer import make_optimizer, warmup_note
 from .preemption import Preempted, StopVote, catch_stop_signals, restore_sigint, stop_message
 from .resume import announce, forget_lost_steps, nothing_to_train, restore_checkpoint, resume_command
 from .rundir import Resume, find_resume
@@ -205,7 +205,7 @@ class ServiceTrainer:
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
             for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
-                         unread_keys_note(c)):
+                         unread_keys_note(c), unread_pc_note(c), warmup_note(c)):
                 if hint:
                     self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on

@@ -56,7 +56,8 @@ def seeded_generator(seed: int | None, layer: int) -> torch.Generator | None:
     initial weights do not depend on how the layers are split over ranks."""
     if seed is not None and not whole(seed):
         raise ValueError(f"seed must be None or an integer, got {seed!r}")
-    return None if seed is None else torch.Generator().manual_seed(int(seed) * 1_000_003 + layer)
+    # (mod 2**64: the seed torch takes, for any integer; it took -2**63 .. 2**64 - 1, and maps a negative one so too)
+    return None if seed is None else torch.Generator().manual_seed((int(seed) * 1_000_003 + layer) % 2**64)
 
 
 @dataclass(frozen=True)
