@@ -107,7 +107,7 @@ def test_load_picks_last_best_or_a_step_and_names_bad_requests(digits_run):
     assert pcdist.load(run_dir, "best").step == max(acc, key=lambda s: (acc[s], s))
     with pytest.raises(pcdist.RunError, match="no checkpoint at step 7 .kept: steps 20, 40"):
         pcdist.load(run_dir, 7)
-    for bad in (20.7, True, "2x"):  # (20.7 loaded step 20)
+    for bad in (20.7, True, "2x", 10**400):  # (20.7 loaded step 20)
         with pytest.raises(pcdist.RunError, match=r"^checkpoint=.*: use 'last', 'best' or a step number$"):
             pcdist.load(run_dir, bad)
     assert pcdist.load(run_dir, "20").step == pcdist.load(run_dir, 20.0).step == 20
@@ -131,6 +131,12 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
     with pytest.raises(pcdist.ConfigError, match=rf"^{re.escape(str(copy / 'x_lr.json'))} is damaged "
                                                  r"\(JSONDecodeError: .*\); it holds the value step pc.x_lr=auto"):
         saved_x_lr(copy)
+    numbered = tmp_path / "numbered"  # a step set as a number is the config's: a resume with auto chooses one
+    pcdist.train({**SHORT, "run_dir": str(numbered), "pc": {"x_lr": 0.003}, "trainer": {**SHORT["trainer"],
+                                                                                        "max_steps": 4}})
+    pcdist.train({**SHORT, "run_dir": str(numbered), "pc": {"x_lr": "auto"}, "trainer": {**SHORT["trainer"],
+                                                                                         "max_steps": 8}})
+    assert pcdist.load(numbered).config.pc.x_lr == json.loads((numbered / "x_lr.json").read_text())["x_lr"] != 0.003
 
 
 def test_a_run_whose_model_json_was_lost_takes_its_own_inputs_or_names_the_file(digits_run, tmp_path):
@@ -383,6 +389,8 @@ def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_pa
                                                   rf"{key.split('=')[0]}={value}\); an evaluation takes the "
                                                   rf"inference's pc.\* keys"):
             pcdist.evaluate(run_dir, [key], write=False)
+    assert pcdist.evaluate(run_dir, ["pc.mode=supervised", "pc.latent_dim=10"], write=False)["accuracy"] >= 0, \
+        "the run's own values pass (a script passing its training overrides along)"
     for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
                     [sys.executable, str(ROOT / "train.py")]):
         out = subprocess.run([*command, "pc.TT=40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)

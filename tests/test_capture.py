@@ -342,12 +342,14 @@ def test_ops_whose_output_size_depends_on_the_values_are_host_reads():
     for name, op in (("mask", lambda: h[h > 0]), ("masked write", lambda: h.clone().masked_fill_(h < 0, 0)),
                      ("mask write", lambda: h.clone().__setitem__(h < 0, 0)), ("nonzero", lambda: h.nonzero()),
                      ("masked_select", lambda: h.masked_select(h > 0)), ("unique", lambda: h.unique()),
-                     ("where", lambda: torch.where(h > 0, h, 0.0)), ("index", lambda: h[torch.tensor([0, 2])])):
+                     ("where", lambda: torch.where(h > 0, h, 0.0)), ("index", lambda: h[torch.tensor([0, 2])]),
+                     ("repeats", lambda: h.repeat_interleave(torch.arange(7))), ("histc", lambda: h.histc(bins=4)),
+                     ("sized repeats", lambda: h.repeat_interleave(torch.arange(7), output_size=21))):
         with HostReads() as r:
             op()
         reads[name] = len(r.reads)
     assert reads == {"mask": 1, "masked write": 0, "mask write": 1, "nonzero": 1, "masked_select": 1, "unique": 1,
-                     "where": 0, "index": 0}
+                     "where": 0, "index": 0, "repeats": 1, "histc": 0, "sized repeats": 0}
 
 
 def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():

@@ -203,7 +203,9 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
 def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
     """on_divergence=skip with a value learning rate that blows inference up: no weight update is ever
     applied (the weights stay at their seeded init) and every batch is counted as skipped; the run says so at
-    each log point and in its last line (it ended as a success with a counter in metrics.jsonl its only trace)."""
+    each log point and in its last line (it ended as a success with a counter in metrics.jsonl its only trace).
+    Under ipc (T = 2) the first weight step of each batch, at the feed-forward init, is taken and the second
+    skipped: half of them, which is not said to be all (it was: skips were counted against steps)."""
     cfg = {"logger": {"name": "none", "plots": False}, "run_dir": str(tmp_path), "model": TANH, "pc": {"x_lr": 1e6},
            "trainer": {"max_steps": 6, "ckpt_every": 6, "log_every": 3, "eval_every": 6, "progress": "off",
                        "on_divergence": "skip", "max_energy": 1e3}}
@@ -220,6 +222,10 @@ def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
     load_checkpoint(latest_checkpoint(tmp_path), trained, None)
     for a, b in zip(init.parameters(), trained.parameters()):
         assert torch.equal(a, b)
+    ipc = pcdist.train({**cfg, "run_dir": str(tmp_path / "ipc"), "pc": {"x_lr": 1e6, "algorithm": "ipc", "T": 2}})
+    assert ipc["train/skipped_updates"] == 6
+    log = (tmp_path / "ipc" / "train.log").read_text()
+    assert "was skipped" not in log and "6 weight updates skipped (trainer.on_divergence=skip)" in log
 
 
 def test_skip_mode_changes_nothing_when_training_is_healthy(tmp_path):

@@ -73,10 +73,16 @@ def test_the_switches_the_caller_set_through_torchs_per_backend_api_are_put_back
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = tf32_state()
     try:
+        for chosen in ("high", "highest"):  # set through the older API: still readable so after (review)
+            torch.set_float32_matmul_precision(chosen)
+            state = tf32_state()
+            set_tf32(chosen == "highest")  # what a trainer of the other choice does
+            restore_tf32(state)
+            assert torch.get_float32_matmul_precision() == chosen
         for chosen in ("tf32", "ieee"):
             matmul.fp32_precision, conv.fp32_precision = chosen, chosen
             state = tf32_state()
-            set_tf32(chosen == "ieee")  # what a trainer of the other choice does
+            set_tf32(chosen == "ieee")
             restore_tf32(state)
             assert (matmul.fp32_precision, conv.fp32_precision) == (chosen, chosen)
     finally:
@@ -86,7 +92,8 @@ def test_the_switches_the_caller_set_through_torchs_per_backend_api_are_put_back
 def test_float32_matmuls_on_a_cpu_are_ieee_whatever_the_process_set():
     """A process-wide set_float32_matmul_precision("medium") has oneDNN compute float32 matmuls in bfloat16 (2e-3
     off): a trainer's fp32 (or tf32, which a CPU does not have) step computes in float32 all the same, equal to the
-    step under "highest"; so does backprop's."""
+    step under "highest"; so does backprop's. The process's own setting is as it was after each step (it rules the
+    user's other work, CUDA's TF32 too)."""
     from pcdist.service.backprop import BackpropTrainer
 
     def energies(precision):
@@ -107,6 +114,7 @@ def test_float32_matmuls_on_a_cpu_are_ieee_whatever_the_process_set():
         for precision in ("fp32", "tf32"):
             torch.set_float32_matmul_precision("medium")
             assert energies(precision) == reference, precision
+            assert torch.get_float32_matmul_precision() == "medium", "the process's setting is put back"
     finally:
         torch.set_float32_matmul_precision(before)
 

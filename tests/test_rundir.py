@@ -194,11 +194,24 @@ def test_an_ipc_runs_schedule_spans_its_steps_and_a_resume_with_another_T_keeps_
 
     run = tmp_path / "run"
     pcdist.train(cfg(run, pc={"T": 4, "algorithm": "ipc"}, trainer={"stop_at": 12}))
+    old = shutil.copytree(run, tmp_path / "old")  # its checkpoint as one made before the fix: schedule not recorded
+    meta_path = old / "checkpoints" / "step-00000012" / "meta.pt"
+    meta = torch.load(meta_path, weights_only=False)
+    del meta["optimizer_steps"]
+    meta["lr"], meta["scheduler"]["_last_lr"] = 0.0, [0.0]  # (the rate of the schedule that had run out)
+    torch.save(meta, meta_path)
+    manifest = json.loads((meta_path.parent / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256(meta_path.read_bytes()).hexdigest()
+    (meta_path.parent / "manifest.json").write_text(json.dumps(manifest))
     pcdist.train(cfg(run, pc={"T": 2, "algorithm": "ipc"}, trainer={"ckpt_every": 4}))
     logged = {r["step"]: r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r}
     assert sorted(logged) == [4, 8, 12, 16, 20, 24]
     for step, lr in logged.items():
         assert lr == pytest.approx(closed_form(4 if step <= 12 else 2, step), rel=1e-12, abs=1e-15), step
+    # (such a checkpoint's LR was the used-up schedule's 0: its first step trained at it, silently)
+    pcdist.train(cfg(old, pc={"T": 4, "algorithm": "ipc"}, trainer={"stop_at": 13, "log_every": 1}))
+    first = [r for r in read_metrics(old / "metrics.jsonl") if r["step"] == 13][0]["train/lr"]
+    assert first == pytest.approx(closed_form(4, 13), rel=1e-12) and first > 0
     assert logged[24] > 0
     w20, w24 = (torch.load(run / f"checkpoints/step-{s:08d}/layers-0001-0003.pt", weights_only=True)["layers"]
                 for s in (20, 24))

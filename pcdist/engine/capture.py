@@ -66,7 +66,7 @@ _VIEWS = {"view", "_unsafe_view", "as_strided", "unsqueeze", "squeeze", "transpo
           "flatten", "reshape", "unflatten", "diagonal", "view_as", "movedim", "_reshape_alias", "lift_fresh"}
 _READ_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
 _SHAPE_OPS = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-              "unique_dim_consecutive", "argwhere", "bincount", "histc"}
+              "unique_dim_consecutive", "argwhere", "bincount"}
 """Ops whose output's size depends on the values: the host waits for them (``h[h > 0]`` indexes with a mask)."""
 _READ_METHODS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__format__",
                  "__repr__"}
@@ -109,9 +109,10 @@ class _Ops(TorchDispatchMode):
         o.ops += 1
         o.views += name in _VIEWS
         o.by_op[name] += 1
-        if (name in _READ_OPS or name in _SHAPE_OPS or _bool_index(name, args)) and (o.strict or _on_device(args)):
+        sized = name in _SHAPE_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None)
+        if (name in _READ_OPS or sized or _bool_index(name, args)) and (o.strict or _on_device(args)):
             o.read(f"aten.{name}" + ("" if name in _READ_OPS else " (its output's size depends on the values)"
-                                     if name in _SHAPE_OPS else " with a boolean mask (its positions are read)"))
+                                     if sized else " with a boolean mask (its positions are read)"))
         elif name == "_to_copy" and _on_device(args[:1]) and str(kwargs.get("device", "")).startswith("cpu"):
             o.read("a copy to the host")
         elif name == "copy_" and args[0].device.type == "cpu" and _on_device(args[1:2]):

@@ -22,11 +22,13 @@ so trainers of other precisions can share a process; the service puts the ones i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 
-__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_state", "restore_tf32", "tf32_convolutions", "cpu_float32"]
+__all__ = ["PRECISIONS", "MixedPrecision", "set_tf32", "tf32_state", "restore_tf32", "tf32_convolutions", "cpu_float32",
+           "cpu_is_ieee"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -48,17 +50,19 @@ def _switch(name: str):
     return getattr(getattr(torch.backends, backend, None), op, None)
 
 
-def tf32_state() -> dict | tuple[str, bool]:
-    """The TF32 switches now, for ``restore_tf32``: every per-backend switch where torch has them (whichever of its
-    APIs the caller set them through), else the older two."""
-    if hasattr(torch.backends, "fp32_precision"):
+def tf32_state() -> tuple[str, bool] | dict:
+    """The TF32 switches now, for ``restore_tf32``: torch's older two where it can read them (the state of a caller
+    who set them, or nothing); else (a caller who wrote torch >= 2.9's per-backend switches alone, which makes
+    the older unreadable) every per-backend switch."""
+    try:
+        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
         return {"": torch.backends.fp32_precision,
                 **{n: _switch(n).fp32_precision for n in _BACKENDS if hasattr(_switch(n), "fp32_precision")}}
-    return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
 
 
-def restore_tf32(state: dict | tuple[str, bool] | None) -> None:
-    """Put back the switches ``tf32_state`` returned."""
+def restore_tf32(state: tuple[str, bool] | dict | None) -> None:
+    """Put back the switches ``tf32_state`` returned, through the API they were read with."""
     if isinstance(state, dict):
         torch.backends.fp32_precision = state[""]  # (the default of the others: first)
         for n in _BACKENDS:
@@ -69,17 +73,34 @@ def restore_tf32(state: dict | tuple[str, bool] | None) -> None:
         torch.backends.cudnn.allow_tf32 = state[1]
 
 
-def cpu_float32() -> None:
-    """float32 matmuls on CPUs in IEEE float32: a process-wide ``set_float32_matmul_precision("medium")`` has
-    oneDNN compute them in bfloat16 (a relative error of 2e-3), which no precision of a trainer asks for."""
+def cpu_is_ieee() -> bool:
+    """True if float32 matmuls on CPUs run in IEEE float32 (torch's default; a process-wide
+    ``set_float32_matmul_precision("medium")`` has oneDNN compute them in bfloat16, 2e-3 off)."""
     try:
-        now = torch.get_float32_matmul_precision()
-    except RuntimeError:  # set through the newer per-backend switches: change only the CPU's
-        if _switch("mkldnn.matmul").fp32_precision not in ("ieee", "none"):
-            _switch("mkldnn.matmul").fp32_precision = "ieee"
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # set through the newer per-backend switches
+        return _switch("mkldnn.matmul").fp32_precision in ("ieee", "none")
+
+
+@contextlib.contextmanager
+def cpu_float32():
+    """While active, float32 matmuls on CPUs in IEEE float32 (a trainer of any precision asks for no less); the
+    process's setting put back after, through the API it was set with (the older one also sets CUDA's)."""
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the newer per-backend switches: the CPU's alone
+        switch = _switch("mkldnn.matmul")
+        before, switch.fp32_precision = switch.fp32_precision, "ieee"
+        try:
+            yield
+        finally:
+            switch.fp32_precision = before
         return
-    if now != "highest":
-        torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def tf32_convolutions() -> bool:
@@ -120,12 +141,10 @@ class MixedPrecision:
                         setattr(twin, name_, param)
 
     def apply(self) -> None:
-        """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured); on a
-        CPU, IEEE float32 matmuls (a CPU has no TF32)."""
+        """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured; a CPU
+        has no TF32: ``engine_mode`` keeps its float32 matmuls IEEE while the trainer computes)."""
         if self.cuda:
             set_tf32(self.name == "tf32")
-        else:
-            cpu_float32()
 
     def check(self) -> None:
         """A bf16 trainer's master network still float32 and where its compute copy is (a stage is rebuilt

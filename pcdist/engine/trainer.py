@@ -12,6 +12,7 @@ call the same engine (pcdist/engine/modes.py):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -25,7 +26,7 @@ from .capture import Runner, compile_mode
 from .exchange import Local
 from .inference import check_solver, relax, relax_adaptive, set_precision
 from .network import PCNetwork
-from .precision import MixedPrecision
+from .precision import MixedPrecision, cpu_float32, cpu_is_ieee
 from .schedules import PrecisionSchedule, warmup_cosine
 from .stage import Stage
 from .update import WeightUpdate
@@ -35,16 +36,19 @@ __all__ = ["PCTrainer", "warmup_cosine", "ALGORITHMS", "energy_trace", "step_sta
 
 
 def engine_mode(fn):
-    """Run ``fn`` without autograd's graph and outside inference mode whatever the caller's mode: a stage's
-    buffers made under ``torch.inference_mode()`` (an evaluation loop) could not be written by a later step."""
+    """Run a trainer's ``fn`` without autograd's graph and outside inference mode whatever the caller's mode (a
+    stage's buffers made under ``torch.inference_mode()``, an evaluation loop, could not be written by a later
+    step) and, on a CPU, with IEEE float32 matmuls (``precision.cpu_float32``: a process-wide "medium" would
+    compute them in bfloat16), the caller's settings as they were after."""
     fn = torch.no_grad()(fn)
 
     @functools.wraps(fn)
-    def outside(*args, **kw):
-        if not torch.is_inference_mode_enabled():  # (the usual case: no second context to enter on every step)
-            return fn(*args, **kw)
-        with torch.inference_mode(False):
-            return fn(*args, **kw)
+    def outside(tr, *args, **kw):
+        cpu = not tr.mixed.cuda and not cpu_is_ieee()
+        if not cpu and not torch.is_inference_mode_enabled():  # (the usual case: no context to enter every step)
+            return fn(tr, *args, **kw)
+        with torch.inference_mode(False), cpu_float32() if cpu else contextlib.nullcontext():
+            return fn(tr, *args, **kw)
 
     return outside
 

@@ -58,6 +58,7 @@ class WeightUpdate:
             return
         self._before = (None if self.scheduler is None else self.scheduler.state_dict(),
                         [g["lr"] for g in self.optimizer.param_groups])
+        self._taken = 0  # optimizer steps of this training step taken (``unprepare``)
         rows, tensors = [], []
         for i in range(self.steps + 1):
             row = []
@@ -80,8 +81,8 @@ class WeightUpdate:
             self.plan[i, j].copy_(lr)
 
     def unprepare(self) -> None:
-        """After a step's core raised: the schedule and the learning rates as before ``prepare`` (an eager step
-        steps the schedule only after each optimizer step)."""
+        """After a step's core raised: the schedule and the learning rates where an eager step leaves them, stepped
+        once per optimizer step it took before it raised (``prepare`` stepped them through the whole step)."""
         if self.plan is None:
             return
         schedule, rates = self._before
@@ -89,6 +90,8 @@ class WeightUpdate:
             self.scheduler.load_state_dict(schedule)
         for g, lr in zip(self.optimizer.param_groups, rates):
             g["lr"] = lr
+        for _ in range(self._taken if self.scheduler is not None else 0):
+            self.scheduler.step()
 
     def make_capturable(self) -> None:
         """Before a step is captured: optimizers that have the option step with device-side counters."""
@@ -124,6 +127,8 @@ class WeightUpdate:
             self.skipped.add_(self.flag.to(torch.int64))
         if self.plan is None and self.scheduler is not None:
             self.scheduler.step()
+        elif self.plan is not None:
+            self._taken += 1
         if self.sync is not None:
             self.sync()
         st.weights_changed()

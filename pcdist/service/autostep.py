@@ -149,7 +149,8 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
                      if k in at and at[k] != getattr(c.pc, k)]
             note = (f"; it was chosen at other settings ({', '.join(moved)}) and is kept: set pc.x_lr to a number to "
                     f"change it" if moved else "")
-            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({FILE}){note}")
+            kept = FILE if (run_dir / FILE).is_file() else "its checkpoint"
+            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({kept}){note}")
         return saved
     x_lr, rows = choose_x_lr(trainer, batches, c.trainer.batch_size)
     if is_logging:

@@ -13,6 +13,7 @@ and one optimizer step per batch on dF/dtheta by autograd through ``net.forward`
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -22,7 +23,7 @@ from torch import Tensor
 from ..distributed.parallel import Parallel
 from ..engine.energies import OutputEnergy
 from ..engine.network import PCNetwork
-from ..engine.precision import cpu_float32, set_tf32
+from ..engine.precision import cpu_float32, cpu_is_ieee, set_tf32
 
 __all__ = ["BackpropTrainer", "bp_loss"]
 
@@ -52,9 +53,7 @@ class BackpropTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if x.is_cuda:
             set_tf32(self.precision == "tf32")
-        else:
-            cpu_float32()
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.nullcontext() if x.is_cuda or cpu_is_ieee() else cpu_float32():
             with torch.autocast(x.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
                 u = self.net(x)
             loss = bp_loss(self.net.energy, u.float(), y)

@@ -64,7 +64,8 @@ def _with_overrides(c: Config, overrides) -> Config:
                            f"moved), data.num_workers, data.prefetch_factor and trainer.precision; {key} is the "
                            f"run's own (its layers and input preparation come from model.json and its checkpoint, "
                            f"its held-out split from its data settings)")
-        if key in RUN_OWN:
+        own = OmegaConf.select(base, key)
+        if key in RUN_OWN and yaml_value(value) != (OmegaConf.to_container(own) if OmegaConf.is_config(own) else own):
             raise RunError(f"{o}: {key} is the run's own (it makes the network the checkpoint was trained as: "
                            f"{key}={OmegaConf.select(base, key)}); an evaluation takes the inference's pc.* keys "
                            f"(pc.T, pc.x_lr, pc.solver, ...)")

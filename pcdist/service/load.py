@@ -156,7 +156,7 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
             step = int(checkpoint)
             if step != float(checkpoint) or isinstance(checkpoint, bool):  # (20.7 loaded step 20)
                 raise ValueError
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise RunError(f"checkpoint={checkpoint!r}: use 'last', 'best' or a step number") from None
         found = p / "checkpoints" / f"step-{step:08d}"
         if not found.is_dir():

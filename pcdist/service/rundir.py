@@ -225,11 +225,14 @@ class Resume:
 
     @property
     def schedule_changed(self) -> bool:
-        """A changed setting the LR schedule depends on: SCHEDULE_KEYS, and the optimizer steps per training step
-        it counts (pc.T under ipc, pc.algorithm to or from ipc: service/optimizer.py optimizer_steps)."""
-        ipc = self.config is not None and self.config.pc.algorithm == "ipc"
-        return any(k in SCHEDULE_KEYS or (k == "pc.T" and ipc) or (k == "pc.algorithm" and "ipc" in (old, new))
-                   for k, old, new, *_ in self.changes)
+        """A changed setting the LR schedule depends on: SCHEDULE_KEYS, or the optimizer steps per training step it
+        counts (pc.T under ipc: service/optimizer.py optimizer_steps; a checkpoint records them, one where it
+        predates the record, when ipc's schedule ran out at max_steps / T)."""
+        from .optimizer import optimizer_steps
+
+        counted = (self.meta or {}).get("optimizer_steps", 1)
+        return any(k in SCHEDULE_KEYS for k, *_ in self.changes) or (
+            self.config is not None and self.meta is not None and counted != optimizer_steps(self.config))
 
     def lines(self) -> list[str]:
         """One line per changed setting, with its decision and why."""

@@ -437,9 +437,10 @@ class LoggerConfig:
         """Refuse a value out of its key's range."""
         _check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none")
         _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
-        for key, name in (("logger.project", self.project), ("logger.entity", self.entity)):  # wandb's rule (it
-            _check(name is None or (0 < len(str(name)) <= 128 and not set(str(name)) & set("/\\#?%:")), key, name,
-                   "a name of 1-128 characters without / \\ # ? % :")  # raised after the run directory was made)
+        if self.name == "wandb":  # wandb's rule for names (it raised after the run directory was made)
+            for key, name in (("logger.project", self.project), ("logger.entity", self.entity)):
+                _check(name is None or (0 < len(str(name)) <= 128 and not set(str(name)) & set("/\\#?%:")), key,
+                       name, "a name of 1-128 characters without / \\ # ? % :")
 
 
 @dataclass

@@ -42,7 +42,7 @@ from .diagnostics import Diagnostics, check_trace
 from .loader import Streamed
 from .metrics import make_logger
 from .models import make_network, model_specs, record_model
-from .optimizer import make_optimizer, warmup_note
+from .optimizer import make_optimizer, optimizer_steps, warmup_note
 from .preemption import Preempted, StopVote, catch_stop_signals, restore_sigint, stop_message
 from .resume import announce, forget_lost_steps, nothing_to_train, restore_checkpoint, resume_command
 from .rundir import Resume, find_resume
@@ -362,7 +362,7 @@ class ServiceTrainer:
                    **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
         self.logger.log(metrics, done)
         skipped = stats["skipped_updates"] - clock["skipped"]
-        if skipped >= steps:  # (trainer.on_divergence=skip; say so where it is all the run does)
+        if skipped >= steps * optimizer_steps(self.config):  # (on_divergence=skip: said where it is all there is)
             self.logger.say(f"step {done}: every weight update since step {clock['step']} was skipped ({skipped}: "
                             f"an energy above trainer.max_energy={t_cfg.max_energy} or not finite, "
                             f"trainer.on_divergence=skip): the weights are not training; lower optim.lr or pc.x_lr, "
@@ -396,8 +396,10 @@ class ServiceTrainer:
         """Checkpoint after step ``done``: the weights, the optimizer, the schedule, the RNG and the config."""
         c = self.config
         meta = {"step": done, "model": self.network.signature(), "scheduler": self.scheduler.state_dict(),
-                "lr": self.optimizer.param_groups[0]["lr"], "rng": torch.get_rng_state(),
-                "x_lr": getattr(self.engine, "x_lr", None),  # the value step pc.x_lr=auto chose (and x_lr.json)
+                "lr": self.optimizer.param_groups[0]["lr"], "optimizer_steps": optimizer_steps(c),  # per step,
+                "rng": torch.get_rng_state(),  # which the LR schedule counts (rundir.Resume.schedule_changed)
+                # the value step pc.x_lr=auto chose (beside x_lr.json; a number set is the config's)
+                "x_lr": getattr(self.engine, "x_lr", None) if c.pc.x_lr == "auto" else None,
                 "config": asdict(c),  # what pcdist/service/rundir.py compares a resumed run's settings with
                 "data": self.data_identity}  # and the data (datachecks.check_same_data)
         return save_checkpoint(self.run_dir, done, self.network, self.optimizer, meta, c.trainer.ckpt_keep,
