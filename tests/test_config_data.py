@@ -140,8 +140,8 @@ BAD_CONFIGS = [
                                            "integer (-2**63 to 2**63 - 1)"),
     (["trainer.threads=100000"], "config trainer.threads=100000 is invalid: allowed an integer from 0 (automatic) to "
                                  "1024 (torch crashes on tens of thousands)"),
-    (["logger=wandb", "logger.project=a/b"], "config logger.project='a/b' is invalid: allowed a name of 1-128 characters without / \\ "
-                             "# ? % :"),
+    (["logger=wandb", "logger.project=a/b"], "config logger.project='a/b' is invalid: allowed a name of 1-128 "
+                                             "characters without / \\ # ? % :"),
     (["pc.x_lr=-1"], "config pc.x_lr=-1 is invalid: allowed a finite number > 0 or auto"),
     (["pc.x_lr=fast"], "config pc.x_lr='fast' is invalid: allowed a finite number > 0 or auto"),
     (["pc.value_optimizer=rmsprop"], "config pc.value_optimizer='rmsprop' is invalid: allowed sgd, nesterov, adam, "
