@@ -136,7 +136,10 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
                                                                                         "max_steps": 4}})
     pcdist.train({**SHORT, "run_dir": str(numbered), "pc": {"x_lr": "auto"}, "trainer": {**SHORT["trainer"],
                                                                                          "max_steps": 8}})
-    assert pcdist.load(numbered).config.pc.x_lr == json.loads((numbered / "x_lr.json").read_text())["x_lr"] != 0.003
+    record = json.loads((numbered / "x_lr.json").read_text())
+    assert pcdist.load(numbered).config.pc.x_lr == record["x_lr"] != 0.003 and record["step"] == 4
+    assert "(at the weights of step 4, this run's now)" in (numbered / "train.log").read_text(), \
+        "chosen at trained weights, not at the initial ones the docs describe: said"
 
 
 def test_a_run_whose_model_json_was_lost_takes_its_own_inputs_or_names_the_file(digits_run, tmp_path):

@@ -387,7 +387,7 @@ def test_settings_changed_on_a_live_trainer_take_effect_or_are_refused():
         tr_b = pcdist.PCTrainer(net_b, tr_b.optimizer, T=4, **{name: value})
         assert tr_a.step(x, y)["energy"] == tr_b.step(x, y)["energy"], name
         assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters())), name
-    for name in ("x_momentum", "skip_above", "algorithm", "precision", "compile"):
+    for name in ("x_momentum", "skip_above", "algorithm", "precision", "compile", "value_optimizer", "rule"):
         with pytest.raises(AttributeError, match=f"^PCTrainer.{name} is fixed when the trainer is made"):
             setattr(tr_a, name, 0.5)
     tr_a.precision_schedule = lambda l, t, L: float("nan") if l == 2 else 1.0
@@ -447,6 +447,10 @@ def test_unchecked_arguments_are_named_where_they_are_passed():
     assert all(torch.equal(a, b) for a, b in zip(*(n.parameters() for n in big)))
     with pytest.raises(ValueError, match=r"^adam's betas must be a pair \(beta1, beta2\), got \(0.9,\)$"):
         pcdist.ValueRule("adam", betas=(0.9,))
+    assert pcdist.ValueRule("adamw").decay == 0.01, "adamw's decay, as value_optimizer='adamw' (it was plain adam)"
+    for kw, unread in ((dict(decay=0.5), "decay"), (dict(betas=(0.5, 0.5), eps=1.0), "betas, eps")):
+        with pytest.raises(ValueError, match=rf"^ValueRule\('sgd'\) does not read {unread} "):  # (accepted, ignored)
+            pcdist.ValueRule("sgd", **kw)
     net = pcdist.PCNetwork.from_dims([4, 8, 3], energy=lambda u, y: ((u - y) ** 2).sum(1).detach())
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2)
     x, y = _xy()

@@ -79,21 +79,20 @@ def test_where_no_step_passes_the_line_says_so(tmp_path):
 
 
 def test_a_resumed_run_keeps_its_step(runs):
-    """A resume takes the step the run chose (x_lr.json), and says so; where pc.T (or another setting the step
-    was chosen at) changed, the line says that the step was chosen at the other settings and is kept."""
+    """A resume takes the step the run chose (its checkpoint and x_lr.json, which it leaves as it was: nothing is
+    chosen again at the trained weights), and says so; where pc.T (or another setting the step was chosen at)
+    changed, the line says that the step was chosen at the other settings and is kept."""
     run_dir, _ = runs["auto"]
-    record = json.loads((run_dir / "x_lr.json").read_text())
-    T = record["chosen_for"]["T"]
+    text = (run_dir / "x_lr.json").read_text()
+    record = json.loads(text)
+    T, x_lr = record["chosen_for"]["T"], record["x_lr"]
     assert record["chosen_for"] == {"T": T, "solver": "euler", "init": "ff", "value_optimizer": "sgd",
-                                    "x_momentum": 0.0, "algorithm": "pc"}
-    (run_dir / "x_lr.json").write_text(json.dumps({**record, "x_lr": 0.002}))  # as if it had chosen 0.002
-    try:
-        pcdist.train({"run_dir": str(run_dir), "trainer": {"max_steps": STEPS + 11}})
-        said = (run_dir / "train.log").read_text()
-        assert "pc.x_lr=auto: 0.002, as this run chose at its start (x_lr.json)\n" in said
-        pcdist.train({"run_dir": str(run_dir), "trainer": {"max_steps": STEPS + 12}, "pc": {"T": T + 1}})
-        assert (f"pc.x_lr=auto: 0.002, as this run chose at its start (x_lr.json); it was chosen at other settings "
-                f"(pc.T {T} -> {T + 1}) and is kept: set pc.x_lr to a number to change it\n") in \
-            (run_dir / "train.log").read_text()
-    finally:
-        (run_dir / "x_lr.json").write_text(json.dumps(record))
+                                    "x_momentum": 0.0, "algorithm": "pc"} and record["step"] == 0
+    pcdist.train({"run_dir": str(run_dir), "trainer": {"max_steps": STEPS + 11}})
+    said = (run_dir / "train.log").read_text()
+    assert f"pc.x_lr=auto: {x_lr:g}, as this run chose at its start (x_lr.json)\n" in said
+    pcdist.train({"run_dir": str(run_dir), "trainer": {"max_steps": STEPS + 12}, "pc": {"T": T + 1}})
+    assert (f"pc.x_lr=auto: {x_lr:g}, as this run chose at its start (x_lr.json); it was chosen at other settings "
+            f"(pc.T {T} -> {T + 1}) and is kept: set pc.x_lr to a number to change it\n") in \
+        (run_dir / "train.log").read_text()
+    assert (run_dir / "x_lr.json").read_text() == text and pcdist.load(run_dir).config.pc.x_lr == x_lr

@@ -140,6 +140,11 @@ BAD_CONFIGS = [
                                            "integer (-2**63 to 2**63 - 1)"),
     (["trainer.threads=100000"], "config trainer.threads=100000 is invalid: allowed an integer from 0 (automatic) to "
                                  "1024 (torch crashes on tens of thousands)"),
+    (["pc.init=newton", "pc.precision=[0,1,1]"], "config pc.init='newton' is invalid: allowed ff or deeppcr with "
+                                                 "pc.precision=[0, 1, 1] (the inits near equilibrium need every "
+                                                 "hidden layer's precision > 0)"),
+    (["pc.solver=heun", "pc.value_noise=0.1"], "config pc.solver='heun' is invalid: allowed euler with "
+                                               "pc.value_noise > 0 (MCPC's Langevin step is an Euler-Maruyama step"),
     (["logger=wandb", "logger.project=a/b"], "config logger.project='a/b' is invalid: allowed a name of 1-128 "
                                              "characters without / \\ # ? % :"),
     (["pc.x_lr=-1"], "config pc.x_lr=-1 is invalid: allowed a finite number > 0 or auto"),
@@ -154,8 +159,6 @@ BAD_CONFIGS = [
                                               "pc.value_optimizer=sgd pc.x_momentum=0.5"),
     (["pc.value_optimizer=adam", "pc.eval_solver=adaptive"], "config pc.eval_solver='adaptive' is invalid: allowed "
                                                             "euler with pc.value_optimizer=adam pc.x_momentum=0.0"),
-    (["pc.value_noise=0.01", "pc.eval_solver=heun"], "config pc.eval_solver='heun' is invalid: allowed euler with "
-                                                     "pc.value_noise > 0"),
     (["pc.init=newton", "pc.mode=generative"], "config pc.init='newton' is invalid: allowed ff or deeppcr with "
                                                "pc.mode=generative"),
     (["pc.x_momentum=1"], "config pc.x_momentum=1.0 is invalid: allowed a number in [0, 1)"),
@@ -408,3 +411,18 @@ def test_a_warm_up_longer_than_the_run_is_said_in_a_line(tmp_path, capsys):
                   "run_dir": str(tmp_path / "run")})
     assert ("note: optim.warmup_steps=100 is longer than the run (trainer.max_steps=4): the warm-up is shortened to "
             "the run, and no cosine decay follows") in capsys.readouterr().out.splitlines()
+
+
+def test_a_test_time_solver_goes_with_training_noise():
+    """MCPC's noise is an Euler-Maruyama step of training; the tests' inference (pc.eval_solver) runs without it, so
+    heun, rk4 or adaptive there go with pc.value_noise > 0 (they were refused, in a line that read as if euler
+    needed noise)."""
+    from pcdist.service.config import load_config
+
+    for solver in ("heun", "adaptive"):
+        c = load_config(pcdist.compose(["experiment=generative_digits", "pc.value_noise=0.1",
+                                        f"pc.eval_solver={solver}"]))
+        assert c.pc.eval_solver == solver
+    net = pcdist.PCNetwork.from_dims([4, 8, 3], seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2, value_noise=0.1)
+    assert len(tr.infer(None, torch.randn(5, 3), solver="adaptive")) == 3

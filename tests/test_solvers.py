@@ -90,6 +90,45 @@ def test_the_adaptive_solver_reaches_the_flow_at_its_time():
     assert all(torch.equal(p.detach(), q) for p, q in zip(net.parameters(), before))
 
 
+def test_the_adaptive_solver_follows_a_precision_schedule():
+    """A precision schedule's step k holds over the time [k x_lr, (k + 1) x_lr): the adaptive solver ignored it
+    and computed with whatever row the stage last held (an answer that depended on the call before, 2.8e-3 apart).
+    It integrates the scheduled flow: against RK4 in 40 steps per x_lr, the schedule's row k over steps 40k to
+    40k + 39, within its tolerance, and alike whatever came before."""
+    net, x, y = _classifier()
+    T, x_lr, sub = 4, 0.4, 40
+    schedule = pcdist.top_down(0.2)
+
+    def nodes(solver, steps, lr, factor, before=None):
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=steps, x_lr=lr,
+                              precision_schedule=factor)
+        if before:
+            tr.infer(x, y, solver=before)  # leaves the stage at the schedule's last row
+        out = tr.infer(x, y, solver=solver, tol=1e-5)
+        assert solver != "adaptive" or tr.last_infer["t"] == pytest.approx(T * x_lr, rel=1e-12), "not cut short"
+        return torch.cat([h.flatten() for h in out[1:-1]])
+
+    fine = lambda l, t, L: schedule(l, t // sub, L)  # noqa: E731
+    exact = nodes("rk4", T * sub, x_lr / sub, fine)
+    fresh, after = nodes("adaptive", T, x_lr, schedule), nodes("adaptive", T, x_lr, schedule, before="euler")
+    assert torch.equal(fresh, after)
+    assert (fresh - exact).abs().max() < 2e-5
+    assert (nodes("adaptive", T, x_lr, None) - exact).abs().max() > 1e-3, "the schedule changes the flow"
+
+
+def test_a_service_run_says_in_its_log_where_the_adaptive_solver_stopped_short(tmp_path, recwarn):
+    """The tests' adaptive inference cut short by its budget (a tolerance too tight) was a Python warning on stderr
+    only, and its accuracy logged without a word: train.log says so at that evaluation."""
+    run = tmp_path / "run"
+    pcdist.train(["experiment=generative_digits", "trainer.max_steps=2", "trainer.eval_every=2", "pc.T=4",
+                  "pc.eval_solver=adaptive", "pc.eval_T=5", "pc.eval_tol=1e-9", "logger=none", "logger.plots=false",
+                  "trainer.progress=off", f"run_dir={run}"])
+    said = [line for line in (run / "train.log").read_text().splitlines() if "validation's inference" in line]
+    assert len(said) == 1 and "step 2: validation's inference: the adaptive solver stopped at t = " in said[0] \
+        and "the inference is cut short (1 of its chunks)" in said[0], said
+    assert not [w for w in recwarn if "adaptive solver" in str(w.message)], "said in the log instead"
+
+
 def test_the_adaptive_solver_is_for_inference_only():
     """A training step must have a fixed step count (it is captured as a graph): the trainer refuses
     solver="adaptive", and infer refuses it with value noise (Langevin steps are Euler-Maruyama's)."""

@@ -159,7 +159,8 @@ def _vjp_rows(pullback, rows: Tensor) -> Tensor:
 
 def _setup(st):
     if st.free_bottom or st.free_top:
-        raise ValueError(f"init={st.init!r} needs both end nodes clamped (supervised PC: step(x, y))")
+        raise ValueError(f"init={st.init!r} needs both end nodes clamped (supervised PC: step(x, y)); for inference "
+                         f"with a free end, set trainer.init = 'ff' first")
     net = st.net
     if (net.first, net.stop) != (1, net.num_layers + 1):
         raise ValueError(f"init={st.init!r} needs the whole network on one layer slice")

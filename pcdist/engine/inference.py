@@ -89,8 +89,11 @@ def relax(st, par, T: int, x_lr: float, *, fused: bool, schedule: PrecisionSched
             after_step(t)
 
 
-def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | None = None) -> dict:
+def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | None = None,
+                   schedule: PrecisionSchedule | None = None) -> dict:
     """Heun steps of adaptive size integrating the flow to t = T x_lr (inference at test time; not capturable).
+    A precision ``schedule``'s step k holds over the time [k x_lr, (k + 1) x_lr), as for Euler's steps of x_lr: the
+    adaptive steps integrate that flow (none crosses the time a row changes).
 
     Each step's local error is Heun's against Euler's, dt/2 (k_1 - k_0), per entry over tol (1 + |h|), and
     its root mean square over every node of every rank (one all-reduce) decides: at most 1 the step is
@@ -110,6 +113,10 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     try:
         while t < end * (1 - 1e-12) and done["accepted"] + done["rejected"] < max_steps:
             dt = min(dt, end - t)
+            if schedule is not None:  # this time's row, for a step that ends where the next row starts
+                k = min(T - 1, int(t / x_lr * (1 + 1e-12)))
+                set_precision(st, schedule, k)
+                dt = min(dt, (k + 1) * x_lr - t)
             vo.estimate = [tol, torch.zeros((), dtype=torch.float64, device=like.device)]
             for s in range(2):
                 par.errors(st, exchange=True)

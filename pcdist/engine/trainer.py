@@ -134,7 +134,7 @@ class PCTrainer:
         _check_arguments(net, T, x_lr, x_momentum, algorithm, init, value_noise, optimizer, scheduler, skip_above,
                          noise_seed, precision_schedule)
         parallel = _check_slice(net, parallel)
-        self.rule, self._solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
+        self._rule, self._solver = _check_method(value_rule(value_optimizer, x_momentum), check_solver(solver),
                                                 value_noise, init, parallel)
         self.net, self.parallel = net, parallel
         self._T, self._x_lr, self._algorithm = operator.index(T), float(x_lr), algorithm
@@ -164,6 +164,8 @@ class PCTrainer:
     init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
     precision_schedule = _setting("precision_schedule", _drop_precision_rows)
     x_momentum = property(lambda self: self.rule.momentum, lambda self, v: _fixed("x_momentum"))  # (its rule's)
+    rule = property(lambda self: self._rule, lambda self, v: _fixed("rule"))  # the value optimizer's ValueRule
+    value_optimizer = property(lambda self: self._rule, lambda self, v: _fixed("value_optimizer"))
     skip_above = property(lambda self: self._skip_above, lambda self, v: _fixed("skip_above"))
     algorithm = property(lambda self: self._algorithm, lambda self, v: _fixed("algorithm"))
     precision = property(lambda self: self.mixed.name, lambda self, v: _fixed("precision"))
@@ -289,7 +291,7 @@ class PCTrainer:
             st.restart()
             par.feedforward(st)
             if solver == "adaptive":  # a step count that depends on the data: run eagerly, never captured
-                self.last_infer = relax_adaptive(st, par, T, self.x_lr, tol)
+                self.last_infer = relax_adaptive(st, par, T, self.x_lr, tol, schedule=self.precision_schedule)
             else:
                 relax(st, par, T, self.x_lr, fused=True, schedule=self.precision_schedule, noise=draw, solver=solver)
 

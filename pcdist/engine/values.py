@@ -64,17 +64,21 @@ VALUE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw")
 @dataclass(frozen=True)
 class ValueRule:
     """How the value nodes step (see the module docstring): ``name`` one of VALUE_OPTIMIZERS; ``momentum``
-    mu (sgd: heavy ball, nesterov); ``betas``, ``eps`` (adam, adamw); ``decay``: adamw's decoupled decay."""
+    mu (sgd: heavy ball, nesterov); ``betas``, ``eps`` (adam, adamw); ``decay``: adamw's decoupled decay (None:
+    0.01 for adamw, torch's default, as ``value_optimizer="adamw"``; others have none). A setting the rule does not
+    read is refused (it would change nothing)."""
 
     name: str = "sgd"
     momentum: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    decay: float = 0.0
+    decay: float | None = None
 
     def __post_init__(self):
         if self.name not in VALUE_OPTIMIZERS:
             raise ValueError(f"unknown value optimizer {self.name!r}; allowed: {', '.join(VALUE_OPTIMIZERS)}")
+        if self.decay is None:
+            object.__setattr__(self, "decay", 0.01 if self.name == "adamw" else 0.0)
         if not (0.0 <= self.momentum < 1.0):
             raise ValueError(f"the value momentum must be in [0, 1), got {self.momentum!r}")
         if self.name == "nesterov" and self.momentum == 0.0:
@@ -86,6 +90,12 @@ class ValueRule:
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and self.eps > 0 and self.decay >= 0):
             raise ValueError(f"adam's betas must be in [0, 1), eps > 0 and decay >= 0, got {self}")
+        unread = ["decay"] if self.name != "adamw" and self.decay else []
+        if self.name in ("sgd", "nesterov"):
+            unread += ["betas"] * (tuple(self.betas) != (0.9, 0.999)) + ["eps"] * (self.eps != 1e-8)
+        if unread:
+            raise ValueError(f"ValueRule({self.name!r}) does not read {', '.join(unread)} (decay is adamw's, betas "
+                             f"and eps adam's and adamw's): it would change nothing")
 
     @property
     def plain(self) -> bool:
@@ -105,7 +115,7 @@ def value_rule(spec: "str | ValueRule", momentum: float = 0.0) -> ValueRule:
     if not isinstance(spec, str):
         raise ValueError(f"value_optimizer must be a name ({', '.join(VALUE_OPTIMIZERS)}) or a ValueRule, "
                          f"got {spec!r}")
-    return ValueRule(spec, float(momentum), decay=0.01 if spec == "adamw" else 0.0)
+    return ValueRule(spec, float(momentum))
 
 
 @dataclass(frozen=True)

@@ -144,14 +144,16 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
     if saved is not None:
         trainer.x_lr = saved
         if is_logging:
-            at = json.loads((run_dir / FILE).read_text()).get("chosen_for", {}) if (run_dir / FILE).is_file() else {}
+            record = json.loads((run_dir / FILE).read_text()) if (run_dir / FILE).is_file() else {}
+            at = record.get("chosen_for", {})
             moved = [f"pc.{k} {at[k]} -> {getattr(c.pc, k)}" for k in CHOSEN_FOR
                      if k in at and at[k] != getattr(c.pc, k)]
             note = (f"; it was chosen at other settings ({', '.join(moved)}) and is kept: set pc.x_lr to a number to "
                     f"change it" if moved else "")
-            kept = FILE if (run_dir / FILE).is_file() else "its checkpoint"
-            say(f"pc.x_lr=auto: {saved:g}, as this run chose at its start ({kept}){note}")
+            when = f"at step {record['step']}" if record.get("step") else "at its start"
+            say(f"pc.x_lr=auto: {saved:g}, as this run chose {when} ({FILE if record else 'its checkpoint'}){note}")
         return saved
+    step = (resumed or {}).get("step", 0)  # (a run trained with a number, resumed with auto: its weights now)
     x_lr, rows = choose_x_lr(trainer, batches, c.trainer.batch_size)
     if is_logging:
         tried = ", ".join(f"{r['x_lr']:g}" + ("" if r["passed"] else f" (cos {min(r['min_cos'] or [0]):.3f}"
@@ -159,6 +161,8 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
                           for r in rows)
         test = (f"inference energy falls at every step and whose weight update is within cos {MIN_COS} of "
                 f"backprop's gradient at every layer on the first {len(batches)} batches")
+        if step:
+            test += f" (at the weights of step {step}, this run's now)"
         if any(r["passed"] for r in rows):
             say(f"pc.x_lr=auto: {x_lr:g}, the largest step whose {test} (tried {tried}; {FILE})")
         else:  # an init near equilibrium, say, whose update's cosine the step does not move
@@ -166,5 +170,5 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
                 f"{FILE}); set pc.x_lr to a number for this run")
         chosen_for = {k: getattr(c.pc, k) for k in CHOSEN_FOR}
         (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "chosen_for": chosen_for,
-                                                "candidates": rows}, indent=1))
+                                                "step": step, "candidates": rows}, indent=1))
     return x_lr

@@ -253,7 +253,9 @@ class PCConfig:
             _check(solver == "euler" or self.value_optimizer == "sgd" and self.x_momentum == 0, key, solver,
                    f"euler with pc.value_optimizer={self.value_optimizer} pc.x_momentum={self.x_momentum} "
                    "(heun, rk4 and adaptive integrate the plain gradient flow)")
-            _check(solver == "euler" or not self.value_noise, key, solver, "euler with pc.value_noise > 0")
+        _check(self.solver == "euler" or not self.value_noise, "pc.solver", self.solver, "euler with pc.value_noise > "
+               "0 (MCPC's Langevin step is an Euler-Maruyama step; the tests' inference, pc.eval_solver, runs "
+               "without the noise)")
         _check(_finite(self.eval_tol) and self.eval_tol > 0, "pc.eval_tol", self.eval_tol, "a finite number > 0")
         _check(self.algorithm in (*ALGORITHMS, BP), "pc.algorithm", self.algorithm, ", ".join((*ALGORITHMS, BP)))
         _check(self.init in ("ff", "deeppcr") or self.mode == "supervised", "pc.init", self.init,
@@ -269,6 +271,11 @@ class PCConfig:
         _check(self.precision is None or _finite(self.precision) and self.precision >= 0
                or isinstance(self.precision, list) and all(_finite(v) and v >= 0 for v in self.precision),
                "pc.precision", self.precision, "null, a number >= 0 or a list of numbers >= 0 (one per layer)")
+        hidden = [] if self.precision is None else (self.precision[:-1] if isinstance(self.precision, list)
+                                                     else [self.precision])
+        _check(self.init in ("ff", "deeppcr") or all(p > 0 for p in hidden), "pc.init", self.init,
+               f"ff or deeppcr with pc.precision={self.precision} (the inits near equilibrium need every hidden "
+               "layer's precision > 0)")
         _check(self.precision_schedule in PRECISION_SCHEDULES, "pc.precision_schedule", self.precision_schedule,
                ", ".join(PRECISION_SCHEDULES))
         _check(_finite(self.precision_decay) and 0 <= self.precision_decay <= 1, "pc.precision_decay",

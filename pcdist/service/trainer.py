@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -374,7 +375,15 @@ class ServiceTrainer:
         """The validation metrics after step ``done`` (collective), logged with the pictures of the generative
         and unsupervised modes; None on a rank that logs nothing."""
         c, par = self.config, self.parallel
-        val = validate(c, val_chunks(self.data, par, self.device, self.dtype), self.engine, self.device)
+        with warnings.catch_warnings(record=True) as caught:  # the adaptive solver cut short: said in train.log
+            warnings.simplefilter("always")
+            val = validate(c, val_chunks(self.data, par, self.device, self.dtype), self.engine, self.device)
+        cut = [str(w.message) for w in caught if str(w.message).startswith("the adaptive solver stopped")]
+        for w in caught:
+            if not str(w.message).startswith("the adaptive solver stopped"):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if cut:
+            self.logger.say(f"step {done}: validation's inference: {cut[0]} ({len(cut)} of its chunks)")
         images = pictures(c, self._first_val_inputs, self.engine, tuple(self.inputs.sample_shape),
                           self.data.num_classes, self.run_dir, self.device, self.dtype)
         if val is not None:
