@@ -222,6 +222,10 @@ def test_skip_mode_drops_diverged_updates_and_counts_them(tmp_path):
     load_checkpoint(latest_checkpoint(tmp_path), trained, None)
     for a, b in zip(init.parameters(), trained.parameters()):
         assert torch.equal(a, b)
+    stopped = {**cfg, "run_dir": str(tmp_path / "stopped")}  # the count goes on over a resume (it restarted at 0)
+    pcdist.train({**stopped, "trainer": {**cfg["trainer"], "stop_at": 3}})
+    assert pcdist.train(stopped)["train/skipped_updates"] == 6
+    assert ("step 6: every weight update since step 3 was skipped (3: " in (tmp_path / "stopped/train.log").read_text())
     ipc = pcdist.train({**cfg, "run_dir": str(tmp_path / "ipc"), "pc": {"x_lr": 1e6, "algorithm": "ipc", "T": 2}})
     assert ipc["train/skipped_updates"] == 6
     log = (tmp_path / "ipc" / "train.log").read_text()

@@ -90,6 +90,30 @@ def test_generative_mode_over_two_layer_ranks_under_torchrun_equals_one_process(
     assert one["val/accuracy"] == rows[12]["val/accuracy"]
 
 
+def test_augmented_images_at_the_top_train_alike_on_two_layer_ranks(tmp_path):
+    """data.augment with the images at h_L (generative mode, a deconv decoder): the crops and flips were drawn on
+    the first layer slice only, where the data are not used, so two layer ranks trained on the bare images,
+    without a word. Two gloo ranks equal one process (float64), which the augmentation changes."""
+    from spawn import run
+    from test_service import _train_worker
+
+    cfg = {**QUICK, "trainer.max_steps": 4, "trainer.eval_every": 4, "trainer.log_every": 1, "model": "deconv",
+           "pc.mode": "generative", "pc.T": 5, "pc.eval_T": 5, "pc.x_lr": 0.05, "optim": "sgd",
+           "trainer.batch_size": 16, "trainer.dtype": "float64", "logger.plots": False}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        run(_train_worker, 2, {**cfg, "data.augment": True, "parallel.layer": 2, "run_dir": str(tmp_path / "p2")},
+            timeout=240)
+    energies = {}
+    for name, over in (("p2", None), ("p1", {"data.augment": True}), ("bare", {})):
+        if over is not None:
+            train(tmp_path, name, **{**cfg, **over})
+        energies[name] = [r["train/energy"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                          if "train/energy" in r]
+    assert energies["p2"] == pytest.approx(energies["p1"], rel=1e-9) and len(energies["p2"]) == 4
+    assert energies["p1"][1:] != pytest.approx(energies["bare"][1:], rel=1e-6), "the augmentation trained"
+
+
 def test_mcpc_samples_are_drawn_on_a_data_axis(tmp_path):
     """Generative MCPC over parallel.data=2 (2 gloo ranks): each data rank samples h_L for every label, so the
     value noise of the samples' inference is drawn for a global batch of ranks x classes; the evaluation draws

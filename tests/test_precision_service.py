@@ -11,6 +11,7 @@ import torch
 import yaml
 
 import pcdist
+from pcdist.service.metrics import read_metrics
 
 COMMON = {"logger": "none", "trainer": {"max_steps": 20, "eval_every": 10, "ckpt_every": 10, "log_every": 5,
                                         "precision": "bf16", "progress": "off"}}
@@ -33,6 +34,26 @@ def test_a_bf16_run_is_recorded_resumed_and_loaded_as_bf16(tmp_path):
     assert all(p.dtype == torch.float32 for p in run.network.parameters()), "the master weights come back"
     torch.testing.assert_close(run.network.layer_state_dict()["layers.1.weight"],
                                straight.network.layer_state_dict()["layers.1.weight"], atol=1e-6, rtol=0)
+
+
+def test_a_bf16_run_on_a_data_axis_equals_one_process(tmp_path):
+    """bf16 keeps a layer's weights in bfloat16 and its bias in float32: the data axis's gradient bucket, of one
+    dtype per group, raised at the first step ("grad_dtype 'Float'"). Two gloo data ranks train as one process:
+    the same energies (the bfloat16 sums of two halves, within bfloat16's rounding) and the same accuracy."""
+    from spawn import run
+    from test_service import _train_worker
+
+    def energies(name):
+        return [r["train/energy"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "train/energy" in r]
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        run(_train_worker, 2, {**COMMON, "run_dir": str(tmp_path / "data2"), "parallel.data": 2,
+                               "trainer": {**COMMON["trainer"], "max_steps": 10}}, timeout=240)
+    one = train(tmp_path / "one", max_steps=10)
+    assert energies("data2") == pytest.approx(energies("one"), rel=1e-2) and len(energies("one")) == 2
+    assert pcdist.load(tmp_path / "data2").step == 10 and abs(one["val/accuracy"] - read_metrics(
+        tmp_path / "data2" / "metrics.jsonl")[-1]["val/accuracy"]) <= 0.02
 
 
 def test_bf16_with_float64_master_weights_is_one_line(tmp_path):

@@ -203,8 +203,12 @@ class PCTrainer:
 
     @property
     def skipped_updates(self) -> int:
-        """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged)."""
+        """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged); set it on resume."""
         return self.update.skipped_updates
+
+    @skipped_updates.setter
+    def skipped_updates(self, n: int) -> None:
+        self.update.skipped.fill_(operator.index(n))
 
     def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's

@@ -36,9 +36,10 @@ def step_batches(c: Config, ds, par: Parallel, start: int, end: int, device, dty
         steps = (shard(c, ds, par, batch_indices(len(ds.x_train), B, step, seed), device, dtype)
                  for step in range(start, end))
     rows = torch.tensor_split(torch.arange(B), par.data_size)[par.data_rank]
+    images_here = par.is_first if c.pc.mode == "supervised" else par.is_last  # (the data sit on h_L otherwise)
     try:
         for step, (x, y) in enumerate(steps, start):
-            if c.data.augment and par.is_first:
+            if c.data.augment and images_here:
                 x = augment(x, torch.Generator().manual_seed((seed * 104_729 + step) % 2**64), rows, B)
             yield x, y
     finally:

@@ -32,9 +32,11 @@ def make_optimizer(c: Config, params, total_steps: int, device: torch.device | N
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
 
 
-def warmup_note(c: Config) -> str | None:
-    """The one line for a warm-up longer than the run (it is shortened to the run: the peak rate at its end)."""
-    if c.optim.warmup_steps <= c.trainer.max_steps:
+def warmup_note(c: Config, overrides: list[str]) -> str | None:
+    """The one line for a warm-up the user set (``overrides``) longer than the run (it is shortened to the run: the
+    peak rate at its end); a preset's, in a short run made for a try, goes unsaid."""
+    given = any(o.lstrip("+~").partition("=")[0] == "optim.warmup_steps" for o in overrides)
+    if not given or c.optim.warmup_steps <= c.trainer.max_steps:
         return None
     return (f"note: optim.warmup_steps={c.optim.warmup_steps} is longer than the run (trainer.max_steps="
             f"{c.trainer.max_steps}): the warm-up is shortened to the run, and no cosine decay follows")

@@ -160,9 +160,12 @@ class ServiceTrainer:
         """The engine's trainer: ``BackpropTrainer`` for pc.algorithm=bp, else ``PCTrainer`` as pc.* says."""
         c, par = self.config, self.parallel
         skip = c.trainer.max_energy if c.trainer.on_divergence == "skip" else None
+        skipped = (self.resume.meta or {}).get("skipped_updates", 0)  # (counted over the run, resumed or not)
         if c.pc.algorithm == "bp":
-            return BackpropTrainer(self.network, self.optimizer, scheduler=self.scheduler, skip_above=skip,
-                                   precision=c.trainer.precision)
+            engine = BackpropTrainer(self.network, self.optimizer, scheduler=self.scheduler, skip_above=skip,
+                                     precision=c.trainer.precision)
+            engine.skipped_updates = skipped
+            return engine
         if c.pc.init in ("newton", "newton_cr", "backward") and par.layer_size > 1:
             raise ConfigError(f"config pc.init={c.pc.init} solves for the equilibrium over the whole network: it runs "
                               f"on one layer slice, but parallel.layer={par.layer_size}; use parallel.layer=1 (a data "
@@ -175,6 +178,7 @@ class ServiceTrainer:
                            value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
                            precision=c.trainer.precision)
         engine.steps_done = self.step  # the value noise of step s is drawn from s, resumed or not
+        engine.skipped_updates = skipped
         return engine
 
     def _make_logger(self):
@@ -206,7 +210,7 @@ class ServiceTrainer:
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
             for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
-                         unread_keys_note(c), unread_pc_note(c), warmup_note(c)):
+                         unread_keys_note(c), unread_pc_note(c), warmup_note(c, self.resume.overrides)):
                 if hint:
                     self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
@@ -264,7 +268,8 @@ class ServiceTrainer:
         """Steps ``step + 1`` to ``last``, each on its batch; ``got``: the stop signal this rank caught
         (``catch_stop_signals``), which every rank votes on (``StopVote``) so that all stop after the same step."""
         c = self.config
-        self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds, "skipped": 0}
+        self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds,
+                       "skipped": (self.resume.meta or {}).get("skipped_updates", 0)}
         if self._vote is None:  # every rank makes it at the same call, as a new group must be
             self._vote = StopVote(self.parallel.logging_rank is not None, self.device,
                                   self.parallel.timeout)
@@ -405,6 +410,7 @@ class ServiceTrainer:
         """Checkpoint after step ``done``: the weights, the optimizer, the schedule, the RNG and the config."""
         c = self.config
         meta = {"step": done, "model": self.network.signature(), "scheduler": self.scheduler.state_dict(),
+                "skipped_updates": self.engine.skipped_updates,
                 "lr": self.optimizer.param_groups[0]["lr"], "optimizer_steps": optimizer_steps(c),  # per step,
                 "rng": torch.get_rng_state(),  # which the LR schedule counts (rundir.Resume.schedule_changed)
                 # the value step pc.x_lr=auto chose (beside x_lr.json; a number set is the config's)
