@@ -86,7 +86,66 @@ def _fixed(name: str):
                          f"make a new PCTrainer with {name}=...")
 
 
-class PCTrainer:
+class LiveSettings:
+    """PCTrainer's settings as attributes: what may be set on a live trainer (its next step runs with it: checked as
+    the constructor checks it, and what depends on it made anew) and what is fixed when it is made (refused)."""
+
+    T = _setting("T", _new_T, operator.index)
+    x_lr = _setting("x_lr", kind=float)
+    value_noise = _setting("value_noise", lambda self, v: _check_method(self.rule, self.solver, v, self.init,
+                                                                        self.parallel), float)
+    noise_seed = _setting("noise_seed", kind=operator.index)
+    init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
+    precision_schedule = _setting("precision_schedule", _drop_precision_rows)
+    x_momentum = property(lambda self: self.rule.momentum, lambda self, v: _fixed("x_momentum"))  # (its rule's)
+    rule = property(lambda self: self._rule, lambda self, v: _fixed("rule"))  # the value optimizer's ValueRule
+    value_optimizer = property(lambda self: self._rule, lambda self, v: _fixed("value_optimizer"))
+    skip_above = property(lambda self: self._skip_above, lambda self, v: _fixed("skip_above"))
+    algorithm = property(lambda self: self._algorithm, lambda self, v: _fixed("algorithm"))
+    precision = property(lambda self: self.mixed.name, lambda self, v: _fixed("precision"))
+    compile = property(lambda self: self._compile, lambda self, v: _fixed("compile"))
+
+    @property
+    def solver(self) -> str:
+        return self._solver
+
+    @solver.setter
+    def solver(self, value: str) -> None:
+        self._solver = _check_method(self.rule, check_solver(value), self.value_noise, self.init, self.parallel)[1]
+
+    optimizer = property(lambda self: self.update.optimizer,
+                         lambda self, o: self._new_update(o, self.scheduler, self.update.steps))
+    scheduler = property(lambda self: self.update.scheduler,
+                         lambda self, s: self._new_update(self.optimizer, s, self.update.steps))
+
+    def _new_update(self, optimizer, scheduler, steps: int) -> None:
+        """The weight update of this optimizer, schedule and optimizer steps per training step (a live trainer's
+        new ones: checked as the trainer's own were, and its captured steps, which step the old, dropped)."""
+        _check_optimizer(self.net, optimizer, scheduler)
+        old = getattr(self, "update", None)
+        self.update = WeightUpdate(optimizer, scheduler, self.parallel, self._skip_above,
+                                   planned=self.compile == "graph", steps=steps, device=self._device,
+                                   grads=self.mixed.grads if self.mixed.pairs else None,
+                                   sync=self.mixed.weights if self.mixed.pairs else None)
+        if old is not None:
+            self.update.skipped = old.skipped  # (the count goes on)
+            for _, st in self._stages.values():
+                self.runner.forget(st)
+
+    def _make_capturable(self) -> None:
+        self.update.make_capturable()
+
+    @property
+    def skipped_updates(self) -> int:
+        """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged); set it on resume."""
+        return self.update.skipped_updates
+
+    @skipped_updates.setter
+    def skipped_updates(self, n: int) -> None:
+        self.update.skipped.fill_(operator.index(n))
+
+
+class PCTrainer(LiveSettings):
     """Runs PC training steps: feed-forward init, T Jacobi inference steps, weight update.
 
     ``algorithm="pc"`` takes one weight step per batch from a fresh evaluation after inference;
@@ -154,61 +213,6 @@ class PCTrainer:
         self._new_update(optimizer, scheduler, steps=self.T if algorithm == "ipc" else 1)
 
     max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three
-
-    # What may be set on a live trainer (its next step runs with it), and what is fixed when it is made.
-    T = _setting("T", _new_T, operator.index)
-    x_lr = _setting("x_lr", kind=float)
-    value_noise = _setting("value_noise", lambda self, v: _check_method(self.rule, self.solver, v, self.init,
-                                                                        self.parallel), float)
-    noise_seed = _setting("noise_seed", kind=operator.index)
-    init = _setting("init", lambda self, v: _check_method(self.rule, self.solver, self.value_noise, v, self.parallel))
-    precision_schedule = _setting("precision_schedule", _drop_precision_rows)
-    x_momentum = property(lambda self: self.rule.momentum, lambda self, v: _fixed("x_momentum"))  # (its rule's)
-    rule = property(lambda self: self._rule, lambda self, v: _fixed("rule"))  # the value optimizer's ValueRule
-    value_optimizer = property(lambda self: self._rule, lambda self, v: _fixed("value_optimizer"))
-    skip_above = property(lambda self: self._skip_above, lambda self, v: _fixed("skip_above"))
-    algorithm = property(lambda self: self._algorithm, lambda self, v: _fixed("algorithm"))
-    precision = property(lambda self: self.mixed.name, lambda self, v: _fixed("precision"))
-    compile = property(lambda self: self._compile, lambda self, v: _fixed("compile"))
-
-    @property
-    def solver(self) -> str:
-        return self._solver
-
-    @solver.setter
-    def solver(self, value: str) -> None:
-        self._solver = _check_method(self.rule, check_solver(value), self.value_noise, self.init, self.parallel)[1]
-
-    optimizer = property(lambda self: self.update.optimizer,
-                         lambda self, o: self._new_update(o, self.scheduler, self.update.steps))
-    scheduler = property(lambda self: self.update.scheduler,
-                         lambda self, s: self._new_update(self.optimizer, s, self.update.steps))
-
-    def _new_update(self, optimizer, scheduler, steps: int) -> None:
-        """The weight update of this optimizer, schedule and optimizer steps per training step (a live trainer's
-        new ones: checked as the trainer's own were, and its captured steps, which step the old, dropped)."""
-        _check_optimizer(self.net, optimizer, scheduler)
-        old = getattr(self, "update", None)
-        self.update = WeightUpdate(optimizer, scheduler, self.parallel, self._skip_above,
-                                   planned=self.compile == "graph", steps=steps, device=self._device,
-                                   grads=self.mixed.grads if self.mixed.pairs else None,
-                                   sync=self.mixed.weights if self.mixed.pairs else None)
-        if old is not None:
-            self.update.skipped = old.skipped  # (the count goes on)
-            for _, st in self._stages.values():
-                self.runner.forget(st)
-
-    def _make_capturable(self) -> None:
-        self.update.make_capturable()
-
-    @property
-    def skipped_updates(self) -> int:
-        """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged); set it on resume."""
-        return self.update.skipped_updates
-
-    @skipped_updates.setter
-    def skipped_updates(self, n: int) -> None:
-        self.update.skipped.fill_(operator.index(n))
 
     def stage(self, batch_size: int, free_bottom: bool = False, free_top: bool = False) -> Stage:
         """The preallocated Stage for this batch size and these free ends, rebuilt when a parameter's
