@@ -67,7 +67,7 @@ def _with_overrides(c: Config, overrides) -> Config:
         own = OmegaConf.select(base, key)
         if key in RUN_OWN and yaml_value(value) != (OmegaConf.to_container(own) if OmegaConf.is_config(own) else own):
             raise RunError(f"{o}: {key} is the run's own (it makes the network the checkpoint was trained as: "
-                           f"{key}={OmegaConf.select(base, key)}); an evaluation takes the inference's pc.* keys "
+                           f"{key}={own}); an evaluation takes the inference's pc.* keys "
                            f"(pc.T, pc.x_lr, pc.solver, ...)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
     c = load_config(base)

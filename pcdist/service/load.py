@@ -177,7 +177,7 @@ def _inputs_without_model_file(p: Path, c: Config, meta: dict, in_shape: tuple[i
                        f"statistics (model.json): its inputs cannot be prepared as in training")
     sample = tuple(meta["data"].get("sample_shape") or in_shape) if lost else in_shape
     flatten = sample != in_shape and math.prod(sample) == math.prod(in_shape) and len(in_shape) == 1
-    return Inputs(sample if flatten or sample == in_shape else in_shape, flatten, c.trainer.dtype)
+    return Inputs(sample if flatten else in_shape, flatten, c.trainer.dtype)
 
 
 def _config(p: Path, meta: dict) -> Config:
