@@ -129,6 +129,9 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
 /* sigmoid without overflow: exp(-|x|) <= 1, then 1 / (1 + e) or e / (1 + e) */
 #define PCD_NABS(T, x) ((x) < (T)0 ? (x) : -(x))
 #define PCD_SIG(T, EXPF, x) (((x) >= (T)0 ? (T)1 : EXPF(PCD_NABS(T, x))) / ((T)1 + EXPF(PCD_NABS(T, x))))
+/* 1 - sigmoid(x) = sigmoid(-x), without the cancellation of 1 - s: silu' multiplies it by x, so at x = 200 one
+ * ulp of s below 1 (as a division made under -ffast-math may give) would be 100 ulp of f' */
+#define PCD_SIGC(T, EXPF, x) (((x) >= (T)0 ? EXPF(PCD_NABS(T, x)) : (T)1) / ((T)1 + EXPF(PCD_NABS(T, x))))
 #define PCD_LOG1P_f32 log1pf /* log1p and expm1 of each type, picked by the SUFFIX of PCD_EACH */
 #define PCD_LOG1P_f64 log1p
 #define PCD_EXPM1_f32 expm1f
@@ -149,7 +152,7 @@ enum { TANH = 0, SIGMOID = 1, RELU = 2, LEAKY_RELU = 3, HARD_TANH = 4, IDENTITY 
     M(T, SUFFIX, gelu_tanh, (T)0.5 * x * (one + PCD_GELU_T(T, TANHF, x)),                \
       (T)0.5 * (one + PCD_GELU_T(T, TANHF, x)) + (T)0.5 * x * (one - PCD_GELU_T(T, TANHF, x) * PCD_GELU_T(T, TANHF, x)) \
           * (T)PCD_SQRT_2_PI * (one + (T)(3 * PCD_KAPPA) * x * x))                            \
-    M(T, SUFFIX, silu, x * PCD_SIG(T, EXPF, x), PCD_SIG(T, EXPF, x) * (one + x * (one - PCD_SIG(T, EXPF, x)))) \
+    M(T, SUFFIX, silu, x * PCD_SIG(T, EXPF, x), PCD_SIG(T, EXPF, x) * (one + x * PCD_SIGC(T, EXPF, x))) \
     M(T, SUFFIX, softplus, x * lo > hi ? x : PCD_LOG1P_##SUFFIX(PCD_SP_EXP(EXPF, x)) / lo,   \
       x * lo > hi ? one : PCD_SP_EXP(EXPF, x) / (PCD_SP_EXP(EXPF, x) + one))              \
     M(T, SUFFIX, elu, x > zero ? x : lo * PCD_EXPM1_##SUFFIX(x), u > zero ? one : u + lo) \

@@ -269,7 +269,7 @@ class ServiceTrainer:
         (``catch_stop_signals``), which every rank votes on (``StopVote``) so that all stop after the same step."""
         c = self.config
         self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds,
-                       "skipped": (self.resume.meta or {}).get("skipped_updates", 0)}
+                       "skipped": self.engine.skipped_updates}
         if self._vote is None:  # every rank makes it at the same call, as a new group must be
             self._vote = StopVote(self.parallel.logging_rank is not None, self.device,
                                   self.parallel.timeout)
