@@ -74,8 +74,9 @@ def test_where_no_step_passes_the_line_says_so(tmp_path):
     record = json.loads((tmp_path / "x_lr.json").read_text())
     assert not any(r["passed"] for r in record["candidates"])
     assert record["x_lr"] == min(r["x_lr"] for r in record["candidates"])
-    assert f"pc.x_lr=auto: {record['x_lr']:g}, the smallest step tried: none is a step whose" in \
-        (tmp_path / "train.log").read_text()
+    line = (tmp_path / "train.log").read_text()
+    assert f"pc.x_lr=auto: {record['x_lr']:g}, the smallest step tried: none is a step whose" in line
+    assert "pc.init=newton starts the nodes near the equilibrium" in line, "the line says why none passed"
 
 
 def test_a_resumed_run_keeps_its_step(runs):

@@ -42,7 +42,7 @@ from torch import Tensor
 from .energies import OutputEnergy
 from .layers import Binding, BoundGroup
 from .layers.conv import channels_last_nodes
-from .arguments import INITS, check
+from .arguments import INITS, NEAR_EQUILIBRIUM, check
 from .network import PCNetwork
 from .nodes import ValueNodes
 from .values import ValueOptimizer, ValueRule
@@ -155,7 +155,7 @@ class Stage:
         """
         for gr in self.groups:
             gr.feedforward(rows, self.init)
-        if rows is None and self.init in ("newton", "newton_cr", "backward"):
+        if rows is None and self.init in NEAR_EQUILIBRIUM:
             from .equilibrium import near_equilibrium
             near_equilibrium(self, self.init)
 

@@ -21,7 +21,7 @@ import time
 import torch
 from torch import Tensor
 
-from .arguments import ALGORITHMS, check, check_env
+from .arguments import ALGORITHMS, NEAR_EQUILIBRIUM, check, check_env
 from .capture import Runner, compile_mode
 from .exchange import Local
 from .inference import check_solver, relax, relax_adaptive, set_precision
@@ -430,7 +430,7 @@ def _check_method(rule: ValueRule, solver: str, noise: float, init: str, paralle
     if solver != "euler" and noise:
         raise ValueError(f"value noise (MCPC's Langevin step) is an Euler-Maruyama step: use solver='euler', "
                          f"not {solver!r}")
-    if init in ("newton", "newton_cr", "backward") and parallel.layer_size > 1:
+    if init in NEAR_EQUILIBRIUM and parallel.layer_size > 1:
         raise ValueError(f"init={init!r} solves for the equilibrium over the whole network: it runs on one layer "
                          "slice (parallel.layer=1; a data axis is fine)")
     return rule, solver

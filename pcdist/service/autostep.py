@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.parallel import collective
+from ..engine.arguments import NEAR_EQUILIBRIUM
 from ..engine.diagnostics import diagnose
 from ..errors import ConfigError
 
@@ -166,8 +167,10 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
         if any(r["passed"] for r in rows):
             say(f"pc.x_lr=auto: {x_lr:g}, the largest step whose {test} (tried {tried}; {FILE})")
         else:  # an init near equilibrium, say, whose update's cosine the step does not move
+            why = (f": pc.init={c.pc.init} starts the nodes near the equilibrium, whose update is PC's own whatever "
+                   f"the step, and the smallest step keeps them there" if c.pc.init in NEAR_EQUILIBRIUM else "")
             say(f"pc.x_lr=auto: {x_lr:g}, the smallest step tried: none is a step whose {test} (tried {tried}; "
-                f"{FILE}); set pc.x_lr to a number for this run")
+                f"{FILE}){why}; set pc.x_lr to a number for this run")
         chosen_for = {k: getattr(c.pc, k) for k in CHOSEN_FOR}
         (run_dir / FILE).write_text(json.dumps({"x_lr": x_lr, "min_cos": MIN_COS, "chosen_for": chosen_for,
                                                 "step": step, "candidates": rows}, indent=1))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.parallel import Parallel, ParallelDims, barrier
+from ..engine.arguments import NEAR_EQUILIBRIUM
 from ..engine.modes import clamps
 from ..engine.schedules import precision_schedule
 from ..engine.trainer import PCTrainer
@@ -166,7 +167,7 @@ class ServiceTrainer:
                                      precision=c.trainer.precision)
             engine.skipped_updates = skipped
             return engine
-        if c.pc.init in ("newton", "newton_cr", "backward") and par.layer_size > 1:
+        if c.pc.init in NEAR_EQUILIBRIUM and par.layer_size > 1:
             raise ConfigError(f"config pc.init={c.pc.init} solves for the equilibrium over the whole network: it runs "
                               f"on one layer slice, but parallel.layer={par.layer_size}; use parallel.layer=1 (a data "
                               "axis is fine) or pc.init=ff")
