@@ -157,6 +157,35 @@ def test_dead_store_host_in_a_collective_still_names_the_group():
     assert time.monotonic() - t0 < 45
 
 
+def one_slice_diverges(rank, world, timeout_s):
+    """A 2 x 2 mesh (data groups [0, 2] and [1, 3], layer pairs 0-1 and 2-3): rank 3 stops with a reason, as a
+    diverged slice does, and its layer neighbour rank 2 dies with it without one (a PeerError leaves none). Rank 0
+    hosts the store, which keeps the reason."""
+    from pcdist.distributed.exchange import report_failure
+
+    tr, x, y = small_trainer(ParallelDims(2, 2), timeout_s)
+    tr.step(x, y)
+    if rank == 3:
+        report_failure("step 1: the energy diverged to nan")
+    pair = torch.distributed.new_group([2, 3])  # (every rank makes every group)
+    if rank in (2, 3):
+        torch.distributed.barrier(group=pair)  # rank 3's reason is in the store
+        os._exit(0)
+    tr.step(x, y)
+
+
+def test_the_data_peer_of_a_lost_neighbour_names_the_slice_that_stopped_first():
+    """Rank 1's all-reduce peer is rank 3 itself: it names rank 3 and why. Rank 0's peer, rank 2, left no reason:
+    it names rank 3's, which the store holds, not just a peer that died."""
+    with pytest.raises(WorkerError) as got:
+        run(one_slice_diverges, 4, 4.0, timeout=90)
+    said, why = str(got.value), "step 1: the energy diverged to nan)"
+    assert ("rank 0: PeerError: rank 0: the data-axis gradient all-reduce over ranks [0, 2] failed or timed out "
+            f"(rank 3 stopped, and the peers here with it: {why}") in said, said
+    assert ("rank 1: PeerError: rank 1: the data-axis gradient all-reduce over ranks [1, 3] failed or timed out "
+            f"(rank 3 stopped: {why}") in said, said
+
+
 def hang_in_the_metrics_reduce(rank, world, timeout_s, gave_up):
     tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
     tr.step(x, y)

@@ -28,7 +28,7 @@ from .buckets import GradBuckets
 from ..engine.capture import on_host
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
-from .exchange import LayerExchange, failures, first_line
+from .exchange import LayerExchange, first_line, stopped
 from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
@@ -161,13 +161,13 @@ def _who_fell_behind(ranks: list[int]) -> str:
         try:
             keys = {r: _STEPS_KEY.format(r) for r in ranks}
             begun = {r: int(store.get(k)) if store.check([k]) else 0 for r, k in keys.items()}
-            failed = failures(ranks, store)
+            failed = stopped(ranks, store)
         finally:
             store.set_timeout(old)
     except Exception:
         return ""
     if failed:
-        return " (" + "; ".join(f"rank {r} stopped: {m}" for r, m in failed.items()) + ")"
+        return f" ({failed})"
     behind = [r for r in ranks if begun[r] < begun[me]]
     if not behind:
         return (f" (every rank of the group had begun {begun[me]} training steps in this launch; "
