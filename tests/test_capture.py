@@ -190,6 +190,7 @@ class _FailedCapture:
     """What a capture that fails does, then the eager fallback (pcdist.engine.capture.Runner._capture): the core's
     Python runs twice and its kernels once. A capture executes no kernel, so the first run's tensor writes (and its
     draws from the noise generator) are undone here before the second."""
+    mode = "graph"
 
     def __init__(self, generator: torch.Generator):
         self.generator, self.seen = generator, set()
@@ -388,6 +389,29 @@ def test_a_value_step_changed_between_steps_is_the_one_a_step_uses_noise_include
         assert changed.step(x, y)["energy"] == fresh.step(x, y)["energy"]
     a, b = changed.infer(x, y, noise=0.5), fresh.infer(x, y, noise=0.5)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_a_parameter_frozen_between_steps_is_a_captured_step_of_its_own():
+    """A captured step leaves alone the parameters frozen when it was captured: one frozen (or unfrozen) later is
+    in the step's key, so its steps are a capture of their own (tests/test_cuda.py replays them), not the old one
+    replayed; here the frozen weight stays as it was and the unfrozen one trains on under the first key."""
+    net = network("mlp", dtype=DT)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, compile="graph")
+    weight = next(p for p in net.parameters() if p.dim() >= 2)
+    x, y = batch(net, "xy", 6, 0)
+    for _ in range(2):
+        tr.step(x, y, log=False)
+    weight.requires_grad_(False)
+    held = weight.detach().clone()
+    for _ in range(2):
+        tr.step(x, y, log=False)
+    assert torch.equal(weight, held)
+    weight.requires_grad_(True)
+    tr.step(x, y, log=False)
+    assert not torch.equal(weight, held)
+    at = [p is weight for p in net.parameters()].index(True)  # (the optimizer's order)
+    steps = sorted((k[-1], n) for k, n in tr.runner.calls.items() if k[0] == "step")
+    assert steps == [((), 3), ((at,), 2)], steps
 
 
 def test_inference_over_ever_new_batch_sizes_keeps_a_bounded_number_of_stages_and_frees_the_rest():

@@ -294,6 +294,30 @@ def test_a_value_step_or_noise_changed_after_the_capture_is_the_one_replayed():
     assert len(tr.runner.programs) == 3, "a capture per value step and noise"
 
 
+def test_a_parameter_frozen_or_unfrozen_after_the_capture_is_so_in_the_replayed_steps():
+    """A layer's weight frozen after the step was captured, then unfrozen: the steps between leave it alone, as eager
+    steps do (the capture of the step with it trainable would update it), and the rest train it again."""
+    def run(compile: str):
+        net = network("mlp").cuda()
+        tr, _ = cuda_trainer(net, compile, {}, 14)
+        weight = next(p for p in net.parameters() if p.dim() >= 2)
+        out = []
+        for s in range(14):
+            if s in (6, 10):
+                weight.requires_grad_(s == 10)
+            x, y = batch(net, "xy", 8, 100 + s)
+            out.append(tr.step(x.cuda(), y.cuda())["energy"])
+            if s == 6:
+                held = weight.detach().clone()
+            if s == 9:
+                assert torch.equal(weight, held), f"compile={compile}: a frozen weight changed"
+        return out, tr
+
+    (graph, tr), (eager, _) = run("graph"), run("none")
+    assert graph == pytest.approx(eager, rel=1e-9, abs=1e-12)
+    assert len(tr.runner.programs) == 2, "a capture with the weight trainable and one with it frozen"
+
+
 def test_inference_at_more_step_counts_than_a_runner_keeps_drops_the_oldest_and_captures_it_again():
     """infer at MAX_PROGRAMS + 3 step counts T, each called until captured: the runner keeps MAX_PROGRAMS captures
     (the least recently replayed go, their graphs and memory with them); the first T, dropped, is captured again

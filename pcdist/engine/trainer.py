@@ -235,8 +235,10 @@ class PCTrainer(LiveSettings):
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.update.prepare()
         clock = [time.perf_counter()]
+        frozen = self.update.frozen() if self.runner.mode == "graph" else ()  # (a capture skips the ones frozen then)
         try:  # the key: a replay's constants
-            self.runner(("step", st, self.x_lr, noise, self.T, self.solver), lambda: self._train(st, noise, log, clock))
+            self.runner(("step", st, self.x_lr, noise, self.T, self.solver, frozen),
+                        lambda: self._train(st, noise, log, clock))
         except BaseException:
             self.update.unprepare()  # (a step that raised, Ctrl-C in it: the schedule stays where it was)
             raise

@@ -103,6 +103,12 @@ class WeightUpdate:
             if isinstance(step, Tensor) and step.device != self.flag.device:
                 state["step"] = step.to(self.flag.device, torch.float32)
 
+    def frozen(self) -> tuple[int, ...]:
+        """The optimizer's parameters frozen now (``requires_grad_(False)``), by position: a captured step leaves
+        alone those frozen when it was captured, so a parameter frozen or unfrozen later makes a capture of its own."""
+        params = (p for g in self.optimizer.param_groups for p in g["params"])
+        return tuple(i for i, p in enumerate(params) if not p.requires_grad)
+
     @property
     def skipped_updates(self) -> int:
         """Updates skipped so far (a host read: call it where the step is logged)."""
