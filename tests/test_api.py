@@ -439,6 +439,32 @@ def test_what_a_live_trainer_is_given_anew_is_what_its_next_steps_run(algorithm)
     assert runs["graph"][2] == runs["none"][2]
 
 
+def test_a_scheduler_of_another_optimizer_is_refused_and_a_step_that_raises_puts_a_tensor_rate_back():
+    """A live trainer given a new optimizer while its scheduler steps the old one trained at a constant rate,
+    silently: refused, as a trainer made with another optimizer's scheduler is. A scheduler writes a tensor rate in
+    place: a step that raised put back the tensor it had stepped (the schedule was back, its rate 3 steps on)."""
+    x, y = _xy()
+    net, tr = _mlp_trainer(compile="graph")  # a plan of rates: the schedule is stepped before the step's core
+    tr.scheduler = pcdist.warmup_cosine(tr.optimizer, 1, 20)
+    with pytest.raises(ValueError, match=r"^the scheduler steps another optimizer than the trainer's .* set "
+                                         r"trainer.scheduler = None, then the new optimizer, then its scheduler$"):
+        tr.optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^the scheduler steps another optimizer than the trainer's"):
+        pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), scheduler=tr.scheduler)
+    rates = {}
+    for algorithm in ("pc", "ipc"):
+        net, tr = _mlp_trainer(compile="graph", algorithm=algorithm)
+        tr.scheduler = None
+        tr.optimizer = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.1, dtype=torch.float64))
+        tr.scheduler = torch.optim.lr_scheduler.ExponentialLR(tr.optimizer, 0.5)
+        tr.step(x, y)
+        tr.precision_schedule = lambda l, t, L: float("nan") if l == 2 and t == 1 else 1.0
+        with pytest.raises(ValueError, match="the precision schedule gave nan"):  # at inference step 1
+            tr.step(x, y)
+        rates[algorithm] = tr.optimizer.param_groups[0]["lr"].item()
+    assert rates == {"pc": 0.1 * 0.5, "ipc": 0.1 * 0.5 ** 5}, "a step of T = 4 weight steps, then ipc took one more"
+
+
 def test_unchecked_arguments_are_named_where_they_are_passed():
     """A network seed, adam's betas and a custom energy that autograd cannot differentiate each failed inside torch."""
     with pytest.raises(ValueError, match=r"^seed must be None or an integer, got 1.5$"):

@@ -110,6 +110,28 @@ def test_the_switches_the_caller_set_through_torchs_per_backend_api_are_put_back
         restore_tf32(before)
 
 
+def test_fp32_turns_tf32_convolutions_off_also_where_a_caller_set_tf32_for_every_backend():
+    """torch >= 2.9 stores the older ``cudnn.allow_tf32 = False`` as "none", which inherits a backend-wide or global
+    "tf32": an fp32 trainer's convolutions ran in TF32 under ``torch.backends.fp32_precision = "tf32"``."""
+    from pcdist.engine.precision import restore_tf32, set_tf32, tf32_convolutions, tf32_state
+
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no per-backend float32 precision switches (torch < 2.9)")
+    before = tf32_state()
+    try:
+        for parent in (torch.backends, torch.backends.cudnn):
+            restore_tf32(("highest", True))
+            parent.fp32_precision = "tf32"
+            set_tf32(False)
+            assert not tf32_convolutions() and torch.backends.cudnn.rnn.fp32_precision != "tf32", parent
+            set_tf32(True)
+            assert tf32_convolutions()
+            parent.fp32_precision = "none"
+    finally:
+        torch.backends.fp32_precision = torch.backends.cudnn.fp32_precision = "none"  # (torch's defaults)
+        restore_tf32(before)
+
+
 def test_float32_matmuls_on_a_cpu_are_ieee_whatever_the_process_set():
     """A process-wide set_float32_matmul_precision("medium") has oneDNN compute float32 matmuls in bfloat16 (2e-3
     off): a trainer's fp32 (or tf32, which a CPU does not have) step computes in float32 all the same, equal to the
@@ -164,6 +186,14 @@ def test_a_bf16_trainer_uses_its_networks_buffers_and_refuses_a_cast_network():
     tr = pcdist.PCTrainer(net2, torch.optim.SGD(net2.parameters(), lr=0.1), T=2, precision="bf16")
     tr.step(x, y)
     net2.double()
+    with pytest.raises(ValueError, match=r"^precision='bf16' keeps float32 master weights .* the network is now "
+                                         r"torch.float64 on cpu"):
+        tr.step(x.double(), y.double())
+    bare = pcdist.PCNetwork.from_layers([torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh()),
+                                         torch.nn.Linear(8, 3, bias=False)], input_shape=(6,))
+    tr = pcdist.PCTrainer(bare, torch.optim.SGD(bare.parameters(), lr=0.1), T=2, precision="bf16")
+    tr.step(x, y)  # its compute copy shares no parameter with it: the cast is seen by the master's own storage
+    bare.double()
     with pytest.raises(ValueError, match=r"^precision='bf16' keeps float32 master weights .* the network is now "
                                          r"torch.float64 on cpu"):
         tr.step(x.double(), y.double())

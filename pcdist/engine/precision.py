@@ -39,6 +39,10 @@ def set_tf32(on: bool) -> None:
     every later read of the other raise, torch.compile's included)."""
     torch.set_float32_matmul_precision("high" if on else "highest")
     torch.backends.cudnn.allow_tf32 = on
+    if not on:  # torch >= 2.9 stores that as "none", which inherits a backend-wide or global "tf32" a caller set
+        for name in ("cudnn.conv", "cudnn.rnn"):
+            if getattr(_switch(name), "fp32_precision", None) == "tf32":
+                _switch(name).fp32_precision = "ieee"
 
 
 _BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")

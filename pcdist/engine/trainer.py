@@ -204,7 +204,9 @@ class PCTrainer(LiveSettings):
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends, ...) -> (weights' addresses, Stage)
         self._stage: Stage | None = None
         self.mixed = MixedPrecision(precision, net)
-        self._params = list(self.mixed.compute.parameters())  # the same Parameter objects for the trainer's life
+        # The same Parameter objects for the trainer's life, the master's too (under bf16 a bias-free network's
+        # compute copy shares none of them: a cast or moved master is seen by its own storage only)
+        self._params = list(dict.fromkeys([*self.mixed.compute.parameters(), *net.parameters()]))
         self._device = next(net.parameters()).device
         self._compile = compile_mode(compile, self._device)
         self._generator = torch.Generator(device=self._device)  # value noise (graph-safe: seeded per call on the host)
@@ -402,6 +404,10 @@ def _check_optimizer(net: PCNetwork, optimizer: torch.optim.Optimizer, scheduler
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("scheduler=ReduceLROnPlateau steps on a metric, which the trainer does not have: step it "
                          "yourself where you measure one (scheduler.step(val_loss)) and pass scheduler=None")
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("the scheduler steps another optimizer than the trainer's (it would leave the trainer's "
+                         "rate as it is, silently): make it over the trainer's optimizer; on a live trainer, set "
+                         "trainer.scheduler = None, then the new optimizer, then its scheduler")
     own = {id(p) for p in net.parameters()}
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
     if foreign:

@@ -88,7 +88,9 @@ class WeightUpdate:
         schedule, rates = self._before
         if schedule is not None:
             self.scheduler.load_state_dict(schedule)
-        for g, lr in zip(self.optimizer.param_groups, rates):
+        for j, (g, lr) in enumerate(zip(self.optimizer.param_groups, rates)):
+            if isinstance(lr, Tensor):  # the schedule wrote it in place: its value before, from the plan's first row
+                lr.copy_(self.plan[0, j])
             g["lr"] = lr
         for _ in range(self._taken if self.scheduler is not None else 0):
             self.scheduler.step()
