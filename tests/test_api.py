@@ -465,6 +465,28 @@ def test_a_scheduler_of_another_optimizer_is_refused_and_a_step_that_raises_puts
     assert rates == {"pc": 0.1 * 0.5, "ipc": 0.1 * 0.5 ** 5}, "a step of T = 4 weight steps, then ipc took one more"
 
 
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_a_scheduler_that_cycles_momentum_runs_its_steps_eagerly_and_as_compile_none(algorithm):
+    """OneCycleLR cycles SGD's momentum (Adam's beta1) with its rate: a captured step reads the rates from its plan
+    but the momentum as it was when captured (and under the plan, stepped ahead, the next step's): the step runs
+    eagerly, said in one line, and trains as compile="none" bit for bit; without cycle_momentum it is captured."""
+    x, y = _xy()
+    runs = {}
+    for compile, cycle in (("none", True), ("graph", True), ("graph", False)):
+        net, _ = _mlp_trainer()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        notes = []
+        tr = pcdist.PCTrainer(net, opt, T=4, algorithm=algorithm, compile=compile, say=notes.append,
+                              scheduler=torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=40,
+                                                                            cycle_momentum=cycle))
+        runs[compile, cycle] = [tr.step(x, y)["energy"] for _ in range(6)], notes, tr.runner.eager
+    assert runs["graph", True][0] == runs["none", True][0]
+    assert runs["graph", True][1] == ["compile=graph: the training step at batch size 6 runs eagerly: its scheduler "
+                                      "cycles momentum (cycle_momentum=True), which a captured step would hold at its "
+                                      "capture's value (cycle_momentum=False captures it)"]
+    assert runs["graph", False][1] == [] and runs["graph", False][2] == {}
+
+
 def test_unchecked_arguments_are_named_where_they_are_passed():
     """A network seed, adam's betas and a custom energy that autograd cannot differentiate each failed inside torch."""
     with pytest.raises(ValueError, match=r"^seed must be None or an integer, got 1.5$"):

@@ -318,7 +318,7 @@ class Runner:
         if self.device.type != "cuda":  # an optimizer's own reads (its step count) go where prepare() makes it
             found = [r for r in found if " in torch/optim/" not in r]  # capturable, which it does on CUDA only
         if found:
-            self._fallback(key, f"the step reads a device value on the host ({found[0]})")
+            self.fallback(key, f"the step reads a device value on the host ({found[0]})")
 
     def _side(self, fn) -> None:
         cur = torch.cuda.current_stream(self.device)
@@ -346,7 +346,7 @@ class Runner:
             program.capture(fn)
         except Exception as e:  # not capturable after all: this stage stays eager
             torch.cuda.synchronize(self.device)
-            self._fallback(key, "capturing it failed: "
+            self.fallback(key, "capturing it failed: "
                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
             fn()
             return
@@ -372,7 +372,8 @@ class Runner:
             del self.programs[k]
         torch.cuda.empty_cache()
 
-    def _fallback(self, key, why: str) -> None:
+    def fallback(self, key, why: str) -> None:
+        """Run ``key`` eagerly from now on, said in one line naming ``why``."""
         self.eager[key] = why
         self.say(f"compile=graph: {describe(key)} runs eagerly: {why}")
 

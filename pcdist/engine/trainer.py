@@ -123,8 +123,10 @@ class LiveSettings:
         new ones: checked as the trainer's own were, and its captured steps, which step the old, dropped)."""
         _check_optimizer(self.net, optimizer, scheduler)
         old = getattr(self, "update", None)
+        self._eager = _beyond_the_plan(scheduler) if self.compile == "graph" else None  # (the step then runs eagerly)
         self.update = WeightUpdate(optimizer, scheduler, self.parallel, self._skip_above,
-                                   planned=self.compile == "graph", steps=steps, device=self._device,
+                                   planned=self.compile == "graph" and self._eager is None, steps=steps,
+                                   device=self._device,
                                    grads=self.mixed.grads if self.mixed.pairs else None,
                                    sync=self.mixed.weights if self.mixed.pairs else None)
         if old is not None:
@@ -238,9 +240,11 @@ class PCTrainer(LiveSettings):
         self.update.prepare()
         clock = [time.perf_counter()]
         frozen = self.update.frozen() if self.runner.mode == "graph" else ()  # (a capture skips the ones frozen then)
-        try:  # the key: a replay's constants
-            self.runner(("step", st, self.x_lr, noise, self.T, self.solver, frozen),
-                        lambda: self._train(st, noise, log, clock))
+        key = ("step", st, self.x_lr, noise, self.T, self.solver, frozen)  # a replay's constants
+        if self._eager is not None and key not in self.runner.eager:
+            self.runner.fallback(key, self._eager)
+        try:
+            self.runner(key, lambda: self._train(st, noise, log, clock))
         except BaseException:
             self.update.unprepare()  # (a step that raised, Ctrl-C in it: the schedule stays where it was)
             raise
@@ -392,6 +396,17 @@ def _check_slice(net: PCNetwork, parallel):
         raise ValueError(f"the network owns layers [{net.first}, {net.stop}) but this rank's slice is "
                          f"{parallel.layers}")
     return parallel
+
+
+def _beyond_the_plan(scheduler) -> str | None:
+    """Why a captured step cannot follow ``scheduler``, or None: a captured step reads its learning rates from a
+    device table written before each step, but momentum and betas as they were when it was captured, which
+    OneCycleLR and CyclicLR cycle (``cycle_momentum``, their default), inside a SequentialLR or ChainedScheduler too."""
+    inner = getattr(scheduler, "_schedulers", None) or [scheduler]
+    if any(getattr(s, "cycle_momentum", False) for s in inner):
+        return ("its scheduler cycles momentum (cycle_momentum=True), which a captured step would hold at its "
+                "capture's value (cycle_momentum=False captures it)")
+    return None
 
 
 def _check_optimizer(net: PCNetwork, optimizer: torch.optim.Optimizer, scheduler) -> None:
