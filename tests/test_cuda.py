@@ -363,15 +363,21 @@ def test_a_stage_evicted_and_made_again_is_captured_again_and_trains_as_eager(na
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(wg, we))
 
 
-@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])
-def test_a_default_adam_is_captured_and_replays_as_eager(optimizer):
-    """A non-fused Adam / AdamW (torch's default) is made capturable before its state exists: both stages are
-    captured (none falls back to eager) and replay the eager run to the float32 rounding of its bias corrections."""
+@pytest.mark.parametrize("stepped", [False, True])
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
+def test_a_default_adam_is_captured_and_replays_as_eager(optimizer, stepped):
+    """A non-fused Adam / AdamW / NAdam (torch's default) is made capturable, before its state exists or after it
+    stepped (its counters, NAdam's mu_product too, kept on the host then): both stages are captured (none falls
+    back to eager) and replay the eager run to the float32 rounding of its bias corrections."""
     def run(compile: str):
         net = network("mlp").cuda()
         notes = []
-        tr = pcdist.PCTrainer(net, optimizer(net.parameters(), lr=LR), T=4, x_lr=0.1, compile=compile,
-                              say=notes.append, skip_above=1e6)
+        opt = optimizer(net.parameters(), lr=LR)
+        if stepped:
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+        tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, compile=compile, say=notes.append, skip_above=1e6)
         out = []
         for s in range(8):
             x, y = batch(net, "xy", 6 if s % 2 else 10, 100 + s)

@@ -96,14 +96,15 @@ class WeightUpdate:
             self.scheduler.step()
 
     def make_capturable(self) -> None:
-        """Before a step is captured: optimizers that have the option step with device-side counters."""
+        """Before a step is captured: optimizers that have the option step with device-side counters (those of an
+        optimizer stepped before, kept on the host: its step count, NAdam's mu_product, moved to the device)."""
         for g in self.optimizer.param_groups:
             if "capturable" in g:
                 g["capturable"] = True
         for state in self.optimizer.state.values():
-            step = state.get("step") if isinstance(state, dict) else None
-            if isinstance(step, Tensor) and step.device != self.flag.device:
-                state["step"] = step.to(self.flag.device, torch.float32)
+            for k, v in (state.items() if isinstance(state, dict) else ()):
+                if isinstance(v, Tensor) and v.dim() == 0 and v.device != self.flag.device:
+                    state[k] = v.to(self.flag.device, torch.float32 if k == "step" else v.dtype)
 
     def frozen(self) -> tuple[int, ...]:
         """The optimizer's parameters frozen now (``requires_grad_(False)``), by position: a captured step leaves
