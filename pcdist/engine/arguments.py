@@ -16,12 +16,12 @@ __all__ = ["ALGORITHMS", "ENV_SWITCHES", "INITS", "NEAR_EQUILIBRIUM", "RULES", "
 
 ALGORITHMS = ("pc", "ipc")
 INITS = ("ff", "deeppcr", "newton", "newton_cr", "backward")
-NEAR_EQUILIBRIUM = ("newton", "newton_cr", "backward")
-"""The inits that start the hidden nodes near the inference equilibrium, not at the feed-forward values (one layer
-slice: engine/equilibrium.py)."""
 """The value-node inits: ``ff`` (feed-forward), ``deeppcr`` (the same chain by parallel cyclic reduction),
 ``newton`` (the linearised equilibrium, low-rank), ``newton_cr`` (the same by cyclic reduction), ``backward``
 (one backward chain, scaled)."""
+NEAR_EQUILIBRIUM = ("newton", "newton_cr", "backward")
+"""The inits that start the hidden nodes near the inference equilibrium, not at the feed-forward values (one layer
+slice: engine/equilibrium.py)."""
 
 
 ENV_SWITCHES = {
