@@ -64,14 +64,14 @@ def stopped(peers, store=None) -> str:
     """Why ``peers`` stopped, as one clause ("rank 1 stopped: ..."), from what they left (``report_failure``); where
     none of them left a reason but another rank did (the diverged slice whose layer neighbour's loss ended this
     rank's data peer), that rank's, said as the cause; "" where no rank left one."""
-    said = failures(peers, store)
-    if said:
-        return "; ".join(f"rank {r} stopped: {why}" for r, why in said.items())
-    try:
-        others = failures([r for r in range(dist.get_world_size()) if r not in peers], store)
-    except Exception:  # diagnostics only
-        return ""
-    return "; ".join(f"rank {r} stopped, and the peers here with it: {why}" for r, why in others.items())
+    said, how = failures(peers, store), "stopped"
+    if not said:
+        try:
+            said, how = failures([r for r in range(dist.get_world_size()) if r not in peers], store), \
+                "stopped, and the peers here with it"
+        except Exception:  # diagnostics only
+            return ""
+    return "; ".join(f"rank {r} {how}: {why}" for r, why in said.items())
 
 
 def _names(peers: tuple[int, ...]) -> str:

@@ -56,8 +56,8 @@ class WeightUpdate:
         """Before a step's core runs: under a plan, its learning rates, stepping the schedule as the step will."""
         if self.plan is None:
             return
-        self._before = (None if self.scheduler is None else self.scheduler.state_dict(),
-                        [g["lr"] for g in self.optimizer.param_groups])
+        schedule = None if self.scheduler is None else self.scheduler.state_dict()
+        rates = [g["lr"] for g in self.optimizer.param_groups]
         self._taken = 0  # optimizer steps of this training step taken (``unprepare``)
         rows, tensors = [], []
         for i in range(self.steps + 1):
@@ -79,18 +79,19 @@ class WeightUpdate:
         self.plan.copy_(host, non_blocking=True)
         for i, j, lr in tensors:
             self.plan[i, j].copy_(lr)
+        self._before = schedule, rates, {j: lr for i, j, lr in tensors if i == 0}  # (tensor rates: their values)
 
     def unprepare(self) -> None:
         """After a step's core raised: the schedule and the learning rates where an eager step leaves them, stepped
         once per optimizer step it took before it raised (``prepare`` stepped them through the whole step)."""
         if self.plan is None:
             return
-        schedule, rates = self._before
+        schedule, rates, values = self._before
         if schedule is not None:
             self.scheduler.load_state_dict(schedule)
         for j, (g, lr) in enumerate(zip(self.optimizer.param_groups, rates)):
-            if isinstance(lr, Tensor):  # the schedule wrote it in place: its value before, from the plan's first row
-                lr.copy_(self.plan[0, j])
+            if isinstance(lr, Tensor):  # the schedule wrote it in place: its value before, in its own dtype
+                lr.copy_(values[j])
             g["lr"] = lr
         for _ in range(self._taken if self.scheduler is not None else 0):
             self.scheduler.step()
