@@ -391,6 +391,28 @@ def test_a_value_step_changed_between_steps_is_the_one_a_step_uses_noise_include
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
+def test_a_value_step_changed_at_every_step_is_said_once_and_its_counts_stay_bounded():
+    """x_lr changed before every step: no constants are kept long enough to be captured, which the runner says in
+    one line (once) after CHURN such calls, keeping no count for the values gone by (one per step otherwise); an
+    x_lr then kept counts on towards its capture, with no other line."""
+    from pcdist.engine.capture import CHURN
+
+    net = network("mlp", dtype=DT)
+    notes = []
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, compile="graph", say=notes.append)
+    x, y = batch(net, "xy", 6, 0)
+    for s in range(3 * CHURN):
+        tr.x_lr = 0.1 + 0.01 * s
+        tr.step(x, y, log=False)
+        said = [n for n in notes if "changes at every call" in n]
+        assert len(said) == (s + 1 >= CHURN), (s, notes)
+    assert notes == said and "the training step at batch size 6" in said[0]
+    assert len([k for k in tr.runner.calls if k[0] == "step"]) <= CHURN
+    for _ in range(3):
+        tr.step(x, y, log=False)
+    assert tr.runner.calls[("step", tr._stage, tr.x_lr, None, 4, tr.solver, ())] == 4 and len(notes) == 1
+
+
 def test_a_parameter_frozen_between_steps_is_a_captured_step_of_its_own():
     """A captured step leaves alone the parameters frozen when it was captured: one frozen (or unfrozen) later is
     in the step's key, so its steps are a capture of their own (tests/test_cuda.py replays them), not the old one
@@ -412,6 +434,22 @@ def test_a_parameter_frozen_between_steps_is_a_captured_step_of_its_own():
     at = [p is weight for p in net.parameters()].index(True)  # (the optimizer's order)
     steps = sorted((k[-1], n) for k, n in tr.runner.calls.items() if k[0] == "step")
     assert steps == [((), 3), ((at,), 2)], steps
+
+
+def test_an_optimizer_is_capturable_only_while_pcdist_steps_it_and_keeps_its_own_setting():
+    """On a CUDA device every call of a captured mode that runs in Python does so inside ``update.capturable()``
+    (tests/test_cuda.py runs it there): within it the groups that have the option are capturable, and after it,
+    raised or not, each has its own setting again (a state_dict saved from the optimizer must step on a CPU)."""
+    net = network("mlp", dtype=DT)
+    opt = torch.optim.Adam([{"params": list(net.parameters())[:2]},
+                            {"params": list(net.parameters())[2:], "capturable": True}], lr=0.01)
+    tr = pcdist.PCTrainer(net, opt, T=4, compile="graph")
+    with tr.update.capturable():
+        assert [g["capturable"] for g in opt.param_groups] == [True, True]
+    assert [g["capturable"] for g in opt.param_groups] == [False, True]
+    with pytest.raises(KeyboardInterrupt), tr.update.capturable():
+        raise KeyboardInterrupt
+    assert [g["capturable"] for g in opt.param_groups] == [False, True]
 
 
 def test_inference_over_ever_new_batch_sizes_keeps_a_bounded_number_of_stages_and_frees_the_rest():

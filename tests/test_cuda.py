@@ -388,6 +388,16 @@ def test_a_default_adam_is_captured_and_replays_as_eager(optimizer, stepped):
     assert notes == [] and tr.runner.eager == {} and len(tr.runner.programs) == 2
     # the capturable update computes its bias corrections from a float32 step count (eager: Python floats)
     assert graph == pytest.approx(eager, rel=1e-6)
+    # the optimizer keeps its own capturable=False: its state_dict loads into a CPU optimizer, which steps
+    opt = tr.update.optimizer
+    assert [g["capturable"] for g in opt.param_groups] == [False] * len(opt.param_groups)
+    cpu = network("mlp")
+    again = optimizer(cpu.parameters(), lr=LR)
+    again.load_state_dict(opt.state_dict())
+    for p in cpu.parameters():
+        p.grad = torch.ones_like(p)
+    again.step()
+    assert all(torch.isfinite(p).all() for p in cpu.parameters())
 
 
 def test_the_service_trains_alike_captured_and_eager(tmp_path):

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, OrderedDict
-from typing import Callable
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -38,6 +39,10 @@ MAX_PROGRAMS = 16
 """Captured cores a Runner keeps (each holds its graphs and their memory pool): past it, the least recently
 replayed one is dropped, its memory given back, and captured again at once if it comes back (a sweep over many
 T at test time, say)."""
+CHURN = 4
+"""Calls in a row of one stage's core (what runs and its Stage), each with constants it has not seen (an x_lr
+changed at every step, say), after which the runner says once that it runs eagerly while they change, and keeps
+no count for those that went by."""
 
 _recording: "Program | None" = None
 
@@ -275,32 +280,43 @@ class Runner:
     are): eagerly (``mode="none"``), or checked, warmed up, captured and replayed (``"graph"``; see the module
     docstring), keeping at most ``MAX_PROGRAMS`` captures. ``say``: where the one-line notes go.
 
-    ``prepare()``: called on a CUDA device before each stage's first call and before it is captured (the optimizer
-    made capturable: a non-fused Adam's step reads its tensor learning rate on the host otherwise)."""
+    ``prepare()``: a context manager that every call run in Python on a CUDA device runs inside (the first calls,
+    the capture, an eager fallback; not a replay): the optimizer made capturable while it steps there (a
+    non-fused Adam's step reads its tensor learning rate on the host otherwise)."""
 
     def __init__(self, mode: str, device: torch.device, say: Callable[[str], None] = print,
-                 generators=(), prepare: Callable[[], None] | None = None):
+                 generators=(), prepare: Callable[[], ContextManager] | None = None):
         self.mode, self.device, self.say = mode, torch.device(device), say
         self.generators, self.prepare = generators, prepare
         self.calls: Counter = Counter()
         self.programs: OrderedDict = OrderedDict()  # key -> its Program, the least recently replayed first
         self.eager: dict = {}  # key -> why that stage runs eagerly
+        self._latest: dict = {}  # (what runs, its Stage) -> the key of its last call
+        self._new: Counter = Counter()  # (what runs, its Stage) -> its calls in a row with constants new to it
+        self._said: set = set()  # (what runs, its Stage) said to change its constants at every call
         self._stream = None
 
     def __call__(self, key, fn: Callable[[], None]) -> None:
-        if self.mode == "none" or key in self.eager:
+        if self.mode == "none":
             fn()
             return
         program = self.programs.get(key)
         if program is not None:
             self.programs.move_to_end(key)
+            self._new[key[:2]] = 0
             program.replay()
             return
+        with self.prepare() if self.device.type == "cuda" and self.prepare is not None else nullcontext():
+            self._run(key, fn)
+
+    def _run(self, key, fn: Callable[[], None]) -> None:
+        if key in self.eager:
+            fn()
+            return
         n = self.calls[key]
+        self._changes(key, n == 0)
         self.calls[key] += 1
         if n == 0:
-            if self.device.type == "cuda" and self.prepare is not None:
-                self.prepare()  # before the optimizer makes its state: made capturable, on the device
             fn()  # the first call builds what the stage keeps (traced layers, optimizer state, schedule rows)
         elif n == 1:
             self._checked(key, fn)
@@ -310,6 +326,22 @@ class Runner:
             self._side(fn)
         else:
             self._capture(key, fn)
+
+    def _changes(self, key, new: bool) -> None:
+        """Count a stage's calls in a row with constants new to it: at CHURN, say once that the stage runs eagerly
+        while they change; from then on the counts of the keys that went by are dropped (else one per call)."""
+        stage = key[:2]
+        went, self._latest[stage] = self._latest.get(stage), key
+        self._new[stage] = self._new[stage] + 1 if new else 0
+        if self._new[stage] < CHURN:
+            return
+        if went is not None and went != key and went not in self.programs:
+            self.calls.pop(went, None)
+        if stage not in self._said:
+            self._said.add(stage)
+            self.say(f"compile=graph: {describe(key)} runs eagerly while what it is captured with (x_lr, T, the "
+                     f"solver, value noise, the frozen parameters) changes at every call: kept for {2 + WARMUP} "
+                     f"calls, it is captured")
 
     def _checked(self, key, fn) -> None:
         with HostReads(strict=self.device.type == "cpu") as reads:
@@ -334,8 +366,6 @@ class Runner:
         return self._stream
 
     def _capture(self, key, fn) -> None:
-        if self.prepare is not None:
-            self.prepare()
         if len(self.programs) >= MAX_PROGRAMS:  # before the capture, so that it can use the memory freed
             self._drop_programs([next(iter(self.programs))])  # its count kept: captured at once if it comes back
         cur = torch.cuda.current_stream(self.device)
@@ -361,6 +391,8 @@ class Runner:
         self._drop_programs([k for k in keys if k in self.programs])
         for k in keys:
             self.calls.pop(k, None), self.eager.pop(k, None)
+        for k in [k for k in {*self._latest, *self._new, *self._said} if k[1] is stage]:
+            self._latest.pop(k, None), self._new.pop(k, None), self._said.discard(k)
 
     def _drop_programs(self, keys) -> None:
         """Free captured programs: their graphs, and their memory pools given back to the device (a dropped

@@ -134,8 +134,8 @@ class LiveSettings:
             for _, st in self._stages.values():
                 self.runner.forget(st)
 
-    def _make_capturable(self) -> None:
-        self.update.make_capturable()
+    def _capturable(self):
+        return self.update.capturable()
 
     @property
     def skipped_updates(self) -> int:
@@ -213,7 +213,7 @@ class PCTrainer(LiveSettings):
         self._compile = compile_mode(compile, self._device)
         self._generator = torch.Generator(device=self._device)  # value noise (graph-safe: seeded per call on the host)
         self.runner = Runner(self.compile, self._device, say,
-                             (self._generator,) if self._device.type == "cuda" else (), self._make_capturable)
+                             (self._generator,) if self._device.type == "cuda" else (), self._capturable)
         self._new_update(optimizer, scheduler, steps=self.T if algorithm == "ipc" else 1)
 
     max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three

@@ -20,6 +20,7 @@ Every decision is taken on the device, so a step never waits for the host:
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -96,16 +97,26 @@ class WeightUpdate:
         for _ in range(self._taken if self.scheduler is not None else 0):
             self.scheduler.step()
 
-    def make_capturable(self) -> None:
-        """Before a step is captured: optimizers that have the option step with device-side counters (those of an
-        optimizer stepped before, kept on the host: its step count, NAdam's mu_product, moved to the device)."""
-        for g in self.optimizer.param_groups:
-            if "capturable" in g:
-                g["capturable"] = True
+    @contextmanager
+    def capturable(self):
+        """While a step's core runs in Python under a captured mode on a CUDA device (its first calls, its capture,
+        an eager fallback): optimizers that have the option step with device-side counters (those of an optimizer
+        stepped before, kept on the host: its step count, NAdam's mu_product, moved to the device). The groups'
+        own ``capturable`` is put back after (a replay reads none of it), so that a ``state_dict`` saved from the
+        optimizer steps wherever it is loaded: a CPU's Adam refuses ``capturable=True``."""
+        groups = [g for g in self.optimizer.param_groups if "capturable" in g]
+        own = [g["capturable"] for g in groups]
+        for g in groups:
+            g["capturable"] = True
         for state in self.optimizer.state.values():
             for k, v in (state.items() if isinstance(state, dict) else ()):
                 if isinstance(v, Tensor) and v.dim() == 0 and v.device != self.flag.device:
                     state[k] = v.to(self.flag.device, torch.float32 if k == "step" else v.dtype)
+        try:
+            yield
+        finally:
+            for g, c in zip(groups, own):
+                g["capturable"] = c
 
     def frozen(self) -> tuple[int, ...]:
         """The optimizer's parameters frozen now (``requires_grad_(False)``), by position: a captured step leaves
