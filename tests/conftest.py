@@ -19,6 +19,15 @@ for _p in (_ROOT, _TESTS_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+# Ctrl-C as a terminal delivers it, whoever started the suite: a shell without job control starts a background
+# command (`make test &`, a CI runner's) with SIGINT ignored, and every process inherits that, so a child that
+# the tests interrupt would never see its Ctrl-C (Python installs no KeyboardInterrupt where SIGINT is ignored).
+# A handler of this process's own is reset to the default in each process it starts.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Imported only after the environment above: torch reads MKL_CBWR and OMP_WAIT_POLICY once, when it loads.
 import pytest  # noqa: E402
 import torch  # noqa: E402
