@@ -299,15 +299,22 @@ _PC_READERS = {
 """pc.* keys that only some runs read: key -> (what reads it, whether this run's pc.* settings do)."""
 
 
+def unread(section, readers: dict) -> list[str]:
+    """The keys of a config section (``c.pc``, ``c.data``) set off their defaults that this run does not read:
+    ``readers`` maps a key to whether the section's settings read it (the notes below say them, not refuse them,
+    as sweeps over modes or data sets share them)."""
+    default = type(section)()
+    return [k for k, reads in readers.items() if getattr(section, k) != getattr(default, k) and not reads(section)]
+
+
 def unread_pc_note(c: Config) -> str | None:
     """The one line for pc.* keys set off their defaults that this run does not read (pc.latent_dim in a
-    supervised run): said, not refused, as sweeps over modes share them."""
-    default = type(c.pc)()
-    unread = [f"pc.{k}={getattr(c.pc, k)} (read by {what})" for k, (what, reads) in _PC_READERS.items()
-              if getattr(c.pc, k) != getattr(default, k) and not reads(c.pc)]
-    if not unread:
+    supervised run)."""
+    said = [f"pc.{k}={getattr(c.pc, k)} (read by {_PC_READERS[k][0]})"
+            for k in unread(c.pc, {k: reads for k, (_, reads) in _PC_READERS.items()})]
+    if not said:
         return None
-    return f"note: this run does not read {', '.join(unread)}"
+    return f"note: this run does not read {', '.join(said)}"
 
 
 def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .config import PYTHON_MODEL, Config
+from .config import PYTHON_MODEL, Config, unread
 from .data import DataError, Dataset, NpyArrays, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
@@ -179,13 +179,13 @@ def unread_keys_note(c: Config) -> str | None:
     """The one line for data keys set off their defaults for a data set that does not read them (data.val_fraction:
     digits; data.synthetic_*: synthetic): said, not refused, as a run made so, or a sweep over data sets sharing
     them, must go on."""
-    default = type(c.data)()
-    unread = [f"data.{k}={getattr(c.data, k)}" for k, reader in (("val_fraction", "digits"), ("synthetic_train",
-              "synthetic"), ("synthetic_val", "synthetic")) if getattr(c.data, k) != getattr(default, k)
-              and c.data.name != reader]
-    if not unread:
+    readers = {k: lambda data, name=name: data.name == name  # read by that data set alone
+               for k, name in (("val_fraction", "digits"), ("synthetic_train", "synthetic"),
+                               ("synthetic_val", "synthetic"))}
+    said = [f"data.{k}={getattr(c.data, k)}" for k in unread(c.data, readers)]
+    if not said:
         return None
-    return (f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by data={c.data.name} (it has "
+    return (f"note: {', '.join(said)} {'is' if len(said) == 1 else 'are'} not read by data={c.data.name} (it has "
             f"its own split and size; data.val_fraction is data=digits', data.synthetic_* data=synthetic's)")
 
 
