@@ -376,14 +376,17 @@ def test_data_num_classes_beside_data_from_python_must_agree_with_it(tmp_path):
 
 def test_data_keys_a_data_set_does_not_read_are_said_in_a_line(tmp_path, capsys):
     """data.val_fraction (read by digits) set for synthetic data did nothing without a word (data review); refusing
-    it would break runs made so and sweeps over data sets sharing it: the run says it in one line."""
-    pcdist.train({"data": {"name": "synthetic", "val_fraction": 0.3, "synthetic_train": 128, "synthetic_val": 32},
+    it would break runs made so and sweeps over data sets sharing it: the run says it in one line, with
+    data.layout (read by your own data only)."""
+    pcdist.train({"data": {"name": "synthetic", "val_fraction": 0.3, "synthetic_train": 128, "synthetic_val": 32,
+                           "layout": "channels_first"},
                   "model": {"dims": [64, 16, 10]}, "trainer": {"max_steps": 1, "batch_size": 32, "progress": "off"},
                   "pc": {"T": 2, "x_lr": 0.1}, "logger": "none", "logger.plots": False,
                   "run_dir": str(tmp_path / "run")})
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: data.")]
-    assert notes == ["note: data.val_fraction=0.3 is not read by data=synthetic (it has its own split and size; "
-                     "data.val_fraction is data=digits', data.synthetic_* data=synthetic's)"]
+    assert notes == ["note: data.val_fraction=0.3, data.layout=channels_first are not read by data=synthetic (it "
+                     "has its own split, size and layout; data.val_fraction is data=digits', data.synthetic_* "
+                     "data=synthetic's, data.layout your own data's)"]
 
 
 @pytest.mark.parametrize("pc, said", [

@@ -100,7 +100,8 @@ def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tm
     said = train_py_refuses(tmp_path, "data=arrays", f"data.path={images}", "model=cnn")
     assert said == (f"error: data arrays ({images}) has samples of shape [8, 8, 1], channels-last [H, W, C], but "
                     f"model.name=cnn reads images [C, H, W] channels-first; transpose the arrays to [N, 1, 8, 8]: "
-                    f"x.transpose(0, 3, 1, 2) (numpy) or x.permute(0, 3, 1, 2) (torch)\n")
+                    f"x.transpose(0, 3, 1, 2) (numpy) or x.permute(0, 3, 1, 2) (torch); if they are channels-first "
+                    f"already (8 channels), set data.layout=channels_first\n")
     rng = np.random.default_rng(0)
     signals = save_npz(tmp_path / "lc.npz", rng.standard_normal((64, 40, 1), np.float32), np.arange(64) % 4,
                        rng.standard_normal((16, 40, 1), np.float32), np.arange(16) % 4)
@@ -114,6 +115,23 @@ def test_channels_last_arrays_for_a_conv_model_are_one_line_saying_the_layout(tm
                          "logger.plots": False, "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"},
                          "run_dir": str(tmp_path / "ok")})["step"] == 2, "the layout said trains"
     assert "note:" not in (tmp_path / "ok" / "train.log").read_text(), "signals [1, 40] are signals"
+    # samples that are channels-first though they look channels-last: refused by default, the line naming
+    # data.layout (signals: 16 channels of length 3); with data.layout=channels_first they train as given (images of
+    # 16 channels, 8 x 4: the input node is [16, 8, 4], the first convolution's output [32, 4, 2])
+    short = save_npz(tmp_path / "short.npz", rng.standard_normal((64, 16, 3), np.float32), np.arange(64) % 4,
+                     rng.standard_normal((16, 16, 3), np.float32), np.arange(16) % 4)
+    said = train_py_refuses(tmp_path, "data=arrays", f"data.path={short}", "model=cnn", "trainer.batch_size=16")
+    assert said.endswith("if they are channels-first already (16 channels of length 3), set "
+                         "data.layout=channels_first\n"), said
+    narrow = save_npz(tmp_path / "narrow.npz", rng.standard_normal((64, 16, 8, 4), np.float32), np.arange(64) % 4,
+                      rng.standard_normal((16, 16, 8, 4), np.float32), np.arange(16) % 4)
+    said = train_py_refuses(tmp_path, "data=arrays", f"data.path={narrow}", "model=cnn", "trainer.batch_size=16")
+    assert said.endswith("if they are channels-first already (16 channels), set data.layout=channels_first\n"), said
+    run = pcdist.train({"data": {"name": "arrays", "path": str(narrow), "layout": "channels_first"}, "model": "cnn",
+                        "logger": "none", "logger.plots": False, "run_dir": str(tmp_path / "narrow"),
+                        "trainer": {"max_steps": 2, "batch_size": 16, "progress": "off"}})
+    assert run["step"] == 2
+    assert pcdist.load(tmp_path / "narrow").network.node_shapes[:2] == [(16, 8, 4), (32, 4, 2)]
     # one-channel images without their channel ([N, 8, 8]) train as signals of 8 channels: allowed, with a note
     gray = save_npz(tmp_path / "gray.npz", x_tr[:, 0], y_tr, x_va[:, 0], y_va)
     pcdist.train({"data": {"name": "arrays", "path": str(gray)}, "model": "cnn", "logger": "none",

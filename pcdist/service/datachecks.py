@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .config import PYTHON_MODEL, Config, unread
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, unread
 from .data import DataError, Dataset, NpyArrays, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
@@ -158,9 +158,11 @@ def _channels_last(c: Config, sample_shape: tuple[int, ...]) -> str | None:
     want = [shape[-1], *shape[:-1]]
     layout, axes = ("[H, W, C]", "0, 3, 1, 2") if image else ("[L, C]", "0, 2, 1")
     source = f"data {c.data.name}" + (f" ({c.data.path})" if c.data.path else "")
+    as_given = f"{shape[0]} channels" + ("" if image else f" of length {shape[1]}")
     return (f"{source} has samples of shape {list(shape)}, channels-last {layout}, but model.name="
             f"{c.model.name} reads {'images [C, H, W]' if image else 'signals [C, L]'} channels-first; transpose "
-            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) (torch)")
+            f"the arrays to [N, {', '.join(map(str, want))}]: x.transpose({axes}) (numpy) or x.permute({axes}) "
+            f"(torch); if they are channels-first already ({as_given}), set data.layout=channels_first")
 
 
 def signals_hint(c: Config, sample_shape: tuple[int, ...]) -> str | None:
@@ -182,11 +184,13 @@ def unread_keys_note(c: Config) -> str | None:
     readers = {k: lambda data, name=name: data.name == name  # read by that data set alone
                for k, name in (("val_fraction", "digits"), ("synthetic_train", "synthetic"),
                                ("synthetic_val", "synthetic"))}
+    readers["layout"] = lambda data: data.name in ("arrays", PYTHON_DATA)
     said = [f"data.{k}={getattr(c.data, k)}" for k in unread(c.data, readers)]
     if not said:
         return None
     return (f"note: {', '.join(said)} {'is' if len(said) == 1 else 'are'} not read by data={c.data.name} (it has "
-            f"its own split and size; data.val_fraction is data=digits', data.synthetic_* data=synthetic's)")
+            f"its own split, size and layout; data.val_fraction is data=digits', data.synthetic_* data=synthetic's, "
+            f"data.layout your own data's)")
 
 
 def _check_augment(c: Config, sample_shape, flatten: bool) -> None:
@@ -204,7 +208,7 @@ def _check_augment(c: Config, sample_shape, flatten: bool) -> None:
 def _check_data(c: Config, ds) -> None:
     shape = "" if len(getattr(ds, "sample_shape", ())) < 2 else f" ({' x '.join(map(str, ds.sample_shape))})"
     model = model_of(c)
-    if model.refuse_channels_last and _channels_last(c, ds.sample_shape):
+    if model.refuse_channels_last and c.data.layout == "auto" and _channels_last(c, ds.sample_shape):
         raise DataError(_channels_last(c, ds.sample_shape))
     if model.images and len(ds.sample_shape) not in (2, 3):
         one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""

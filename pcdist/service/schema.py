@@ -26,6 +26,7 @@ DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar10
 ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "cifar100")
 """The data sets read from the standard files in data.root."""
 PYTHON_DATA = "python"
+LAYOUTS = ("auto", "channels_first")  # data.layout
 """data.name of a run whose data was passed to ``pcdist.train(cfg, data=...)``."""
 PYTHON_MODEL = "python"
 """model.name of a run whose layers were passed to ``pcdist.train(cfg, layers=...)``."""
@@ -116,6 +117,11 @@ class DataConfig:
     signal: bool = False
     """arrays: read x of shape [N, L] as 1-D signals of one channel, [N, 1, L] (for model=cnn's Conv1d layers);
     false: [N, L] are feature vectors."""
+    layout: str = "auto"
+    """Your own image or signal samples (data=arrays, or data given from Python), which conv models read
+    channels-first ([C, H, W], [C, L]): auto refuses those that look channels-last (a last axis of at most 4,
+    below the others: [H, W, C], [L, C]) with the transpose that mends them; channels_first reads them as given
+    (signals [16, 3]: 16 channels of length 3)."""
     num_classes: Optional[int] = None
     """arrays: number of classes; None: the largest label + 1."""
     num_workers: int = 2
@@ -139,6 +145,7 @@ class DataConfig:
     def check(self) -> None:
         """Refuse a value out of its key's range."""
         _check(self.name in DATASETS or self.name == PYTHON_DATA, "data.name", self.name, ", ".join(DATASETS))
+        _check(self.layout in LAYOUTS, "data.layout", self.layout, ", ".join(LAYOUTS))
         _check(self.num_classes is None or self.num_classes >= 1, "data.num_classes", self.num_classes,
                "null or an integer >= 1")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
