@@ -575,6 +575,51 @@ def wait_for(ready, proc, what: str, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def test_a_launch_refused_at_its_first_attempt_is_refused_again_when_torchrun_restarts_it(tmp_path, monkeypatch):
+    """torchrun restarts a worker refused with status 2 (--max-restarts): the restart may start over or resume
+    only in a directory an earlier attempt of the same launch wrote (its configs/attempt-<n>.yaml names the
+    launch). Into a project's folder (its own config.yaml), another run's files without a checkpoint, or another
+    run with resume=never, the restart is refused as the first attempt was and changes nothing (it had trained
+    there, overwriting the project's config.yaml). The launch's own directory, killed before its first checkpoint
+    or finished with resume=never, is started over or resumed by its restart, and by a SLURM requeue of its job."""
+    short = {"trainer": {"max_steps": 4, "ckpt_every": 4, "eval_every": 4}}
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("my_project: important\nlr: 3\n")
+    other = tmp_path / "other"  # another launch's run, killed before its first checkpoint
+    pcdist.train(cfg(other, **short))
+    shutil.rmtree(other / "checkpoints")
+    finished = tmp_path / "finished"
+    pcdist.train(cfg(finished, **short))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-4711")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for run_dir, over, said in ((project, {}, "holds files that pcdist did not write (config.yaml)"),
+                                (other, {}, "holds a run's files (metrics.jsonl"),
+                                (finished, {"resume": "never"}, "resume=never but")):
+        before = snapshot(run_dir)
+        with pytest.raises(pcdist.ConfigError, match=re.escape(said)):
+            pcdist.train(cfg(run_dir, **short, **over))
+        assert snapshot(run_dir) == before, run_dir
+    own = tmp_path / "own"  # this launch's first attempt, killed before its first checkpoint
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    pcdist.train(cfg(own, **short))
+    shutil.rmtree(own / "checkpoints")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert pcdist.train(cfg(own, **short))["step"] == 4, "started over by its restart"
+    assert pcdist.train(cfg(own, resume="never", **short))["step"] == 4, "resumed (finished) by its restart"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-4712")  # a SLURM requeue: a new torchrun, the same job
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    requeued = tmp_path / "requeued"
+    pcdist.train(cfg(requeued, **short))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-4713")
+    assert pcdist.train(cfg(requeued, resume="never", **short))["step"] == 4
+    monkeypatch.setenv("SLURM_JOB_ID", "78")  # another job
+    with pytest.raises(pcdist.ConfigError, match="resume=never but"):
+        pcdist.train(cfg(requeued, resume="never", **short))
+
+
 def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces():
     """The line a stopped run prints to resume it (`to resume: ...`) names its folder as one shell argument: a
     run directory with a space was printed bare and split in two when pasted (cluster review)."""

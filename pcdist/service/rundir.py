@@ -293,9 +293,43 @@ def links_refusal(run_dir: Path, found: list[str], writes: str) -> str:
             f"folder, remove the links, or copy the run without them (cp -rL {run_dir} <new folder>)")
 
 
+RESTARTS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm_job": "SLURM_RESTART_COUNT"}
+
+
 def _restarted() -> bool:
     """This is the same launch restarted by torchrun, or requeued by SLURM."""
-    return any(int(os.environ.get(k, "0") or 0) > 0 for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(int(os.environ.get(k, "0") or 0) > 0 for k in RESTARTS.values())
+
+
+def _launch_ids() -> dict[str, str | None]:
+    """What names this launch to its own restarts: the torchrun launch (``_launch_key``, the same on its every
+    restart) and the SLURM job (the same on its every requeue); None where it is not one."""
+    torchrun = None
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            torchrun = _launch_key()[0]
+        except ConfigError:
+            pass
+    return {"torchrun": torchrun, "slurm_job": os.environ.get("SLURM_JOB_ID") or None}
+
+
+def _restarted_into(run_dir: Path) -> bool:
+    """This launch restarted by torchrun or requeued by SLURM into a directory that an earlier attempt of the same
+    launch wrote (its configs/attempt-<n>.yaml names the launch): it starts over or resumes there whatever
+    ``resume=`` says. A launch refused at its first attempt (the directory another run's, or a project's) wrote
+    no attempt there, so torchrun's restart of it is refused again."""
+    ids = _launch_ids()
+    mine = {k: ids[k] for k, env in RESTARTS.items() if ids[k] is not None and int(os.environ.get(env, "0") or 0) > 0}
+    for path in (Path(run_dir) / "configs").glob("attempt-*.yaml") if mine else ():
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("# launch: "):
+                try:
+                    recorded = json.loads(line[len("# launch: "):])
+                except ValueError:
+                    continue
+                if isinstance(recorded, dict) and any(recorded.get(k) == v for k, v in mine.items()):
+                    return True
+    return False
 
 
 LOCK = ".lock"
@@ -473,7 +507,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
                skipped=skipped, sweep=sweep)
-    restarted = _restarted()
+    restarted = _restarted_into(run_dir)
     if r.checkpoint is None:
         r.unstarted = _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
         return r
@@ -644,7 +678,7 @@ def write_attempt(run_dir: Path, c: Config, r: Resume, start: int) -> Path:
                  if (m := re.fullmatch(r"attempt-(\d+)\.yaml", p.name))), default=0)
     how = f"resumed from {r.checkpoint.name} at step {start}" if r.checkpoint else "a new run"
     head = [f"# attempt {n}: {how}, started {time.strftime('%Y-%m-%d %H:%M:%S')}",
-            f"# overrides: {json.dumps(r.overrides)}"]
+            f"# overrides: {json.dumps(r.overrides)}", f"# launch: {json.dumps(_launch_ids())}"]
     head += [f"# {line}" for line in r.lines()]
     path = folder / f"attempt-{n}.yaml"
     path.write_text("\n".join(head) + "\n" + yaml.safe_dump(asdict(c), sort_keys=False))
