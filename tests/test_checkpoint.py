@@ -124,6 +124,62 @@ def test_a_skipped_damaged_checkpoint_is_set_aside_and_never_takes_a_good_ones_p
     assert pcdist.load(run).step == 12 and (run / "checkpoints" / "step-00000008.damaged").is_dir()
 
 
+def test_a_step_damaged_twice_is_set_aside_twice_and_the_run_resumes_each_time(two_checkpoints, tmp_path):
+    """Step 8 damaged, the run resumed from 4 (step 8 set aside, written again), then step 8 damaged again: the
+    second resume sets it aside beside the first (step-00000008.damaged-2; renaming onto the first failed with a
+    traceback at every later resume) and ends at step 8 again."""
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    for _ in range(2):
+        truncate(next((run / "checkpoints" / "step-00000008").glob("layers-*.pt")))
+        assert pcdist.train({"run_dir": str(run), "logger.plots": False})["step"] == 8
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000004", "step-00000008", "step-00000008.damaged", "step-00000008.damaged-2"]
+
+
+@pytest.mark.parametrize("manifest", ["with the layer count", "of an older pcdist"])
+def test_a_checkpoint_whose_files_leave_out_a_layer_is_damaged(tmp_path, manifest):
+    """A checkpoint whose manifest matches its files but whose layer files leave out layers (a slice's file
+    missing from the listing that made the manifest: a shared filesystem): skipped as damaged, saying which
+    layers have no file, and the run resumes from the previous one (it was taken as valid and failed with a bare
+    KeyError). A manifest of an older pcdist, without the layer count, is held to files from layer 1 on, and a
+    file that lacks the model's layers is one line naming the checkpoint."""
+    import hashlib
+    import json
+
+    run = tmp_path / "run"
+    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": TANH,
+                  "parallel": {"layer": 1}, "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8,
+                                                         "progress": "off"}})
+    newest = run / "checkpoints" / "step-00000008"
+    (layers,) = newest.glob("layers-*.pt")
+    assert layers.name == "layers-0001-0004.pt"
+    body = json.loads((newest / "manifest.json").read_text())
+    assert body["layers"] == 3
+    if manifest == "of an older pcdist":
+        del body["layers"]
+    # the slice of layers 1..3 rewritten as a file of layers 2..3, and its manifest entry with it
+    part = torch.load(layers, weights_only=True)
+    part["layers"] = {k: v for k, v in part["layers"].items() if not k.startswith("layers.1.")}
+    layers.unlink()
+    torch.save(part, newest / "layers-0002-0004.pt")
+    del body["files"][layers.name]
+    body["files"]["layers-0002-0004.pt"] = hashlib.sha256((newest / "layers-0002-0004.pt").read_bytes()).hexdigest()
+    (newest / "manifest.json").write_text(json.dumps(body))
+    found, = [w for w in _warned(lambda: latest_checkpoint(run))]
+    assert f"skipping damaged checkpoint {newest}: manifest.json: layers 1..1 have no file" in found
+    net = pcdist.PCNetwork.from_dims(TANH["dims"], activation="tanh")
+    with pytest.raises(CheckpointError, match=f"{newest} does not hold this model's layers: missing 'layers.1."):
+        load_checkpoint(newest, net, None)
+    assert pcdist.train({"run_dir": str(run), "logger.plots": False})["step"] == 8  # resumed from step 4
+
+
+def _warned(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in seen]
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_untouched(tmp_path):
     """With its only checkpoint truncated, a rerun neither restarts the run from step 0 in the same folder nor
     changes anything: one line naming the checkpoint and why, exit status 2; pcdist.train refuses alike."""

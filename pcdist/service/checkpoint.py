@@ -117,7 +117,10 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
     if leader:
         _atomic_save(meta, tmp / "meta.pt")
         files = sorted(p.name for p in tmp.iterdir() if not p.name.endswith(".part"))
-        manifest = {"step": step, "files": {n: _sha256(tmp / n) for n in files}}
+        gap = _gap(files, net.num_layers)
+        if gap is not None:  # (a shared filesystem whose listing missed a peer's file): never published
+            raise CheckpointError(f"writing the checkpoint {final} failed: {gap}")
+        manifest = {"step": step, "layers": net.num_layers, "files": {n: _sha256(tmp / n) for n in files}}
         try:
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         except OSError as e:
@@ -133,13 +136,37 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
     return final
 
 
+LAYER_FILE = re.compile(r"layers-(\d{4,})-(\d{4,})\.pt")
+"""A layer slice's file of a checkpoint: layers-<first>-<stop>.pt, layers first .. stop - 1."""
+
+
+def _gap(files, num_layers: int | None) -> str | None:
+    """What the layer files of a checkpoint leave out of layers 1 .. ``num_layers`` (None: as many as they
+    reach), or None where they cover them all, once each."""
+    slices = sorted((int(m.group(1)), int(m.group(2))) for f in files if (m := LAYER_FILE.fullmatch(f)))
+    at = 1
+    for first, stop in slices:
+        if first != at:
+            return (f"layers {at}..{first - 1} have no file" if first > at else
+                    f"layers {first}..{min(stop, at) - 1} are in two files")
+        at = stop
+    if num_layers is not None and at != num_layers + 1:
+        return f"layers {at}..{num_layers} have no file" if at <= num_layers else f"{at - 1} layers, not {num_layers}"
+    return None if slices else "no layer file"
+
+
 def set_aside(skipped: list[tuple[Path, str]]) -> None:
-    """The damaged checkpoints a resume skipped (``newest_valid``), renamed ``step-<N>.damaged`` once the run
-    continues: kept for a look, but never again one of the ``ckpt_keep`` newest (a good older one would be pruned
-    in its place) nor met by a later resume."""
+    """The damaged checkpoints a resume skipped (``newest_valid``), renamed ``step-<N>.damaged`` (``.damaged-2``
+    where a damaged copy of that step was set aside before) once the run continues: kept for a look, but never
+    again one of the ``ckpt_keep`` newest (a good older one would be pruned in its place) nor met by a later
+    resume."""
     for path, _ in skipped:
         if path.is_dir():
-            os.replace(path, path.with_name(path.name + ".damaged"))
+            aside, n = path.with_name(path.name + ".damaged"), 1
+            while aside.exists():
+                n += 1
+                aside = path.with_name(f"{path.name}.damaged-{n}")
+            os.replace(path, aside)
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -161,6 +188,9 @@ def _verify(path: Path) -> None:
         files = manifest["files"]
     except Exception as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+    gap = _gap(files, manifest.get("layers"))  # (checkpoints from before the manifest kept the layer count: None)
+    if gap is not None:
+        raise CheckpointError(f"{manifest_path}: {gap}")
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
@@ -231,11 +261,14 @@ def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Opt
         raise CheckpointError(f"{path} was written by a different model: {_describe(saved)}; "
                               f"this run has {_describe(net.signature())}")
     layers, opt_state = {}, {}
-    for f in sorted(path.glob("layers-*.pt")):
-        part = read_pt(f)
-        layers.update(part["layers"])
-        opt_state.update(part["optimizer"])
-    net.load_layer_state_dict(layers)
-    if optimizer is not None:
-        _load_layer_optimizer_state(net, optimizer, opt_state)
+    try:
+        for f in sorted(path.glob("layers-*.pt")):
+            part = read_pt(f)
+            layers.update(part["layers"])
+            opt_state.update(part["optimizer"])
+        net.load_layer_state_dict(layers)
+        if optimizer is not None:
+            _load_layer_optimizer_state(net, optimizer, opt_state)
+    except (KeyError, ValueError, TypeError) as e:  # a file of the right format missing what the model needs
+        raise CheckpointError(f"{path} does not hold this model's layers: {e.args[0] if e.args else e}") from e
     return meta
