@@ -171,6 +171,58 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
 
 
+SIGNAL_AT_START = textwrap.dedent("""
+    import os, signal, sys, torch, pcdist
+    from pcdist.data import StreamedData, load_digits
+    from pcdist.service.preemption import Preempted
+
+    class Digits(torch.utils.data.Dataset):  # sends the signal as the run reads its first batch (pc.x_lr=auto)
+        def __init__(self, x, y, sig=None):
+            self.x, self.y, self.sig = x, y, sig
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, i):
+            if self.sig is not None:
+                os.kill(os.getpid(), self.sig)
+                self.sig = None
+            return self.x[i], int(self.y[i])
+
+    d, sig, run_dir = load_digits(), getattr(signal, sys.argv[1]), sys.argv[2]
+    mine = lambda signum, frame: print("the caller's own handler", flush=True)
+    signal.signal(signal.SIGTERM, mine)
+    train = Digits(d.x_train, d.y_train)
+    data = StreamedData(train, Digits(d.x_val, d.y_val), 10)  # (it reads sample 0 to know the shape)
+    train.sig = sig
+    cfg = {"run_dir": run_dir, "logger": "none", "logger.plots": False, "data.num_workers": 0,
+           "trainer": {"max_steps": 500, "ckpt_every": 400, "progress": "off"}}
+    try:
+        pcdist.train(cfg, data=data)
+    except Preempted as e:
+        print("stopped:", e.signal == sig, flush=True)
+    print("handlers:", signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
+          signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the caller's handler again, not a recorded stop
+""")
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_during_the_start_stops_after_its_second_step_and_handlers_come_back(tmp_path, sig):
+    """SIGUSR1 or SIGTERM while the run starts (reading its first batches for pc.x_lr=auto, after it made its
+    files): recorded, so the run stops as a pre-empted one after its second step (each step reads the stop vote
+    of the step before), with its checkpoint (SIGUSR1 killed the process outright, without a line or
+    PREEMPTED). When pcdist.train returns or raises, the caller's handlers of SIGTERM, SIGUSR1 and SIGINT are
+    back (a script ignored SIGTERM and SIGUSR1 after its first pcdist.train)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", SIGNAL_AT_START, sig, str(run_dir)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-3:] == ["stopped: True", "handlers: True True True", "the caller's own handler"], out.stdout
+    assert any(line.startswith("pre-empted: stopped by a signal after step 2;") for line in lines), out.stdout
+    assert (run_dir / "PREEMPTED").read_text() == "2\n"
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
+
+
 CTRL_C_AT_IMPORT = textwrap.dedent("""
     import os, runpy, signal, sys
     module, entry, args = sys.argv[1], sys.argv[2], sys.argv[3:]

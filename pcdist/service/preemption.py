@@ -31,13 +31,16 @@ class Preempted(RuntimeError):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def catch_stop_signals() -> tuple[dict, object]:
+def catch_stop_signals() -> tuple[dict, dict]:
     """Record SIGTERM / SIGUSR1 / SIGINT instead of dying, so the current step can finish and checkpoint; a
-    second stop signal that is a Ctrl-C exits at once. Returns the record and SIGINT's previous handler."""
-    got = {"signal": 0}
-    before = signal.getsignal(signal.SIGINT)
+    second stop signal that is a Ctrl-C exits at once. Returns the record and the signals' previous handlers
+    (``restore_signals``). Also those the process started ignoring: launch/slurm_node.sh starts torchrun's agent,
+    and so its workers, ignoring SIGTERM and SIGUSR1 until their training catches them."""
+    got: dict = {"signal": 0}
+    before: dict = {}
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
+            before[sig] = signal.getsignal(sig)
             signal.signal(sig, functools.partial(_on_stop_signal, got))
     return got, before
 
@@ -51,10 +54,13 @@ def _on_stop_signal(got: dict, signum: int, frame) -> None:
     got["signal"] = got["signal"] or signum
 
 
-def restore_sigint(before) -> None:
-    """Give Ctrl-C back its handler from before training (in a script: KeyboardInterrupt)."""
-    if threading.current_thread() is threading.main_thread() and before is not None:
-        signal.signal(signal.SIGINT, before)
+def restore_signals(before: dict) -> None:
+    """Give the stop signals back their handlers from before training (in a script: KeyboardInterrupt for Ctrl-C,
+    and SIGTERM / SIGUSR1 end the process again)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in before.items():
+            if handler is not None:  # (one installed outside Python: left as training left it)
+                signal.signal(sig, handler)
 
 
 def stop_message(signum: int, done: int, path: Path, resume: str) -> str:

@@ -6,7 +6,8 @@ in the (data, layer) mesh, builds the network (models.py), the optimizer (optimi
 trainer (``PCTrainer``, or ``BackpropTrainer`` for pc.algorithm=bp), restores the checkpoint the run resumes
 from (rundir.py's ``find_resume`` chose it; resume.py restores it) and opens the logger. ``train`` says how
 the run starts and runs ``train_step`` from step to step, each with its logging, evaluation, checkpoint
-and stop vote (preemption.py), to the end of the run; ``close`` closes the logger::
+and stop vote (preemption.py), to the end of the run; ``close`` closes the logger and gives the stop signals
+back their handlers::
 
     trainer = ServiceTrainer(c, device, distributed)
     try:
@@ -45,7 +46,7 @@ from .loader import Streamed
 from .metrics import make_logger
 from .models import make_network, model_specs, record_model
 from .optimizer import make_optimizer, optimizer_steps, warmup_note
-from .preemption import Preempted, StopVote, catch_stop_signals, restore_sigint, stop_message
+from .preemption import Preempted, StopVote, catch_stop_signals, restore_signals, stop_message
 from .resume import announce, forget_lost_steps, nothing_to_train, restore_checkpoint, resume_command
 from .rundir import Resume, find_resume
 from .userlayers import UserLayers
@@ -105,6 +106,7 @@ class ServiceTrainer:
         self._started = False
         self._first = self.step + 1  # this attempt's first step says so at once (``train_step``)
         self._vote: StopVote | None = None  # made by the first ``_steps``: on GPUs a gloo group, made once
+        self._signals: tuple[dict, dict] | None = None  # (the stop signal caught, the handlers before): ``train``
         if not self.finished:
             self.optimizer, self.scheduler = make_optimizer(config, self.network.parameters(), t.max_steps, device)
             self.engine = self._make_engine()
@@ -234,12 +236,10 @@ class ServiceTrainer:
         call it again to go on). A run with nothing left to train says so and returns its checkpoint."""
         if self.finished:
             return self._nothing_to_train()
+        if self._signals is None:  # caught from the start (a stop then: after the first steps) until ``close``
+            self._signals = catch_stop_signals()
         self.start()
-        got, before = catch_stop_signals()
-        try:
-            self._steps(self.end if until is None else until, got)
-        finally:
-            restore_sigint(before)
+        self._steps(self.end if until is None else until, self._signals[0])
         c = self.config
         if c.pc.diagnostics and c.logger.plots and self.parallel.is_logging:
             Diagnostics(c, self.run_dir, self.logger).plot()
@@ -422,13 +422,17 @@ class ServiceTrainer:
                                writer=self.parallel.data_rank == 0, leader=self.is_rank0)
 
     def close(self) -> None:
-        """Close the logger (wandb, the progress line, metrics.jsonl) and stop the data's worker processes."""
+        """Close the logger (wandb, the progress line, metrics.jsonl), stop the data's worker processes and give the
+        stop signals back their handlers from before training (in a script: SIGTERM ends it again)."""
         try:
             if self.logger is not None:
                 self.logger.close()
         finally:
             if isinstance(self.data, Streamed):
                 self.data.close()
+            if self._signals is not None:
+                restore_signals(self._signals[1])
+                self._signals = None
 
 
 def _end_line(c: Config, result: dict) -> str:
