@@ -143,6 +143,25 @@ def test_resume_never_and_require_refuse_with_one_line(stopped_at_12, tmp_path):
     assert pcdist.train(cfg(tmp_path / "done", resume="require"))["step"] == 24
 
 
+@pytest.mark.parametrize("bad", ["[1, 2]", '{"step": "5"}', '{"step": 2, "train/ene'])
+def test_a_damaged_metrics_row_before_the_last_is_refused_and_changes_nothing(stopped_at_12, tmp_path, bad):
+    """A metrics.jsonl line before the last that is not a row pcdist writes (not an object, a step that is not an
+    integer, a line cut short): the resume is refused in one line naming the file and line, and nothing in the
+    directory changes (it failed with a traceback after rewriting model.json, or deleted the line without a word).
+    Cut short as the last line (a run killed while writing it) it is dropped, and the resume goes on."""
+    run = copy_of(stopped_at_12, tmp_path / "run")
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], bad, *rows[1:]]) + "\n")
+    before = snapshot(run)
+    with pytest.raises(pcdist.ConfigError, match=f"^cannot resume {run}: {run / 'metrics.jsonl'}: line 2 is not "):
+        pcdist.train(cfg(run))
+    assert snapshot(run) == before
+    (run / "metrics.jsonl").write_text("\n".join([*rows, bad]) + "\n" if bad.endswith("ene") else "\n".join(rows))
+    if bad.endswith("ene"):
+        assert pcdist.train(cfg(run))["step"] == 24
+        assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "train/energy" in r] == list(range(4, 25, 4))
+
+
 def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp_path, capsys):
     """Stop at 12, resume with a new LR, T and length: each change is one line with its decision; from step 12
     on the LR follows the new schedule (what a straight run with the new settings logs); every attempt's

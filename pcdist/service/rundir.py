@@ -38,8 +38,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_pt
+from .metrics import read_metrics
 from .config import DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings
-from ..errors import ConfigError, printable
+from ..errors import ConfigError, RunError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
            "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
@@ -504,6 +505,12 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     found = links_in(run_dir)
     if found:
         raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
+    for rows in ("metrics.jsonl", "diagnostics.jsonl"):  # whole rows, but for a last one cut short (a resume keeps
+        if (Path(run_dir) / rows).is_file():  # those of its steps, drops the rest and that one)
+            try:
+                read_metrics(Path(run_dir) / rows)
+            except RunError as e:
+                raise ConfigError(f"cannot resume {run_dir}: {e}; nothing in it was changed") from None
     newest, skipped = newest_valid(run_dir)
     r = Resume(Path(run_dir), newest, config=c, overrides=list(dict.fromkeys((passed or {}).values())),
                skipped=skipped, sweep=sweep)
