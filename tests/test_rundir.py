@@ -639,6 +639,28 @@ def test_a_launch_refused_at_its_first_attempt_is_refused_again_when_torchrun_re
         pcdist.train(cfg(requeued, resume="never", **short))
 
 
+def _lets_go_after_the_logging_rank(rank, world, cfg):
+    pcdist.train(cfg)
+    run_dir = Path(cfg["run_dir"])
+    if rank == 0:  # it held the directory; rank 1, the last layer slice, logs
+        assert not (run_dir / LOCK).exists(), "the directory let go"
+        assert (run_dir / "train.log").read_text().splitlines()[-1].endswith(f"run directory: {run_dir}")
+        assert (run_dir / "accuracy_energy.png").is_file(), "the logging rank's plots, drawn as it closes"
+
+
+def test_the_first_rank_lets_the_directory_go_only_after_the_logging_rank_is_done(tmp_path):
+    """Two layer slices: the first rank holds the directory, the last one logs. When the first rank's run ends,
+    the logging rank has written its last line and drawn its plots (its close): the first rank let the directory
+    go as soon as its own part ended, and a second launch could take it while the first still wrote there."""
+    from spawn import run
+
+    c = cfg(tmp_path / "run", parallel={"layer": 2}, trainer={"max_steps": 4, "eval_every": 4, "ckpt_every": 4})
+    c["logger"] = {"name": "none", "plots": True}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        run(_lets_go_after_the_logging_rank, 2, c, timeout=240)
+
+
 def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces():
     """The line a stopped run prints to resume it (`to resume: ...`) names its folder as one shell argument: a
     run directory with a space was printed bare and split in two when pasted (cluster review)."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.exchange import report_failure
-from ..distributed.parallel import init_distributed, leave_process_group
+from ..distributed.parallel import barrier, init_distributed, leave_process_group
 from ..engine.precision import restore_tf32, tf32_state
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
@@ -122,14 +122,16 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
             result = trainer.train()
             failed = False
             return result
+        except Preempted:
+            failed = False
+            raise
         finally:
             trainer.close()
+            if distributed and not failed:  # the logging rank's last writes (its line, plots, wandb) done before
+                barrier("the end-of-run barrier", device=device)  # the first rank lets the directory go
     except (ConfigError, DataError, CheckpointError, FloatingPointError) as e:  # its peers name this rank and why
         if distributed and dist.is_initialized():
             report_failure(str(e))
-        raise
-    except Preempted:
-        failed = False
         raise
     finally:
         restore_tf32(tf32)
