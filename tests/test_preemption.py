@@ -187,16 +187,16 @@ SIGNAL_AT_START = textwrap.dedent("""
                 self.sig = None
             return self.x[i], int(self.y[i])
 
-    d, sig, run_dir = load_digits(), getattr(signal, sys.argv[1]), sys.argv[2]
+    d, sig, run_dir, steps = load_digits(), getattr(signal, sys.argv[1]), sys.argv[2], int(sys.argv[3])
     mine = lambda signum, frame: print("the caller's own handler", flush=True)
     signal.signal(signal.SIGTERM, mine)
     train = Digits(d.x_train, d.y_train)
     data = StreamedData(train, Digits(d.x_val, d.y_val), 10)  # (it reads sample 0 to know the shape)
     train.sig = sig
     cfg = {"run_dir": run_dir, "logger": "none", "logger.plots": False, "data.num_workers": 0,
-           "trainer": {"max_steps": 500, "ckpt_every": 400, "progress": "off"}}
+           "trainer": {"max_steps": steps, "ckpt_every": 400, "progress": "off"}}
     try:
-        pcdist.train(cfg, data=data)
+        print("finished at step", pcdist.train(cfg, data=data)["step"], flush=True)
     except Preempted as e:
         print("stopped:", e.signal == sig, flush=True)
     print("handlers:", signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
@@ -213,7 +213,7 @@ def test_a_stop_signal_during_the_start_stops_after_its_second_step_and_handlers
     PREEMPTED). When pcdist.train returns or raises, the caller's handlers of SIGTERM, SIGUSR1 and SIGINT are
     back (a script ignored SIGTERM and SIGUSR1 after its first pcdist.train)."""
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", SIGNAL_AT_START, sig, str(run_dir)], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", SIGNAL_AT_START, sig, str(run_dir), "500"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -221,6 +221,19 @@ def test_a_stop_signal_during_the_start_stops_after_its_second_step_and_handlers
     assert any(line.startswith("pre-empted: stopped by a signal after step 2;") for line in lines), out.stdout
     assert (run_dir / "PREEMPTED").read_text() == "2\n"
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
+
+
+def test_a_stop_voted_at_the_last_step_ends_the_run_as_finished(tmp_path):
+    """A stop signal whose vote lands on the run's last step (here: sent during the start of a 2-step run): the
+    run ends as it would have, finished, with its last line and no PREEMPTED (it was left in the finished run,
+    which no rerun trains again, so none removed it, and a launcher requeued the job)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", SIGNAL_AT_START, "SIGUSR1", str(run_dir), "2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-3:] == ["finished at step 2", "handlers: True True True", "the caller's own handler"], out.stdout
+    assert lines[-4].startswith("step 2: val/accuracy ") and not (run_dir / "PREEMPTED").exists()
 
 
 CTRL_C_AT_IMPORT = textwrap.dedent("""

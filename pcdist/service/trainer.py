@@ -320,7 +320,7 @@ class ServiceTrainer:
             self.logger.progress(done, first_step_s=time.perf_counter() - t0)
         path = self._checkpoint(done) if ckpt else None
         self.step = self.result["step"] = done
-        if stop:
+        if stop and done < self.end:  # (a stop voted at the last step: the run ends as it would have, finished)
             self._vote.finish()
             # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
             if self.is_rank0 and stop != signal.SIGINT:
