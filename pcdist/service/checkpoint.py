@@ -48,6 +48,20 @@ def _atomic_save(obj, path: Path) -> None:
         raise CheckpointError(f"writing {path} failed (disk full?): {e}") from e
 
 
+def _fsync_dir(path: Path) -> None:
+    """The directory's entries (new names, renames) on disk; where a filesystem cannot sync a directory, nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -121,12 +135,19 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         if gap is not None:  # (a shared filesystem whose listing missed a peer's file): never published
             raise CheckpointError(f"writing the checkpoint {final} failed: {gap}")
         manifest = {"step": step, "layers": net.num_layers, "files": {n: _sha256(tmp / n) for n in files}}
+        def write(f) -> None:
+            f.write(json.dumps(manifest, indent=1).encode())
+            f.flush()
+            os.fsync(f.fileno())
+
         try:
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        except OSError as e:
+            replace_file(tmp / "manifest.json", write)
+        except Exception as e:
             raise CheckpointError(f"writing {tmp / 'manifest.json'} failed (disk full?): {e}") from e
+        _fsync_dir(tmp)  # its files' names on disk before it is published
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync_dir(ckdir)  # published on disk before an older checkpoint is pruned (a power loss between: one stays)
         # keep the newest `keep` up to this step; those after it (damaged ones a resume skipped) stay until
         # the run writes their steps again: pruning never removes what it has just written
         for old in [k for k in _checkpoints(ckdir) if _step_of(k) <= step][:-keep]:
