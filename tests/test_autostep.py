@@ -79,6 +79,42 @@ def test_where_no_step_passes_the_line_says_so(tmp_path):
     assert "pc.init=newton starts the nodes near the equilibrium" in line, "the line says why none passed"
 
 
+def test_a_layer_without_parameters_is_not_judged(tmp_path):
+    """A PC layer without parameters (nn.Softsign between dense layers) has neither PC's update nor backprop's
+    gradient: diagnose does not compare it (its cos 0 had failed every candidate, so auto always fell to the
+    smallest step), and auto chooses a step that passes on the layers that have weights."""
+    import torch
+    from torch import nn
+
+    from pcdist.service.autostep import choose_x_lr
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Softsign(),
+              nn.Linear(16, 3)]
+    net = pcdist.PCNetwork.from_layers(layers, input_shape=(8,)).double()
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=8, x_lr=0.01, compile="none")
+    batches = [(torch.randn(32, 8, dtype=torch.float64),
+                torch.nn.functional.one_hot(torch.randint(0, 3, (32,)), 3).double()) for _ in range(2)]
+    d = pcdist.diagnose(tr, *batches[0])
+    assert d["compared"] == [True, True, False, True] and d["unreached"] == []
+    x_lr, rows = choose_x_lr(tr, batches)
+    chosen = next(r for r in rows if r["x_lr"] == x_lr)
+    assert chosen["passed"] and min(chosen["min_cos"]) >= MIN_COS, rows
+
+
+def test_layers_below_the_error_front_are_named_not_judged(tmp_path):
+    """Ten layers at pc.T=5 from the feed-forward init: T steps carry the error from the output down to layer
+    L - T = 5, so layers 1..4 get no update from PC at any step (cos 0 whatever x_lr, which failed every
+    candidate without a word). They are left out of the test and the line names them, with the ways out."""
+    pcdist.train({"model": {"dims": [64, *[32] * 9, 10]}, "pc": {"T": 5}, "logger": "none", "logger.plots": False,
+                  "run_dir": str(tmp_path), "trainer": {"max_steps": 1, "eval_every": 1, "progress": "off"}})
+    record = json.loads((tmp_path / "x_lr.json").read_text())
+    assert all(r["unreached"] == [1, 2, 3, 4] for r in record["candidates"]), record["candidates"]
+    assert ("at every layer PC updates (layers 1..4 get no update from it at any step: pc.T=5 steps from the "
+            "feed-forward init do not reach them; raise pc.T, or pc.init=backward or newton)") in \
+        (tmp_path / "train.log").read_text()
+
+
 def test_a_resumed_run_keeps_its_step(runs):
     """A resume takes the step the run chose (its checkpoint and x_lr.json, which it leaves as it was: nothing is
     chosen again at the trained weights), and says so; where pc.T (or another setting the step was chosen at)

@@ -15,8 +15,9 @@ update point where backprop's gradient points? (docs/fidelity.md, "Diagnostics".
    upstream: point-to-point, as the inference exchange);
 4. per layer l: cos(PC update, BP gradient) over all of the layer's parameters, and the norm ratio
    ||PC update|| / ||BP gradient|| (0 and 0 where PC's update is exactly 0: a layer inference has
-   not reached); per free node n: its value change over inference against its activation scale,
-   rms(h_n(T) - h_n(0)) / rms(h_n(0)) (h_n(0): the feed-forward init).
+   not reached, listed in ``unreached``; also 0 and 0 for a layer without parameters, or whose backprop
+   gradient is 0: neither is ``compared``); per free node n: its value change over inference against its
+   activation scale, rms(h_n(T) - h_n(0)) / rms(h_n(0)) (h_n(0): the feed-forward init).
 
 Each rank computes the numbers of its own layers and nodes; one reduce brings them to the logging
 rank, which alone gets the result (None elsewhere). Every rank must call it (it is collective).
@@ -88,8 +89,10 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
              global_batch: int | None = None) -> dict | None:
     """The diagnostics of one batch (see the module docstring) on the logging rank, None elsewhere:
     ``energy_trace`` [T + 1][L], ``energy`` (totals per step), ``inference`` (``classify_inference``),
-    ``cosine`` [L], ``norm_ratio`` [L], ``value_change`` and ``activation_scale`` {node: value} of
-    the free nodes. ``T``: inference steps (default the trainer's; 0: the update at the init).
+    ``cosine`` [L], ``norm_ratio`` [L], ``compared`` [L] (both updates non-zero: the layer's cos means
+    something), ``unreached`` (the layers, from 1, with a backprop gradient and no PC update: below the error
+    front), ``value_change`` and ``activation_scale`` {node: value} of the free nodes. ``T``: inference steps
+    (default the trainer's; 0: the update at the init).
     ``x`` and ``y`` clamp h_0 and h_L (supervised; backprop has nothing to compare with otherwise)."""
     if x is None or y is None:
         raise ValueError("diagnose compares PC with backprop on a supervised batch: give both x and y")
@@ -132,12 +135,15 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     total = par.sum_to_logging(stats.tolist(), x_in.device)
     if total is None:
         return None
-    cos, ratio = [], []
+    cos, ratio, compared, unreached = [], [], [], []
     for l in range(L):
         dot, npc, nbp = total[3 * l : 3 * l + 3]
         ok = npc > 0 and nbp > 0
         cos.append(dot / math.sqrt(npc * nbp) if ok else 0.0)
         ratio.append(math.sqrt(npc / nbp) if ok else 0.0)
+        compared.append(ok)
+        if nbp > 0 and npc == 0:
+            unreached.append(l + 1)
     nodes = sorted({n for n in range(L + 1) if total[3 * L + 2 * n + 1] > 0 or total[3 * L + 2 * n] > 0})
     change = {n: math.sqrt(total[3 * L + 2 * n] / total[3 * L + 2 * n + 1]) if total[3 * L + 2 * n + 1] > 0
               else math.inf for n in nodes}
@@ -145,8 +151,8 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     scale = {n: math.sqrt(total[3 * L + 2 * n + 1] / (count * math.prod(net.node_shapes[n]))) for n in nodes}
     energy = [math.fsum(row) for row in trace]
     return {"T": T, "x_lr": trainer.x_lr, "energy_trace": trace, "energy": energy,
-            "inference": classify_inference(energy), "cosine": cos, "norm_ratio": ratio,
-            "value_change": change, "activation_scale": scale}
+            "inference": classify_inference(energy), "cosine": cos, "norm_ratio": ratio, "compared": compared,
+            "unreached": unreached, "value_change": change, "activation_scale": scale}
 
 
 def _backprop(trainer: PCTrainer, x_in: Tensor, y: Tensor, groups, pi_L: float, B: int,

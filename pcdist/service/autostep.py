@@ -11,8 +11,10 @@ initial weights,
     the inference energy falls at every step (no oscillation or growth), and
     every layer's weight update is within cos >= ``MIN_COS`` (8 degrees) of backprop's gradient
 
-(``pcdist.diagnose``; the smallest candidate if none passes). The choice is printed in the log and
-kept in the run directory (``x_lr.json``: the value and every candidate's numbers); a resumed run
+(``pcdist.diagnose``; the smallest candidate if none passes). The layers judged are those both updates reach
+(``compared``): a layer without parameters has neither, and one below the error front (T steps from the
+feed-forward init reach L - T layers) gets no update from PC at any step, which the line says. The choice is
+printed in the log and kept in the run directory (``x_lr.json``: the value and every candidate's numbers); a resumed run
 reads it back instead of choosing again, and ``pcdist.load`` / ``evaluate`` read it too. Backprop's
 gradient exists only for supervised PC: in the other modes auto is 0.1 (the old default).
 """
@@ -61,11 +63,12 @@ def choose_x_lr(trainer, batches, global_batch: int | None = None) -> tuple[floa
 
     def passes(x_lr: float) -> bool:
         trainer.x_lr = x_lr
-        ok, row = True, {"x_lr": x_lr, "min_cos": [], "monotone": []}
+        ok, row = True, {"x_lr": x_lr, "min_cos": [], "monotone": [], "unreached": []}
         for x, y in batches:
             r = diagnose(trainer, x, y, global_batch=global_batch)
             if r is not None:
-                row["min_cos"].append(min(r["cosine"]))
+                row["min_cos"].append(min((c for c, on in zip(r["cosine"], r["compared"]) if on), default=1.0))
+                row["unreached"] = sorted({*row["unreached"], *r["unreached"]})
                 row["monotone"].append(_monotone(r["energy"]))
                 ok = ok and row["monotone"][-1] and row["min_cos"][-1] >= MIN_COS
             if not _agree(par, ok):
@@ -83,6 +86,17 @@ def choose_x_lr(trainer, batches, global_batch: int | None = None) -> tuple[floa
             lo = mid + 1
     trainer.x_lr = CANDIDATES[best]
     return CANDIDATES[best], sorted(rows, key=lambda r: -r["x_lr"])
+
+
+def _spans(layers: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1..3, 7"."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and layer == spans[-1][1] + 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def _agree(par, ok: bool) -> bool:
@@ -160,8 +174,12 @@ def settle_x_lr(c, trainer, run_dir: Path, batches, resumed: dict | None, is_log
         tried = ", ".join(f"{r['x_lr']:g}" + ("" if r["passed"] else f" (cos {min(r['min_cos'] or [0]):.3f}"
                                                 + ("" if all(r["monotone"]) else ", energy not falling") + ")")
                           for r in rows)
+        unreached = sorted({layer for r in rows for layer in r["unreached"]})
+        every = "at every layer" if not unreached else (
+            f"at every layer PC updates (layers {_spans(unreached)} get no update from it at any step: pc.T={c.pc.T} "
+            f"steps from the feed-forward init do not reach them; raise pc.T, or pc.init=backward or newton)")
         test = (f"inference energy falls at every step and whose weight update is within cos {MIN_COS} of "
-                f"backprop's gradient at every layer on the first {len(batches)} batches")
+                f"backprop's gradient {every} on the first {len(batches)} batches")
         if step:
             test += f" (at the weights of step {step}, this run's now)"
         if any(r["passed"] for r in rows):
