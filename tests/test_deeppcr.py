@@ -102,8 +102,9 @@ def test_bad_chains_are_rejected():
 def test_pc_init_deeppcr_trains_like_the_feedforward_init(algorithm):
     """pc.init=deeppcr only changes how the init is computed: the training is the same to round-off.
 
-    SGD, not Adam: right after the init the hidden errors are 0 (ff) or ~1e-16 (deeppcr), and
-    Adam's normalisation would turn that round-off into steps of lr * 1e-8."""
+    SGD: right after the init the hidden errors are 0 (ff) or ~1e-16 (deeppcr); the layers below the error
+    front are left out of the weight step under both, but the others' gradients differ by that round-off, which
+    Adam's normalisation would turn into steps of lr * 1e-8 where a gradient is itself that small."""
     import pcdist
 
     torch.manual_seed(0)

@@ -133,7 +133,7 @@ def test_the_adaptive_solver_is_for_inference_only():
     """A training step must have a fixed step count (it is captured as a graph): the trainer refuses
     solver="adaptive", and infer refuses it with value noise (Langevin steps are Euler-Maruyama's)."""
     net, x, y = _classifier()
-    with pytest.raises(ValueError, match="adaptive"):
+    with pytest.raises(ValueError, match=r"the adaptive solver runs at test time only: trainer.infer\("):
         pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), solver="adaptive")
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3)
     with pytest.raises(ValueError, match="Euler-Maruyama"):

@@ -249,14 +249,15 @@ class Parallel(LayerExchange):
             _mark_progress(self.steps_begun)
 
     # -- collectives ----------------------------------------------------------------
-    def all_sum(self, t: Tensor) -> Tensor:
-        """``t`` summed over every rank, in place (one tiny all-reduce; none in one process)."""
+    def all_sum(self, t: Tensor, what: str = "the skipped-update all-reduce") -> Tensor:
+        """``t`` summed over every rank, in place (one tiny all-reduce; none in one process); ``what``: the
+        collective in words, for the line a lost peer gives."""
         if self.logging_rank is not None:
-            on_host(lambda: self._sum(t))
+            on_host(lambda: self._sum(t, what))
         return t
 
-    def _sum(self, t: Tensor) -> None:
-        with collective("the skipped-update all-reduce"):
+    def _sum(self, t: Tensor, what: str) -> None:
+        with collective(what):
             dist.all_reduce(t)
 
     def _timed(self, work) -> None:

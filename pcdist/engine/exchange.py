@@ -76,8 +76,9 @@ class Local:
     def reduce_grads(self) -> None:
         pass
 
-    def all_sum(self, t: Tensor) -> Tensor:
-        """``t`` summed over every rank, in place, on the device (a skipped update's vote)."""
+    def all_sum(self, t: Tensor, what: str = "the skipped-update all-reduce") -> Tensor:
+        """``t`` summed over every rank, in place, on the device (a skipped update's vote, the adaptive solver's
+        error norm); ``what``: the collective in words."""
         return t
 
     # -- results ------------------------------------------------------------------------

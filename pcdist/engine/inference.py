@@ -125,7 +125,8 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
                 par.update_values(st, dt, more=s == 0)
             done["evaluations"] += 2
             total = par.all_sum(torch.stack([vo.estimate[1].double(),
-                                             torch.tensor(count, dtype=torch.float64, device=like.device)]))
+                                             torch.tensor(count, dtype=torch.float64, device=like.device)]),
+                                "the adaptive solver's error all-reduce")
             sq, n = total.tolist()
             err = math.sqrt(sq / max(n, 1.0))
             if err <= 1.0:
@@ -134,7 +135,8 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
             else:
                 vo.restore()
                 done["rejected"] += 1
-            dt *= min(5.0, max(0.2, 0.9 / math.sqrt(err))) if err > 0 else 5.0
+            # (an error estimate that is not finite, a trial step that overflowed: shrink, as for a large one)
+            dt *= 0.2 if not math.isfinite(err) else min(5.0, max(0.2, 0.9 / math.sqrt(err))) if err > 0 else 5.0
     finally:
         vo.estimate = None
     done["t"] = t

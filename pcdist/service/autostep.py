@@ -3,8 +3,8 @@
 PC's weight update is backprop's gradient in the limit of small errors (docs/fidelity.md): a value
 step large enough to drive the nodes far within T steps makes the output layer learn from a top node
 far from the feed-forward one, and on data other than the digits that costs accuracy without a
-sign (a 1-D MLP at 0.46 against backprop's 0.89 with the old x_lr = 0.1). The diagnostics on the
-first batches measure exactly that at the run's own T, solver and init: with ``auto`` the run takes
+sign (docs/solvers.md: the 1-D signals MLP at 0.40 against backprop's 0.65 with the old x_lr = 0.1). The
+diagnostics on the first batches measure exactly that at the run's own T, solver and init: with ``auto`` the run takes
 the largest step of ``CANDIDATES`` for which, on each of the first ``BATCHES`` batches at the
 initial weights,
 
@@ -13,10 +13,11 @@ initial weights,
 
 (``pcdist.diagnose``; the smallest candidate if none passes). The layers judged are those both updates reach
 (``compared``): a layer without parameters has neither, and one below the error front (T steps from the
-feed-forward init reach L - T layers) gets no update from PC at any step, which the line says. The choice is
-printed in the log and kept in the run directory (``x_lr.json``: the value and every candidate's numbers); a resumed run
-reads it back instead of choosing again, and ``pcdist.load`` / ``evaluate`` read it too. Backprop's
-gradient exists only for supervised PC: in the other modes auto is 0.1 (the old default).
+feed-forward init reach layers L - T to L) gets no update from PC at any step, which the line says. The choice
+is printed in the log and kept in the run directory (``x_lr.json``: the value and the numbers of every
+candidate tried); a resumed run reads it back instead of choosing again, and ``pcdist.load`` / ``evaluate``
+read it too. Backprop's gradient exists only for supervised PC: in the other modes auto is 0.1 (the old
+default).
 """
 
 from __future__ import annotations
