@@ -115,6 +115,24 @@ def test_load_picks_last_best_or_a_step_and_names_bad_requests(digits_run):
         pcdist.load(run_dir.parent)
 
 
+def test_the_best_checkpoint_damaged_gives_the_next_best_with_a_warning(digits_run, tmp_path):
+    """checkpoint="best" where the best-scoring kept checkpoint is damaged: the next best valid one, with a
+    warning naming the damaged one (it raised); every scored one damaged is one line."""
+    run_dir, _ = digits_run
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    acc = {r["step"]: r["val/accuracy"] for r in read_metrics(copy / "metrics.jsonl") if "val/accuracy" in r}
+    order = sorted((s for s in acc if (copy / "checkpoints" / f"step-{s:08d}").is_dir()),
+                   key=lambda s: (acc[s], s), reverse=True)
+    best = copy / "checkpoints" / f"step-{order[0]:08d}"
+    (best / "meta.pt").write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match=f"skipping damaged checkpoint {re.escape(str(best))}: "):
+        assert pcdist.load(copy, "best").step == order[1]
+    (copy / "checkpoints" / f"step-{order[1]:08d}" / "meta.pt").write_bytes(b"damaged")
+    with pytest.warns(UserWarning), pytest.raises(pcdist.RunError, match="every checkpoint with a logged "
+                                                                         "val/accuracy is damaged"):
+        pcdist.load(copy, "best")
+
+
 def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits_run, tmp_path):
     """pc.x_lr=auto's choice lived only in x_lr.json: a copy without it was loaded and evaluated at 0.1 (an energy
     after T 1.15 against the run's 1.35), without a word. The checkpoint records the step; a damaged x_lr.json

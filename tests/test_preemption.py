@@ -169,6 +169,15 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("second Ctrl-C: stopped at once"), out.stderr[-3000:]
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000004"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
+    import torch
+    from pcdist.data import StreamedData
+
+    d = pcdist.data.load_digits()
+    data = StreamedData(*(torch.utils.data.TensorDataset(x, y) for x, y in ((d.x_train, d.y_train),
+                                                                             (d.x_val, d.y_val))), 10)
+    resumed = pcdist.train({"run_dir": str(run_dir), "logger": "none", "data": {"num_workers": 0}}, data=data)
+    assert resumed["step"] == 40 and [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")
+                                      if "train/energy" in r] == list(range(1, 41)), "resumed from step 4"
 
 
 SIGNAL_AT_START = textwrap.dedent("""

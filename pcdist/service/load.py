@@ -19,6 +19,7 @@ directory, no checkpoint, a checkpoint of another architecture) raises ``RunErro
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +151,14 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
         if not scored:
             raise RunError(f"{p}: no kept checkpoint (steps {steps}) has a logged val/accuracy; use checkpoint='last' "
                            f"or a step")
-        found = max(scored, key=lambda s: (s[0], s[1].name))[1]
+        for _, found in sorted(scored, key=lambda s: (s[0], s[1].name), reverse=True):  # the best valid one
+            try:
+                _verify(found)
+                return found
+            except CheckpointError as e:
+                warnings.warn(f"skipping damaged checkpoint {found}: {e}", stacklevel=3)
+        raise RunError(f"{p}: every checkpoint with a logged val/accuracy is damaged (steps "
+                       f"{', '.join(str(_step_of(k)) for _, k in scored)})")
     else:
         try:
             step = int(checkpoint)
