@@ -232,16 +232,20 @@ def stall_at_a_host_wait(rank, world, where, gave_up):
             vote = StopVote(True, torch.device("cpu"), par.timeout)
             vote(0)
             vote.finish()
+        elif where == "the skipped-update all-reduce":  # skip_above's vote over every rank, at each update
+            par.all_sum(torch.ones(2))
         else:  # test-time predictions, from every slice that holds some, onto the logging rank (rank 1)
             par.gather_batch(torch.ones(3, 2))
     finally:
         open(gave_up, "w").close()
 
 
-@pytest.mark.parametrize("where", ["the checkpoint barrier", "the batch gather", "the stop-signal all-reduce"])
+@pytest.mark.parametrize("where", ["the checkpoint barrier", "the batch gather", "the stop-signal all-reduce",
+                                   "the skipped-update all-reduce"])
 def test_a_peer_that_never_reaches_a_barrier_or_gather_is_named_within_the_hosts_timeout(where, tmp_path):
     """The service's barriers (the checkpoint's, the run directory's, a layer group's first), object gathers
-    (test-time predictions, value nodes) and stop vote wait within parallel.timeout_s, not the process group's own
+    (test-time predictions, value nodes), stop vote and skip vote (also the adaptive solver's error norm) wait
+    within parallel.timeout_s, not the process group's own
     timeout (under NCCL 2 x timeout_s + 60 s, after which the watchdog ends the process in NCCL's words; the vote's
     gloo group on GPUs: torch's 30 minutes): a peer that never arrives is one PeerError naming the collective and
     the ranks."""

@@ -257,8 +257,8 @@ class Parallel(LayerExchange):
         return t
 
     def _sum(self, t: Tensor, what: str) -> None:
-        with collective(what):
-            dist.all_reduce(t)
+        with collective(what):  # waited for within parallel.timeout_s, as every collective is (NCCL's too)
+            self._timed(dist.all_reduce(t, async_op=True))
 
     def _timed(self, work) -> None:
         """Wait for a collective posted with async_op=True within ``parallel.timeout_s``, so that a stalled peer
