@@ -530,6 +530,24 @@ def test_each_evaluation_of_streamed_data_reads_every_validation_sample_once(tmp
     assert set(val.reads) == {evaluations}, sorted(set(val.reads))
 
 
+def test_every_data_rank_cuts_its_validation_share_into_as_many_chunks():
+    """Each validation chunk's inference may hold collectives of every rank (the adaptive solver's error norm per
+    step): every data rank must cut its share into as many chunks (2049 rows on two ranks at 1024 gave 2 and 1,
+    and the ranks waited on each other until the timeout). The chunks cover the share in order, none empty
+    where every rank has rows, none longer than the size by more than the one row the shares differ by."""
+    from pcdist.service.loader import val_split
+
+    for n in (1, 2, 3, 7, 64, 1023, 1024, 1025, 2047, 2048, 2049, 4097):
+        for data in (1, 2, 3, 4):
+            for size in (1, 3, 1024):
+                if n < data:
+                    continue
+                splits = [val_split(n, data, r, size) for r in range(data)]
+                assert len({len(chunks) for chunks in splits}) == 1, (n, data, size)
+                assert torch.equal(torch.cat([c for chunks in splits for c in chunks]), torch.arange(n))
+                assert all(0 < len(c) <= size + 1 for chunks in splits for c in chunks), (n, data, size)
+
+
 def test_streamed_folder_on_three_layer_ranks_under_torchrun_equals_one_process(in_memory, npy_folder, tmp_path):
     """The real torchrun, three layer slices (first, middle, last) each streaming an .npy folder through a
     DataLoader worker: every slice agrees on every batch, so the weights equal one in-memory process to 1e-9

@@ -10,7 +10,7 @@ import torch
 from ..distributed.parallel import Parallel
 from .config import Config
 from .data import augment, one_hot
-from .loader import Streamed
+from .loader import Streamed, val_split
 
 
 def batch_indices(n: int, B: int, step: int, seed: int) -> torch.Tensor:
@@ -66,6 +66,5 @@ def val_chunks(ds, par: Parallel, device, dtype):
     if isinstance(ds, Streamed):
         yield from ds.val_chunks()
         return
-    rows = torch.tensor_split(torch.arange(len(ds.x_val)), par.data_size)[par.data_rank]
-    for chunk in torch.split(rows, 1024):
+    for chunk in val_split(len(ds.x_val), par.data_size, par.data_rank, 1024):
         yield ds.x_val[chunk].to(device=device, dtype=dtype), ds.y_val[chunk]

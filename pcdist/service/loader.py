@@ -96,6 +96,15 @@ def _shut_down(it) -> None:
         it._shutdown_workers()
 
 
+def val_split(n: int, data_size: int, data_rank: int, size: int) -> list[Tensor]:
+    """Data rank ``data_rank``'s share of ``n`` validation rows in chunks of about ``size`` (at most one row
+    more): as many chunks on every data rank, whose shares differ by a row at most, since each chunk's inference
+    may hold collectives of every rank (the adaptive solver's error norm): 2049 rows on two ranks cut at 1024 gave
+    one two chunks and the other one, and the ranks waited on each other."""
+    rows = torch.tensor_split(torch.arange(n), data_size)[data_rank]
+    return list(torch.tensor_split(rows, max(1, -(-(n // data_size) // size))))
+
+
 class Streamed:
     """This rank's reader of StreamedData: the batches of steps start..end-1 and the validation chunks,
     as (x on the device, one-hot y) and (x, labels); x flat [b, features], as vector models take it,
@@ -182,8 +191,8 @@ class Streamed:
 
     def val_chunks(self) -> Iterator[tuple[Tensor, Tensor]]:
         """This data rank's share of the validation set as (x on the device, labels on the CPU) chunks."""
-        rows = torch.tensor_split(torch.arange(len(self.data.val)), self.par.data_size)[self.par.data_rank]
-        chunks = [c.tolist() for c in torch.split(rows, self.batch_size)]
+        chunks = [c.tolist() for c in val_split(len(self.data.val), self.par.data_size, self.par.data_rank,
+                                                    self.batch_size)]
         if not self.reads:
             for c in chunks:
                 yield self._on_device(None, None, len(c))[0], torch.zeros(len(c), dtype=torch.long)
