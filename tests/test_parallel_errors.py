@@ -148,6 +148,23 @@ def test_dead_peer_in_a_collective_is_named():
         run(die_in_data_parallel, 2, 1, 4.0, timeout=60)
 
 
+def test_only_training_steps_count_as_begun():
+    """The progress a failed collective's line compares is training steps begun: inference, a validation chunk or
+    a diagnosis (which ranks may run in other numbers: a data rank with a validation chunk more) do not count. It
+    counted every feed-forward, so a live rank with one chunk fewer was said to have died."""
+    specs = pcdist.mlp_specs((6, 8, 8, 4))
+    par = Parallel.single(len(specs))
+    net = pcdist.PCNetwork(specs, seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=5, parallel=par, compile="graph")
+    x, y = torch.randn(4, 6), torch.eye(4)
+    for _ in range(4):  # (compile=graph: the later steps are the core run again, replayed on a GPU)
+        tr.step(x, y, log=False)
+    for _ in range(3):
+        tr.infer(x, None)
+    pcdist.diagnose(tr, x, y)
+    assert par.steps_begun == 4
+
+
 def test_dead_store_host_in_a_collective_still_names_the_group():
     """Rank 0 hosts the rendezvous store here (env://); when it dies the progress is gone with it,
     and rank 1 still reports the failed collective and its group, within the timeout."""

@@ -237,13 +237,10 @@ class Parallel(LayerExchange):
     def is_logging(self) -> bool:
         return self.logging_rank is None or dist.get_rank() == self.logging_rank
 
-    def feedforward(self, st: Stage) -> None:
-        """The pipelined feed-forward init (``LayerExchange.feedforward``), which begins a training
-        step: recorded in the store so a failed collective can name who fell behind."""
-        on_host(self._begin_step)
-        super().feedforward(st)
-
-    def _begin_step(self) -> None:
+    def begin_step(self) -> None:
+        """A training step begins (the trainer's host work, replayed step or not; not an inference, a validation
+        chunk or a diagnosis, which ranks may run in other numbers): recorded in the store so that a failed
+        collective can name who fell behind."""
         self.steps_begun += 1
         if self.data_group is not None or not self.alone:
             _mark_progress(self.steps_begun)

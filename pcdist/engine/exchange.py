@@ -15,6 +15,7 @@ What an exchange provides (attributes and methods the engine reads):
     is_logging, logging_rank     the rank that gets gathered results (None: no gathering)
     data_size, data_rank         the data axis
     comm_seconds                 seconds blocked on messages (benchmarks read it)
+    begin_step()                 a training step begins (host work, before its core: counted for error lines)
     feedforward(st)              the init (pipelined over slices)
     errors(st, ...), backproject(st), update_values(st, x_lr, more)   one inference step's phases
     weight_grads(st), reduce_grads()                                   gradients (+ data-axis reduce)
@@ -58,6 +59,9 @@ class Local:
         return True
 
     # -- the phases -------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A training step begins (nothing to record in one process)."""
+
     def feedforward(self, st) -> None:
         st.feedforward()
 

@@ -237,6 +237,7 @@ class PCTrainer(LiveSettings):
         """
         st = self._begin(x, y, None)
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
+        self.parallel.begin_step()
         self.update.prepare()
         clock = [time.perf_counter()]
         frozen = self.update.frozen() if self.runner.mode == "graph" else ()  # (a capture skips the ones frozen then)
