@@ -482,6 +482,34 @@ def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
     assert pcdist.load(tmp_path / "mid").step == 8
 
 
+def _meets_a_bad_validation_sample(rank, world, run_dir):
+    x, labels = torch.rand(64, 64), torch.arange(64) % 10
+    data = StreamedData(Samples(x, labels), Samples(x[:16], labels[:16], nan_at=7), 10)
+    cfg = small_cfg(run_dir, trainer={"batch_size": 64}, data={"num_workers": 0})
+    cfg["parallel"] = {"data": 2, "timeout_s": 60}
+    try:
+        pcdist.train(cfg, data=data)
+    except DataError as e:
+        Path(run_dir, f"said-{rank}").write_text(str(e))
+
+
+def test_a_bad_validation_sample_met_by_one_data_rank_stops_both_after_the_checkpoint(tmp_path):
+    """Two data ranks: validation sample 7 (NaN) is in rank 0's share only. Both stop at that chunk together,
+    the step's checkpoint written first, rank 0 naming the sample and rank 1 naming rank 0 and the sample (rank
+    0 alone went on to checkpoint while rank 1 waited in the metrics reduce: both ended in PeerErrors after the
+    timeout, the checkpoint never published and the sample named nowhere)."""
+    from spawn import run
+
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        run(_meets_a_bad_validation_sample, 2, str(run_dir), timeout=240)
+    said = "StreamedData val sample 7 holds NaN or Inf"
+    assert (run_dir / "said-0").read_text() == said
+    assert (run_dir / "said-1").read_text() == f"rank 0 met a bad validation sample: {said}"
+    assert (run_dir / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+
+
 def test_a_bad_sample_in_an_npy_folder_names_the_file(npy_folder, tmp_path):
     """A NaN met as a folder's x_train.npy is streamed is one line naming the folder, the file and the sample, also
     through data.signal=true (which wraps the arrays to add a channel)."""

@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from ..distributed.exchange import failures, report_failure
 from ..engine.modes import forward_mean
 from ..engine.trainer import PCTrainer
+from .data import DataError
 from .evaluators import EVALUATORS
 
 __all__ = ["validate", "pictures", "draw_grid"]
@@ -28,9 +30,40 @@ def validate(c, chunks, trainer: PCTrainer, device) -> dict | None:
     ``chunks`` ((data, labels) pairs), on the logging rank (None elsewhere)."""
     test = EVALUATORS[c.pc.mode](c, trainer)
     with torch.no_grad():
-        for x, labels in chunks:
+        for x, labels in agreed(chunks, trainer.parallel, device):
             test.add(x, labels)
     return test.metrics() if test.reduce(device) else None
+
+
+def agreed(chunks, par, device):
+    """The validation ``chunks``, each taken by every rank together (every data rank has as many: ``val_split``):
+    a bad sample met reading one (streamed data: only the ranks that read it meet it) stops every rank at that
+    chunk, each raising a DataError (the others naming the rank that met it), so that all of them checkpoint the
+    step trained before it; a rank that raised alone was left waiting for its peers. One tiny all-reduce per
+    chunk, where there are peers."""
+    if par.logging_rank is None:  # one process
+        yield from chunks
+        return
+    chunks = iter(chunks)
+    while True:
+        item, bad = None, None
+        try:
+            item = next(chunks)
+        except StopIteration:
+            pass
+        except DataError as e:
+            bad = e
+            report_failure(str(e))
+        vote = par.all_sum(torch.tensor([0.0 if bad is None else 1.0], device=device), "the validation's vote")
+        if vote.item() > 0:
+            if bad is not None:
+                raise bad
+            said = failures(range(torch.distributed.get_world_size()))
+            raise DataError("; ".join(f"rank {r} met a bad validation sample: {why}" for r, why in said.items())
+                            or "another rank met a bad validation sample")
+        if item is None:
+            return
+        yield item
 
 
 def pictures(c, held_out: Callable[[], torch.Tensor], trainer: PCTrainer, image_shape, num_classes: int,
