@@ -144,6 +144,16 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
     assert said == ("error: sweep job 1 (optim.schedule=constant): optim.final_lr_ratio=0.1: optim.schedule=constant "
                     "does not read optim.final_lr_ratio (cosine does), so it would change nothing; drop it or set "
                     "optim.schedule=cosine; no job was started\n"), said
+    # two jobs in one directory (a subdir that leaves out a swept key; a value swept twice): the second resumed or
+    # refused the first's run after it had trained (or reported it as its own, status 0)
+    said = refused("--multirun", "trainer.seed=0,1", *QUICK, f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=T${pc.T}",
+                   cwd=tmp_path)
+    assert said.startswith(f"error: sweep jobs 0 (trainer.seed=0) and 1 (trainer.seed=1) would both run in "
+                           f"{sweep / 'T20'} (hydra.sweep.subdir=T20)"), said
+    said = refused("--multirun", "pc.T=5,5", *QUICK, f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=T${pc.T}",
+                   cwd=tmp_path)
+    assert said.startswith(f"error: sweep jobs 0 (pc.T=5) and 1 (pc.T=5) would both run in {sweep / 'T5'}"), said
+    assert said.endswith("; no job was started\n")
     assert not sweep.exists() and sorted(tmp_path.iterdir()) == []
 
 

@@ -47,9 +47,18 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
     else:
         swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
         jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
-        dirs = {_check_job(compose, num, job, swept, loaded) for num, job in enumerate(jobs)}
+        dirs: dict = {}  # a job's directory -> the first job that runs there
+        for num, job in enumerate(jobs):
+            job_dir = _check_job(compose, num, job, swept, loaded)
+            if job_dir is not None and job_dir in dirs:
+                raise ConfigError(f"sweep jobs {dirs[job_dir]} and {num} ({_values(job, swept)}) would both run in "
+                                  f"{job_dir} (hydra.sweep.subdir={head.hydra.sweep.subdir}), the second resuming or "
+                                  f"refusing the first's run: give each job a directory of its own (a subdir that "
+                                  f"names every swept key, or the default ${{hydra.job.num}}), or sweep each "
+                                  f"combination once; no job was started")
+            dirs[job_dir] = f"{num} ({_values(job, swept)})"
         if None not in dirs:  # every job's directory known before Hydra launches it
-            _refuse_earlier_runs(sweep_dir, dirs, "it holds runs that are no job of this sweep")
+            _refuse_earlier_runs(sweep_dir, set(dirs), "it holds runs that are no job of this sweep")
     if claim:
         claim_sweep_dir(sweep_dir, overrides)
 
@@ -120,13 +129,18 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
         job_dir = None  # (hydra.job.override_dirname): the job's own check in run() covers its directory
     with open_dict(composed):
         composed.pop("hydra")  # Hydra's own section resolves only in a running job
-    values = " ".join(o for o in job if o.split("=", 1)[0] in swept)
+    values = _values(job, swept)
     try:
         check_as_launched(load_config(composed), passed_settings(job), int(os.environ.get("WORLD_SIZE", "1")),
                           job_dir, sweep=True, loaded=loaded)
     except (ConfigError, DataError) as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
+
+
+def _values(job: list[str], swept: set[str]) -> str:
+    """A job's swept settings, as its overrides: "pc.T=5 trainer.seed=1"."""
+    return " ".join(o for o in job if o.split("=", 1)[0] in swept)
 
 
 def _refuse_earlier_runs(sweep_dir: Path, jobs: set[Path], why: str) -> None:
