@@ -717,6 +717,18 @@ def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_pat
     assert "\x1b" not in out.stdout and "\\x1b[31mred" in out.stdout, out.stdout
     rows = list(csv.DictReader(open(tmp_path / "c.csv")))
     assert [r["logger.run_name"] for r in rows] == ["'=HYPERLINK(\"http://x\")", "\x1b[31mred"]
+    # and a setting's key (a column), and a seed given as text (the groups' seeds column): shown escaped too, the
+    # key's CSV header cell guarded (they reached the terminal and the spreadsheet raw)
+    for run, seed in zip(runs, ("\x1b[31mRED", 1)):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["\x1b]0;owned\x07=HYPERLINK(1)"] = config["=SUM(1)"] = 1 if seed == 1 else 2
+        config["trainer"]["seed"] = seed
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    out = cli("compare", tmp_path / "sweep", "--csv", tmp_path / "k.csv")
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout, out.stdout
+    assert "\\x1b]0;owned\\x07=HYPERLINK(1)" in out.stdout and "\\x1b[31mRED" in out.stdout, out.stdout
+    header = next(csv.reader(open(tmp_path / "k.csv")))
+    assert "'=SUM(1)" in header and not any(h.startswith("=") for h in header), header
 
 
 # -- to_layers / to_sequential give back the user's structure -------------------------------------------

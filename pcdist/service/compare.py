@@ -169,6 +169,7 @@ def _columns(result: dict) -> list[str]:
 
 
 def _aligned(cols: list[str], cells: list[list[str]]) -> str:
+    cols = [printable(c) for c in cols]  # (a column is a setting's key: a run folder's text too)
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, cells)])
@@ -194,7 +195,7 @@ def format_groups(result: dict) -> str:
     keys = [k for k in result["settings"] if k != SEED]
     metrics = [m for m in METRICS if any(g[f"{m} mean"] is not None for g in result["groups"])]
     cols = [*keys, "seeds", *(f"{m} (mean ± std)" for m in metrics)]
-    cells = [[_cell(g[k]) for k in keys] + [",".join(map(str, g["seeds"]))] + [_mean_std(g, m) for m in metrics]
+    cells = [[_cell(g[k]) for k in keys] + [",".join(map(_cell, g["seeds"]))] + [_mean_std(g, m) for m in metrics]
              for g in result["groups"]]
     return _aligned(cols, cells)
 
@@ -207,7 +208,7 @@ def write_csv(result: dict, path: str | Path) -> list[Path]:
     written = [_csv(path, _columns(result), result["rows"])]
     if result["groups"]:
         cols = list(result["groups"][0])
-        rows = [{**g, "seeds": " ".join(map(str, g["seeds"]))} for g in result["groups"]]
+        rows = [{**g, "seeds": " ".join(map(str, g["seeds"]))} for g in result["groups"]]  # (each cell guarded)
         written.append(_csv(path.with_name(f"{path.stem}_seeds{path.suffix or '.csv'}"), cols, rows))
     return written
 
@@ -215,7 +216,7 @@ def write_csv(result: dict, path: str | Path) -> list[Path]:
 def _csv(path: Path, cols: list[str], rows: list[dict]) -> Path:
     out = io.StringIO(newline="")
     w = csv.writer(out)
-    w.writerow(cols)
+    w.writerow([_csv_value(c) for c in cols])
     for row in rows:
         w.writerow([_csv_value(row.get(c)) for c in cols])
     return replace_file(path, out.getvalue())
