@@ -260,9 +260,11 @@ def test_predict_takes_the_held_out_inputs_of_a_data_file_or_the_array_named(dig
     arrays = {"x_train": ds.x_train.numpy(), "y_train": ds.y_train.numpy(), "x_val": ds.x_val.numpy(),
               "y_val": ds.y_val.numpy()}
     np.savez(tmp_path / "arrays.npz", **arrays)
-    out = cli("predict", run_dir, tmp_path / "arrays.npz", "--out", tmp_path / "val.npz")
-    assert f"{len(ds.x_val)} predictions of {tmp_path / 'arrays.npz'}'s x_val -> " in out.stdout, out.stdout
-    val = np.load(tmp_path / "val.npz")
+    out = cli("predict", run_dir, tmp_path / "arrays.npz", "--out", tmp_path / "new" / "val")  # a folder made, the
+    # name given .npz as numpy gives it, and said so (a missing folder was a traceback; "-> val" named no file)
+    assert (f"{len(ds.x_val)} predictions of {tmp_path / 'arrays.npz'}'s x_val -> {tmp_path / 'new' / 'val.npz'} "
+            f"(logits, labels, probabilities)") in out.stdout, out.stdout
+    val = np.load(tmp_path / "new" / "val.npz")
     assert (val["labels"] == ds.y_val.numpy()).mean() == pytest.approx(logged_accuracy(run_dir), abs=1e-12)
     cli("predict", run_dir, tmp_path / "arrays.npz", "--key", "x_train", "--out", tmp_path / "train.npz")
     assert len(np.load(tmp_path / "train.npz")["labels"]) == len(ds.x_train)
@@ -412,6 +414,10 @@ def test_errors_point_to_the_help_of_the_command_that_was_run(digits_run, tmp_pa
             pcdist.evaluate(run_dir, [key], write=False)
     assert pcdist.evaluate(run_dir, ["pc.mode=supervised", "pc.latent_dim=10"], write=False)["accuracy"] >= 0, \
         "the run's own values pass (a script passing its training overrides along)"
+    # a number in exponent form, as training's command line takes it (YAML 1.1 read 1e-3 as a string: refused)
+    exponent, decimal = (pcdist.evaluate(run_dir, over, write=False)
+                         for over in (["pc.x_lr=1e-3", "pc.eval_tol=1e-4"], ["pc.x_lr=0.001", "pc.eval_tol=0.0001"]))
+    assert exponent.pop("overrides") != decimal.pop("overrides") and exponent == decimal
     for command in ([sys.executable, "-m", "pcdist"], [str(Path(sys.executable).parent / "pcdist-train")],
                     [sys.executable, str(ROOT / "train.py")]):
         out = subprocess.run([*command, "pc.TT=40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)

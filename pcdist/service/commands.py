@@ -83,7 +83,8 @@ def _run(args) -> None:
                     device=args.device)
         source = f"{args.inputs}" + (f"'s {r.pop('input')}" if r.get("input") else "")
         r.pop("input", None)
-        print(f"{len(r['labels'])} predictions of {source} -> {args.out} ({', '.join(r)})")
+        out = r.pop("out")
+        print(f"{len(r['labels'])} predictions of {source} -> {out} ({', '.join(r)})")
     elif args.command == "export":
         from .export import export
 

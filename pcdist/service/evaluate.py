@@ -22,6 +22,7 @@ import torch
 
 from ..engine.energies import energy_of
 from ..engine.precision import restore_tf32, tf32_state
+from ..engine.schedules import precision_schedule
 from ..engine.trainer import PCTrainer
 from .config import (PYTHON_DATA, Config, check_combination, command, config_keys, did_you_mean, literal,
                      load_config)
@@ -76,10 +77,17 @@ def _with_overrides(c: Config, overrides) -> Config:
 
 
 def yaml_value(text: str):
-    """A command-line value as YAML reads it (numbers, null, lists, strings)."""
+    """A command-line value as YAML reads it (numbers, null, lists, strings), a number in exponent form too
+    (``1e-3``: YAML 1.1, PyYAML's, reads it as a string; Hydra's grammar, training's, as the number)."""
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip() == text.strip() and "e" in value.lower() else value
+        except ValueError:
+            return value
+    return value
 
 
 def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +121,8 @@ def held_out_test(run: Run, c: Config, x, labels: torch.Tensor, mode: str) -> di
     tf32 = tf32_state()  # a trainer under trainer.precision sets the TF32 switches on a GPU: the caller's put back
     try:
         trainer = PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=test_of.steps(c),  # as validation:
-                            precision=c.trainer.precision, **method_options(c, resolve_x_lr(c, run.run_dir)))
+                            precision=c.trainer.precision, **method_options(c, resolve_x_lr(c, run.run_dir)),
+                            precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay))
         test, xs, device = test_of(c, trainer, full=True), run.preprocess(x), next(net.parameters()).device
         for xb, lb in zip(torch.split(xs, 1024), torch.split(labels, 1024)):
             test.add(xb.to(device), lb)
@@ -214,7 +223,8 @@ def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_cod
     """Logits, predicted labels (and class probabilities for a cross-entropy run) of raw ``inputs``
     (an array, a tensor or an .npz / .npy path; ``key``: the array of the .npz, as ``read_inputs``
     picks it) with the run's preprocessing; saved to ``out`` (.npz). ``layers``, ``trust_code``: as for
-    ``pcdist.load`` (and ``device``). The result's ``input`` names the array read."""
+    ``pcdist.load`` (and ``device``). The result's ``input`` names the array read, ``out`` the file written (a
+    name without .npz gets it, as numpy gives it; its folder is made)."""
     run = load(run_dir, checkpoint, layers=layers, trust_code=trust_code, device=device)
     name, x = _inputs(inputs, key) if isinstance(inputs, (str, Path)) else (None, inputs)
     logits = run.predict(x)
@@ -223,6 +233,8 @@ def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_cod
     if energy.probabilities:
         result["probabilities"] = energy.mean(logits).numpy()
     if out is not None:
+        out = Path(out) if str(out).endswith(".npz") else Path(f"{out}.npz")  # (numpy's name for it: said as written)
+        out.parent.mkdir(parents=True, exist_ok=True)
         np.savez(out, **result)
-    result["input"] = name
+    result["input"], result["out"] = name, None if out is None else str(out)
     return result
