@@ -131,6 +131,14 @@ def test_the_best_checkpoint_damaged_gives_the_next_best_with_a_warning(digits_r
     with pytest.warns(UserWarning), pytest.raises(pcdist.RunError, match="every checkpoint with a logged "
                                                                          "val/accuracy is damaged"):
         pcdist.load(copy, "best")
+    # a logged accuracy that is not a number (a hand-edited row) is no score (a TypeError traceback)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["step"] == order[0] and "val/accuracy" in r:
+            r["val/accuracy"] = "high"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints", dirs_exist_ok=True)
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert pcdist.load(copy, "best").step == order[1]
 
 
 def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits_run, tmp_path):

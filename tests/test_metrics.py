@@ -210,6 +210,12 @@ def test_metrics_with_a_last_line_cut_short_read_as_a_resume_keeps_them(tmp_path
     path.write_text('{"step": 5, "train/energy": 1.5}\n{"step": 10, "tra\n{"step": 15, "train/energy": 1.0}\n')
     with pytest.raises(pcdist.RunError, match=f"^{path}: line 2 is not a JSON row"):
         read_metrics(path)
+    good = b'{"step": 5, "train/energy": 1.5}\n'
+    path.write_bytes(good + b'{"step": 10, "train/energy": 1.25}\xff\xfe\n')  # bytes that are not UTF-8, last
+    assert read_metrics(path) == [{"step": 5, "train/energy": 1.5}]
+    path.write_bytes(good + b"\xff\xfe\n" + good)  # and before the last (a UnicodeDecodeError traceback)
+    with pytest.raises(pcdist.RunError, match=f"^{path}: line 2 is not a JSON row \\(not UTF-8 text\\)"):
+        read_metrics(path)
     for row in ('["x"]', '{"train/energy": 1.0}', '{"step": "7"}'):
         path.write_text(f'{{"step": 5, "train/energy": 1.5}}\n{row}\n{{"step": 15, "train/energy": 1.0}}\n')
         with pytest.raises(pcdist.RunError, match=f"^{path}: line 2 is not a row of a logged step"):

@@ -215,3 +215,21 @@ def test_backprop_steps_its_schedule_on_a_skipped_update_as_pc_does(tmp_path):
             tr.step(torch.randn(5, 4), torch.eye(3)[[0, 1, 2, 0, 1]])
         counts[algorithm] = sched.last_epoch, tr.skipped_updates
     assert counts == {"pc": (4, 4), "bp": (4, 4)}
+
+
+@pytest.mark.parametrize("energy", ["se", "ce"])
+def test_the_float64_backprop_twin_computes_in_float64(energy):
+    """pc.algorithm=bp on a float64 network: its update is float64 autograd's on the network's own forward pass and
+    the output energy (it cast the output to float32, a cast meant for bf16 autocast: gradients 5e-8 off)."""
+    from pcdist.service.backprop import BackpropTrainer
+
+    torch.manual_seed(0)
+    net = pcdist.PCNetwork.from_dims([6, 9, 9, 4], energy=energy, seed=0, dtype=torch.float64)
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.eye(4, dtype=torch.float64)[[0, 1, 2, 3, 1]]
+    u = net(x)
+    loss = (0.5 * (y - u).square().sum() if energy == "se" else
+            -(y * torch.log_softmax(u, dim=1)).sum()) / len(x)
+    want = torch.autograd.grad(loss, list(net.parameters()))
+    BackpropTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0)).step(x, y)
+    for p, g in zip(net.parameters(), want):
+        torch.testing.assert_close(p.grad, g, rtol=1e-13, atol=1e-15)

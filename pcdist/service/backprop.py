@@ -56,7 +56,7 @@ class BackpropTrainer:
         with torch.enable_grad(), contextlib.nullcontext() if x.is_cuda or cpu_is_ieee() else cpu_float32():
             with torch.autocast(x.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
                 u = self.net(x)
-            loss = bp_loss(self.net.energy, u.float(), y)
+            loss = bp_loss(self.net.energy, u.float() if self.precision == "bf16" else u, y)  # (autocast's bf16 out)
             clock.append(time.perf_counter())
             loss.backward()
         clock.append(time.perf_counter())

@@ -146,7 +146,8 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
         return found
     if checkpoint == "best":
         rows = read_metrics(p / "metrics.jsonl") if (p / "metrics.jsonl").is_file() else []
-        acc = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+        acc = {r["step"]: r["val/accuracy"] for r in rows if isinstance(r.get("val/accuracy"), (int, float))
+               and not isinstance(r["val/accuracy"], bool) and math.isfinite(r["val/accuracy"])}  # (a number)
         scored = [(acc[_step_of(k)], k) for k in kept if _step_of(k) in acc]
         if not scored:
             raise RunError(f"{p}: no kept checkpoint (steps {steps}) has a logged val/accuracy; use checkpoint='last' "

@@ -431,7 +431,7 @@ def truncate_jsonl(path: str | Path, keep) -> int:
     path = Path(path)
     if not path.is_file():
         return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_bytes().decode(errors="replace").splitlines() if line.strip()]
     kept = [line for line in lines if _keeps(line, keep)]
     if len(kept) < len(lines):
         tmp = path.with_name(path.name + ".part")
@@ -451,18 +451,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a metrics.jsonl file; a last line cut short (a run killed while writing it, a full disk) is
     left out, as a resume drops it; a damaged line before it (not JSON, not a row with its step) is a RunError
     naming the file and the line."""
-    with open(path) as f:
+    with open(path, "rb") as f:
         lines = f.read().splitlines()
     rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
+            line = raw.decode()  # (bytes that are not UTF-8: a damaged line, as JSON that does not parse)
             row = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             if n == len(lines):
                 break
-            raise RunError(f"{path}: line {n} is not a JSON row ({e.msg}); pcdist writes whole rows: mend or remove "
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+            raise RunError(f"{path}: line {n} is not a JSON row ({why}); pcdist writes whole rows: mend or remove "
                            f"that line") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
             raise RunError(f"{path}: line {n} is not a row of a logged step (an object with an integer \"step\"); "
