@@ -209,15 +209,15 @@ def _verify(path: Path) -> None:
         files = manifest["files"]
     except Exception as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
-    gap = _gap(files, manifest.get("layers"))  # (checkpoints from before the manifest kept the layer count: None)
-    if gap is not None:
-        raise CheckpointError(f"{manifest_path}: {gap}")
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: {name} listed in the manifest is missing")
         if _sha256(f) != digest:
             raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted)")
+    gap = _gap(files, manifest.get("layers"))  # (checkpoints from before the manifest kept the layer count: None)
+    if gap is not None:
+        raise CheckpointError(f"{manifest_path}: {gap}")
 
 
 def newest_valid(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
