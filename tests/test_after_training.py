@@ -168,6 +168,32 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
         "chosen at trained weights, not at the initial ones the docs describe: said"
 
 
+def test_a_damaged_model_json_is_one_line_naming_it(tmp_path):
+    """model.json damaged or not pcdist's (layers, inputs or structure of another type, an energy pcdist does not
+    know, a size that is not a number, normalisation of another length or a std of 0, inputs that are not what the
+    first layer reads): one RunError naming the file, never a traceback from deep in the rebuild, nor an
+    evaluation of 0.0 and an exported program of NaN (a std of 0)."""
+    run_dir = tmp_path / "run"
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "data": {"normalize": True}})
+    good = json.loads((run_dir / "model.json").read_text())
+    damages = {"layers": lambda m: m.update(layers=[1, 2, 3]), "inputs": lambda m: m.update(inputs="x"),
+               "structure": lambda m: m.update(structure=[1]), "energy": lambda m: m.update(energy="zzz"),
+               "size": lambda m: m["layers"][0]["fields"].update(in_features="abc"),
+               "mean": lambda m: m["inputs"]["normalize"].update(mean=[0.0] * 7),
+               "std": lambda m: m["inputs"]["normalize"].update(std=[0.0] * len(m["inputs"]["normalize"]["std"])),
+               "classes": lambda m: m["inputs"].update(num_classes="ten"),
+               "shape": lambda m: m["inputs"].update(sample_shape=[32]), "list": lambda m: m.clear()}
+    for name, damage in damages.items():
+        model = json.loads(json.dumps(good))
+        damage(model)
+        (run_dir / "model.json").write_text(json.dumps(model if name != "list" else [1]))
+        with pytest.raises(pcdist.RunError, match=rf"^{re.escape(str(run_dir / 'model.json'))} is damaged or was "
+                                                  r"not written by pcdist \("):
+            pcdist.load(run_dir)
+    (run_dir / "model.json").write_text(json.dumps(good))
+    assert pcdist.load(run_dir).step == SHORT["trainer"]["max_steps"]
+
+
 def test_a_run_whose_model_json_was_lost_takes_its_own_inputs_or_names_the_file(digits_run, tmp_path):
     """model.json lost from a copy: the run's own images were refused ("this run takes [N, 64]", the first layer's
     shape, as for a run from before the file), and a normalised run's refusal said the run predated the file. The

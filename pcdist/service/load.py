@@ -28,6 +28,7 @@ import torch
 import yaml
 from torch import Tensor
 
+from ..engine.energies import energy_of
 from ..engine.network import PCNetwork, legacy_signature
 from ..errors import RunError
 from .autostep import resolve_x_lr
@@ -244,10 +245,17 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     c.pc.x_lr = resolve_x_lr(c, p, meta)  # what the run trained with, as a resume and evaluate take it
     try:
         model = read_model_file(p)
+        if model is not None and not isinstance(model, dict):
+            raise TypeError(f"it holds a {type(model).__name__}, not an object")
         specs = _specs(p, model, signature)
         inputs = Inputs.from_json(model["inputs"]) if model is not None else None
         energy = model["energy"] if model else c.model.energy
-    except (KeyError, TypeError, ValueError) as e:
+        energy_of(energy)  # a name pcdist knows (ValueError otherwise)
+        end = specs[0] if c.pc.mode == "supervised" else specs[-1]  # where the data sit: h_0, or h_L
+        reads = None if end is None else tuple(end.in_shape if c.pc.mode == "supervised" else end.out_shape)
+        if inputs is not None and reads is not None and tuple(inputs.node_shape()) != reads:
+            raise ValueError(f"its inputs {list(inputs.node_shape())} are not the node its data sit at {list(reads)}")
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         if isinstance(e, RunError):
             raise
         raise RunError(f"{p / 'model.json'} is damaged or was not written by pcdist ({type(e).__name__}: {e})") from e
@@ -270,8 +278,12 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
         except Exception as e:
             raise CheckpointError(f"the layers given do not build the run's network: {e}") from e
     else:
-        net = PCNetwork(specs, energy=energy, dtype=dtype, device=device, init=False, **network_options(c))
-        net.structure = {int(l): v for l, v in (model or {}).get("structure", {}).items()}
+        try:
+            net = PCNetwork(specs, energy=energy, dtype=dtype, device=device, init=False, **network_options(c))
+            net.structure = {int(l): v for l, v in (model or {}).get("structure", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise RunError(f"{p / 'model.json'} is damaged or was not written by pcdist ({type(e).__name__}: "
+                           f"{e})") from e
     load_checkpoint(path, net, None)  # checks the signatures: a checkpoint of another architecture is refused
     net.eval()
     metrics = read_metrics(p / "metrics.jsonl") if (p / "metrics.jsonl").is_file() else []

@@ -121,9 +121,19 @@ class Inputs:
         if d.get("dtype", "float32") not in ("float32", "float64"):  # a name, never looked up in torch unchecked
             raise ValueError(f"model.json: inputs dtype {d.get('dtype')!r} is not float32 or float64")
         dtype = getattr(torch, d.get("dtype", "float32"))
-        return cls(tuple(d["sample_shape"]), bool(d["flatten"]), d.get("dtype", "float32"), d.get("num_classes"),
-                   None if norm is None else torch.tensor(norm["mean"], dtype=dtype),
-                   None if norm is None else torch.tensor(norm["std"], dtype=dtype))
+        shape, classes = d["sample_shape"], d.get("num_classes")
+        if not (isinstance(shape, list) and shape and all(type(n) is int and n > 0 for n in shape)):
+            raise ValueError(f"model.json: inputs sample_shape {shape!r} is not a list of sizes")
+        if classes is not None and not (type(classes) is int and classes > 0):
+            raise ValueError(f"model.json: inputs num_classes {classes!r} is not a number of classes")
+        mean = std = None
+        if norm is not None:
+            mean, std = torch.tensor(norm["mean"], dtype=dtype), torch.tensor(norm["std"], dtype=dtype)
+            torch.broadcast_shapes(mean.shape, std.shape, tuple(shape))  # (a ValueError where they do not fit)
+            if not (torch.isfinite(mean).all() and torch.isfinite(std).all() and (std > 0).all()):
+                raise ValueError("model.json: the input normalisation holds a std that is not > 0, or a value that "
+                                 "is not finite")
+        return cls(tuple(shape), bool(d["flatten"]), d.get("dtype", "float32"), classes, mean, std)
 
 
 def write_model_file(run_dir: str | Path, specs, energy: str, structure: dict[int, dict], inputs: Inputs,
