@@ -168,6 +168,28 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
         "chosen at trained weights, not at the initial ones the docs describe: said"
 
 
+def test_evaluate_on_other_data_than_the_runs_is_refused(tmp_path):
+    """evaluate data.path= is for data that moved: a file of other data (another split, other labels) is refused
+    in one line and nothing is written (it scored the other file's split and overwrote eval.json); the run's own
+    file moved evaluates as before."""
+    d = load_dataset("digits")
+    arrays = {"x_train": d.x_train.numpy(), "y_train": d.y_train.numpy(), "x_val": d.x_val.numpy(),
+              "y_val": d.y_val.numpy()}
+    np.savez(tmp_path / "a.npz", **arrays)
+    np.savez(tmp_path / "b.npz", **{**arrays, "x_val": arrays["x_val"][:50], "y_val": arrays["y_val"][:50]})
+    shutil.copy(tmp_path / "a.npz", tmp_path / "moved.npz")
+    run_dir = tmp_path / "run"
+    pcdist.train({**SHORT, "run_dir": str(run_dir), "data": {"name": "arrays", "path": str(tmp_path / "a.npz")}})
+    own = pcdist.evaluate(run_dir)
+    before = (run_dir / "eval.json").read_text()
+    with pytest.raises(pcdist.RunError, match=rf"^{re.escape(str(run_dir))} was trained on other data than these "
+                                              rf"\(validation samples {len(d.x_val)} -> 50; the labels differ\)"):
+        pcdist.evaluate(run_dir, [f"data.path={tmp_path / 'b.npz'}"])
+    assert (run_dir / "eval.json").read_text() == before
+    moved = pcdist.evaluate(run_dir, [f"data.path={tmp_path / 'moved.npz'}"], write=False)
+    assert moved["accuracy"] == own["accuracy"]
+
+
 def test_a_damaged_model_json_is_one_line_naming_it(tmp_path):
     """model.json damaged or not pcdist's (layers, inputs or structure of another type, an energy pcdist does not
     know, a size that is not a number, normalisation of another length or a std of 0, inputs that are not what the

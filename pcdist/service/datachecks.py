@@ -128,14 +128,20 @@ def _targets(d) -> np.ndarray | None:
     return ys if ys.dtype.kind in "iu" and ys.shape == (len(d),) else None
 
 
-def check_same_data(run_dir, meta: dict | None, identity: dict) -> None:
-    """Refuse to resume a run whose checkpoint was trained on other data than ``identity`` (its record says so;
-    a checkpoint from before the record: not checked)."""
+def data_changes(meta: dict | None, identity: dict) -> str:
+    """How ``identity`` differs from the data a checkpoint's ``meta`` records ("" where it does not, or where the
+    checkpoint predates the record): "validation samples 360 -> 50; the labels differ"."""
     old = (meta or {}).get("data") or {}
     names = {"train": "training samples", "val": "validation samples", "sample_shape": "sample shape",
              "num_classes": "classes", "labels": "labels"}
-    changed = "; ".join(f"{names[k]} {old[k]} -> {identity[k]}" if k != "labels" else "the labels differ"
-                        for k in names if k in old and k in identity and old[k] != identity[k])
+    return "; ".join(f"{names[k]} {old[k]} -> {identity[k]}" if k != "labels" else "the labels differ"
+                     for k in names if k in old and k in identity and old[k] != identity[k])
+
+
+def check_same_data(run_dir, meta: dict | None, identity: dict) -> None:
+    """Refuse to resume a run whose checkpoint was trained on other data than ``identity`` (its record says so;
+    a checkpoint from before the record: not checked)."""
+    changed = data_changes(meta, identity)
     if not changed:
         return
     raise DataError(f"cannot resume {run_dir}: its data changed since its checkpoint was trained ({changed}); a "

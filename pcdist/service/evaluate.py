@@ -29,6 +29,8 @@ from .config import (PYTHON_DATA, Config, check_combination, command, config_key
 from .data import Dataset, StreamedData, class_id, load_dataset, sample_pair
 from .autostep import method_options, resolve_x_lr
 from .evaluators import EVALUATORS
+from .checkpoint import read_pt
+from .datachecks import data_changes, data_identity
 from .load import Run, RunError, load
 from .metrics import replace_file
 from .models import model_of
@@ -90,8 +92,10 @@ def yaml_value(text: str):
     return value
 
 
-def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run's held-out inputs (raw, as loaded) and labels; ``data`` for runs of data passed from Python."""
+def _val_split(c: Config, data, run: Run | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's held-out inputs (raw, as loaded) and labels; ``data`` for runs of data passed from Python. Where
+    ``run``'s checkpoint recorded its data (sizes, sample shape, classes, a digest of the labels), data that differ
+    are refused in one line (``data.path=`` pointed at another file scored it on that file's split)."""
     if data is None:
         if c.data.name == PYTHON_DATA:
             raise RunError("this run's data was passed to pcdist.train from Python; evaluate it from Python: "
@@ -100,6 +104,8 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
         d = c.data
         data = load_dataset(d.name, d.root, teacher, c.trainer.seed, d.val_fraction, d.synthetic_train,
                             d.synthetic_val, d.path, d.num_classes, d.signal)
+    if run is not None and isinstance(data, (Dataset, StreamedData)):
+        _same_data(run, data_identity(data, labels=c.data.name != "synthetic"))
     if isinstance(data, StreamedData):
         items = [sample_pair(data.val[i], f"StreamedData val sample {i}") for i in range(len(data.val))]
         x = torch.stack([torch.as_tensor(np.asarray(a)) for a, _ in items])
@@ -107,6 +113,15 @@ def _val_split(c: Config, data) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(data, Dataset):
         raise RunError(f"data= takes a pcdist.data.Dataset or StreamedData, got {type(data).__name__}")
     return data.x_val, data.y_val
+
+
+def _same_data(run: Run, identity: dict) -> None:
+    """Refuse data other than those ``run``'s checkpoint was trained on (its record; from before it: not checked)."""
+    changed = data_changes(read_pt(run.checkpoint / "meta.pt"), identity)
+    if changed:
+        raise RunError(f"{run.run_dir} was trained on other data than these ({changed}): its evaluation would "
+                       f"score other samples; nothing was written: give the run's own data (data.path= or "
+                       f"data.root= where they moved)")
 
 
 @torch.no_grad()
@@ -147,7 +162,7 @@ def evaluate(run_dir, overrides=(), checkpoint="last", data=None, write: bool = 
     mode = getattr(c.pc, "mode", "supervised")
     if mode not in EVALUATORS:
         raise RunError(f"pc.mode={mode}: no evaluation for this mode yet (known: {', '.join(EVALUATORS)})")
-    x, labels = _val_split(c, data)
+    x, labels = _val_split(c, data, run)
     result = {"run_dir": str(run.run_dir), "checkpoint": run.checkpoint.name, "step": run.step, "split": "val",
               "overrides": list(overrides), **held_out_test(run, c, x, labels, mode)}
     if write:
