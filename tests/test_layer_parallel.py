@@ -93,6 +93,10 @@ CASES = {
     "generative-P3-ipc-precision": Case((6, 8, 8, 8, 8, 5), layer=3, bottom="onehot", algorithm="ipc",
                                         precision=2.0, optimizer="adamw"),
     "generative-D2xP2-bce-noise": Case((6, 8, 8, 8, 5), layer=2, data=2, bottom="onehot", energy="bce", noise=0.05),
+    # unequal local batches (7 rows over two data ranks: 4 and 3), each weighted by its size: the gradients, energies,
+    # skip vote and noise rows of iPC with value noise and a skip
+    "D2xP2-uneven-batch-ipc-noise-skip": Case((6, 8, 8, 8, 4), layer=2, data=2, algorithm="ipc", B=7, noise=0.05,
+                                              optimizer="adamw", skip=1e3),
     "unsupervised-P2-learned-prior-noise": Case((6, 8, 8, 8, 5), layer=2, bottom="free", prior=(0.5, "learned"),
                                                 noise=0.05, micro_batches=2),
     "unsupervised-P3-ipc-schedule": Case((6, 8, 8, 8, 8, 5), layer=3, bottom="free", algorithm="ipc",

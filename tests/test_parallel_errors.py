@@ -203,28 +203,42 @@ def test_the_data_peer_of_a_lost_neighbour_names_the_slice_that_stopped_first():
             f"(rank 3 stopped: {why}") in said, said
 
 
-def hang_in_the_metrics_reduce(rank, world, timeout_s, gave_up):
-    tr, x, y = small_trainer(ParallelDims(1, 2), timeout_s)
-    tr.step(x, y)
-    if rank == 1:  # never joins the reduce, until rank 0 has given up
-        deadline = time.monotonic() + 3 * timeout_s
+def hang_in_a_log_point(rank, world, where, timeout_s, gave_up):
+    from datetime import timedelta
+
+    from pcdist.distributed.rendezvous import join_process_group
+
+    # the host's waits timeout_s (parallel.timeout_s); the group's own timeout far longer, as NCCL's watchdog's is
+    join_process_group("gloo", timedelta(seconds=timeout_s), timedelta(seconds=300))
+    dims = ParallelDims(2, 1) if where == "the data-axis sum" else ParallelDims(1, 2)
+    par = Parallel.from_mesh(dims, pcdist.mlp_specs((6, 8, 8, 4)), timeout_s=timeout_s)
+    if rank == 1:  # never joins the collective, until rank 0 has given up
+        deadline = time.monotonic() + 15 * timeout_s
         while not os.path.exists(gave_up) and time.monotonic() < deadline:
             time.sleep(0.05)
         os._exit(0)
     try:
-        tr.parallel.sum_to_logging([1.0])
+        if where == "the metrics reduce":
+            par.sum_to_logging([1.0])
+        elif where == "the energy reduce":
+            par.gather_layer_energies(torch.ones(2), 4)
+        else:
+            par.sum_over_data([torch.ones(3)])
     finally:
         open(gave_up, "w").close()
 
 
-def test_a_peer_that_stalls_a_log_point_collective_is_named_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("where", ["the metrics reduce", "the energy reduce", "the data-axis sum"])
+def test_a_peer_that_stalls_a_log_point_collective_is_named_within_the_timeout(where, tmp_path):
     """The log points' collectives (metrics and energy reduces, the data-axis sums) are posted and waited for
-    within parallel.timeout_s, inside collective(): a stalled peer is one PeerError naming the collective and the
-    ranks (under NCCL the blocking call returned once queued, and the stall surfaced at the next host read)."""
+    within parallel.timeout_s, inside collective(), not the process group's own timeout (longer here, as NCCL's
+    watchdog's is): a stalled peer is one PeerError naming the collective and the ranks (under NCCL the blocking
+    call returned once queued, and the stall surfaced at the next host read)."""
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 0: the metrics reduce over ranks \[0, 1\] failed or timed out"):
-        run(hang_in_the_metrics_reduce, 2, 4.0, str(tmp_path / "gave-up"), timeout=60)
-    assert time.monotonic() - t0 < 45
+    with pytest.raises(WorkerError, match=rf"rank 0: {where} over ranks \[0, 1\] failed or timed out"):
+        run(hang_in_a_log_point, 2, where, 4.0, str(tmp_path / "gave-up"), timeout=90)
+    assert time.monotonic() - t0 < 60
+
 
 def stall_at_a_host_wait(rank, world, where, gave_up):
     from datetime import timedelta
