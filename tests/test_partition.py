@@ -42,6 +42,17 @@ def test_balanced_by_flops_not_by_count():
     assert partition_layers(costs, 2) == [(1, 3), (3, 10)]
 
 
+def test_an_inferred_input_node_makes_layer_1_cost_as_an_interior_layer():
+    """Unsupervised PC infers h_0: layer 1 then predicts from it and projects back to it at every step, as every
+    other layer does, so the partition counts its GEMMs (it took them as free, and gave the first slice too many)."""
+    from pcdist.distributed.partition import layer_costs
+
+    specs = [LayerSpec(512, 512, "tanh")] * 4 + [LayerSpec(512, 10, None)]
+    clamped, free = layer_costs(specs), layer_costs(specs, free_bottom=True)
+    assert free[0] == clamped[1] > clamped[0] and free[1:] == clamped[1:]
+    assert partition_layers(clamped, 2) == [(1, 4), (4, 6)] and partition_layers(free, 2) == [(1, 3), (3, 6)]
+
+
 def test_more_ranks_than_layers_is_a_clear_error():
     with pytest.raises(ValueError, match=r"parallel.layer=4 ranks but the model has only 3 layers"):
         partition_layers([1, 1, 1], 4)

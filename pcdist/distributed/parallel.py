@@ -206,11 +206,13 @@ class Parallel(LayerExchange):
 
     @classmethod
     def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerKind] | Sequence[int],
-                  device: torch.device | str = "cpu", micro_batches: int = 1, timeout_s: float = 300.0) -> "Parallel":
+                  device: torch.device | str = "cpu", micro_batches: int = 1, timeout_s: float = 300.0,
+                  free_bottom: bool = False) -> "Parallel":
         """Build the (data, layer) mesh over the initialised process group and place this rank.
 
         ``specs``: the network's layer kinds, or any per-layer costs (the partition balances
-        their sums over the layer ranks; see ``pcdist.distributed.partition.layer_costs``).
+        their sums over the layer ranks; see ``pcdist.distributed.partition.layer_costs``, and ``free_bottom``
+        there: an inferred h_0).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -223,7 +225,8 @@ class Parallel(LayerExchange):
         dev = torch.device(device)
         barrier("the layer group's first barrier (every rank starting)", layer_group, dev)
         peer = lambda r: dist.get_global_rank(layer_group, r)  # noqa: E731
-        costs = layer_costs(specs) if all(isinstance(s, LayerKind) for s in specs) else [int(c) for c in specs]
+        costs = layer_costs(specs, free_bottom) if all(isinstance(s, LayerKind) for s in specs) else \
+            [int(c) for c in specs]
         slices = partition_layers(costs, P)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
         logging = int(mesh.mesh[0, P - 1])

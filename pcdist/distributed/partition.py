@@ -25,9 +25,11 @@ def layer_flops(spec: LayerKind, index: int = 2) -> int:
     return spec.flops(index)
 
 
-def layer_costs(specs: Sequence[LayerKind]) -> list[int]:
-    """The cost of every layer of a network (its FLOPs per sample and inference step), for the partition."""
-    return [s.flops(l) for l, s in enumerate(specs, start=1)]
+def layer_costs(specs: Sequence[LayerKind], free_bottom: bool = False) -> list[int]:
+    """The cost of every layer of a network (its FLOPs per sample and inference step), for the partition.
+    ``free_bottom``: h_0 is inferred (unsupervised PC), so layer 1 predicts from it and projects back to it at
+    every step, as an interior layer does (its kind's count at index 2)."""
+    return [s.flops(2 if free_bottom and l == 1 else l) for l, s in enumerate(specs, start=1)]
 
 
 def partition_layers(costs: Sequence[int], P: int) -> list[tuple[int, int]]:

@@ -149,7 +149,8 @@ class ServiceTrainer:
         if not self.distributed:
             return Parallel.single(len(self.specs))
         return Parallel.from_mesh(ParallelDims(p.data, p.layer), self.specs, device=self.device,
-                                  micro_batches=p.micro_batches, timeout_s=p.timeout_s)
+                                  micro_batches=p.micro_batches, timeout_s=p.timeout_s,
+                                  free_bottom=self.config.pc.mode == "unsupervised")
 
     def _make_network(self):
         """This rank's layer slice of the network: the user's layers, or the configured model."""
