@@ -34,11 +34,11 @@ from .metrics import replace_file
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
 
 
-def _atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary name, fsync, rename (``replace_file``); a failed write (disk full) leaves
-    nothing behind."""
+def _atomic_save(obj, path: Path, dump=torch.save) -> None:
+    """``dump(obj, file)`` (torch.save) to a temporary name, fsync, rename (``replace_file``); a failed write (disk
+    full) leaves nothing behind."""
     def save(f) -> None:
-        torch.save(obj, f)
+        dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -135,15 +135,7 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         if gap is not None:  # (a shared filesystem whose listing missed a peer's file): never published
             raise CheckpointError(f"writing the checkpoint {final} failed: {gap}")
         manifest = {"step": step, "layers": net.num_layers, "files": {n: _sha256(tmp / n) for n in files}}
-        def write(f) -> None:
-            f.write(json.dumps(manifest, indent=1).encode())
-            f.flush()
-            os.fsync(f.fileno())
-
-        try:
-            replace_file(tmp / "manifest.json", write)
-        except Exception as e:
-            raise CheckpointError(f"writing {tmp / 'manifest.json'} failed (disk full?): {e}") from e
+        _atomic_save(manifest, tmp / "manifest.json", lambda m, f: f.write(json.dumps(m, indent=1).encode()))
         _fsync_dir(tmp)  # its files' names on disk before it is published
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
