@@ -138,6 +138,42 @@ def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_with
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{ends[0][1]:08d}'} at step {ends[0][1]}" in ends[1][0]
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_sigterm_to_local_sh_while_its_workers_start_stops_them_after_a_checkpoint(tmp_path):
+    """SIGTERM the moment torchrun has started the worker (it is importing torch: no handler of its own yet): the
+    worker is not killed by it (torchrun would report it failed, status 1); it trains its first step, checkpoints
+    and stops, and the script ends with status 3, as for a SIGTERM during training. Run from another directory:
+    the relative run directory is the caller's, not the checkout's."""
+    import signal
+
+    proc = subprocess.Popen([str(ROOT / "launch/local.sh"), "logger=none", "logger.plots=false",
+                             "trainer.max_steps=100000", "hydra.run.dir=run"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, NPROC="1", PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+    try:
+        while not [w for agent in _children(proc.pid) for w in _children(agent)]:  # the agent's worker
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3 and "Traceback" not in out and "FAILED" not in out, out[-3000:]
+    stopped = re.findall(r"^pre-empted: stopped by a signal after step (\d+);", out, re.M)
+    assert len(stopped) == 1, out[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step-{int(stopped[0]):08d}" / "manifest.json").is_file()
+
+
 def yaml_layer(run_dir):
     import yaml
 
