@@ -23,6 +23,10 @@ fi
 NPROC=$((10#$NPROC))
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+if ! [[ $OMP_NUM_THREADS =~ ^[0-9]+$ ]] || ((10#$OMP_NUM_THREADS < 1)); then
+  echo "launch/local.sh: error: OMP_NUM_THREADS=$OMP_NUM_THREADS is not a whole number >= 1" >&2
+  exit 2
+fi
 
 # Stopping: this script passes Ctrl-C and SIGTERM to the workers (torchrun starts each in a session of its
 # own, out of the terminal's reach); they finish their step, checkpoint and stop (exit 0:

@@ -65,6 +65,12 @@ def test_local_sh_refuses_a_bad_override_in_one_line_with_status_2(tmp_path):
         out = run(["launch/local.sh"], NPROC=nproc, PYTHON=sys.executable)
         assert (out.returncode, out.stderr) == (2, f"launch/local.sh: error: NPROC={nproc} is not a whole number "
                                                    f">= 1\n"), out.stderr
+    out = run(["launch/local.sh"], NPROC="2", PYTHON=sys.executable, OMP_NUM_THREADS="abc")  # (not every worker's)
+    assert (out.returncode, out.stderr) == (2, "launch/local.sh: error: OMP_NUM_THREADS=abc is not a whole number "
+                                               ">= 1\n"), out.stderr
+    out = run([sys.executable, "train.py", "--check"], OMP_NUM_THREADS="0")  # (libgomp may add a line of its own)
+    assert out.returncode == 2 and "error: OMP_NUM_THREADS='0' is not a number of threads >= 1; unset it or set " \
+                                   "trainer.threads\n" in out.stderr, out.stderr[-3000:]
     import venv  # a python without pcdist's requirements (a wrong PYTHON=): one line, not import's traceback
 
     venv.create(tmp_path / "bare", with_pip=False)

@@ -5,6 +5,7 @@ jobs)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..distributed.parallel import ParallelDims
@@ -13,7 +14,7 @@ from ..errors import ConfigError
 from .config import Config, absolute_data_paths, check_combination, num_layers
 from .data import DataError, check_files
 from .datachecks import check_model_on_data
-from .device import pick_device
+from .device import cpu_threads, pick_device
 from .metrics import check_logger
 from .models import check_model_keys
 from .optimizer import check_optim_keys
@@ -30,6 +31,8 @@ def check(c: Config, world: int) -> str:
         raise ConfigError(f"pc.algorithm=bp (the backprop twin) trains in one process, but this launch has {world}; "
                           "run it without torchrun")
     device = pick_device(c)
+    if device.type == "cpu":
+        cpu_threads(c.trainer.threads, os.environ)  # OMP_NUM_THREADS=abc: one line here, not at every rank's start
     if c.parallel.backend == "nccl" and device.type != "cuda":
         raise ConfigError("config parallel.backend='nccl' needs CUDA devices; use parallel.backend=auto or gloo")
     if c.parallel.backend == "gloo" and device.type == "cuda" and c.parallel.layer > 1:
