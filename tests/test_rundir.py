@@ -661,16 +661,28 @@ def test_the_first_rank_lets_the_directory_go_only_after_the_logging_rank_is_don
         run(_lets_go_after_the_logging_rank, 2, c, timeout=240)
 
 
-def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces():
+def test_the_resume_line_is_a_command_a_shell_runs_for_a_folder_with_spaces(tmp_path):
     """The line a stopped run prints to resume it (`to resume: ...`) names its folder as one shell argument: a
-    run directory with a space was printed bare and split in two when pasted (cluster review)."""
+    run directory with a space was printed bare and split in two when pasted (cluster review), and one that Hydra
+    would take apart (`a,b` a sweep, `[1]` a list) failed with Hydra's own message. train.py takes such a folder,
+    quoted as the line quotes it, as that folder (it made a folder named with the quotes beside the run)."""
     import shlex
 
-    from pcdist.service.config import make_config
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from pcdist.service.config import make_config, run_dir_override
     from pcdist.service.resume import resume_command
 
-    for folder in ("/tmp/a b/run", "/tmp/ab/run", "/tmp/it's/run"):
-        assert shlex.split(resume_command(make_config(None), folder))[-1] == f"hydra.run.dir={folder}"
+    for folder in ("/tmp/a b/run", "/tmp/ab/run", "/tmp/it's/run", "/tmp/a,b=[1]/run", " x\\'\\"):
+        word = shlex.split(resume_command(make_config(None), folder))[-1]
+        assert OverridesParser.create().parse_overrides([word])[0].value() == folder, word
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), run_dir_override("runs/a,b=[1]"), "logger=none",
+                          "trainer.max_steps=1", "trainer.progress=off", "pc.T=2", "pc.x_lr=0.1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_dir() and "checkpoints" not in p.parts
+            and "configs" not in p.parts] == [Path("runs"), Path("runs/a,b=[1]")]
+    assert (tmp_path / "runs/a,b=[1]/checkpoints/step-00000001/manifest.json").is_file()
 
 
 def test_a_resume_on_data_that_changed_since_the_checkpoint_is_refused(tmp_path):

@@ -332,6 +332,14 @@ def _remove_new_dirs_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def _value(override: str) -> str:
+    """The value of ``key=value`` as Hydra reads it (``'a,b'``: ``a,b``; config.run_dir_override writes it so)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    value = OverridesParser.create().parse_overrides([override])[0].value()
+    return value if isinstance(value, str) else override.split("=", 1)[1]
+
+
 def _started(api: bool = True) -> None:
     """Import pcdist's API (torch with it; ``api=False``: a command that needs neither), then give Ctrl-C back its
     KeyboardInterrupt. Until then a Ctrl-C ends the process at once with one line (pcdist/__init__.py): nothing has
@@ -434,7 +442,7 @@ def _main() -> None:
     _started()
     from .rundir import launch_run_dir
 
-    named = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
+    named = [_value(a) for a in sys.argv[1:] if a.startswith("hydra.run.dir=")]
     ours = False  # the run directory is this launch's own name (every torchrun rank gets the same one)
     if not named and not any(a.startswith(("--multirun", "-m")) for a in sys.argv[1:]):
         try:  # the new run directory, named before Hydra resolves it (cached: Hydra gets the same)

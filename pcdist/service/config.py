@@ -362,6 +362,18 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
     return None
 
 
+def run_dir_override(run_dir) -> str:
+    """``hydra.run.dir=<run_dir>`` as Hydra reads it back: in quotes where the path holds what its grammar
+    would take apart (``a,b`` a sweep, ``[1]`` a list, spaces at the ends), a quote or a backslash before one
+    escaped (Hydra's rule). As one shell word: ``shlex.quote`` it."""
+    text = str(run_dir)
+    if re.fullmatch(r"[\w./:@+~%-]+", text):
+        return f"hydra.run.dir={text}"
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
+    return f"hydra.run.dir='{escaped}'"
+
+
 def command() -> str:
     """How this process was started, for the hints in messages: ``python -m pcdist``, ``pcdist-train``, or
     ``python train.py`` (also from Python, where the command line to name is the checkout's)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, command
+from .config import PYTHON_DATA, PYTHON_MODEL, Config, command, run_dir_override
 from .diagnostics import FILE as DIAGNOSTICS_FILE
 from .metrics import truncate_jsonl
 from .optimizer import optimizer_steps
@@ -29,7 +29,7 @@ def resume_command(c: Config, run_dir) -> str:
         return f"pcdist.train({{'run_dir': '{run_dir}'}}, {given}) with the same {given.replace('=...', '')}"
     if os.environ.get("PCDIST_LAUNCHER") == "slurm":
         return f"RUN_DIR={shlex.quote(str(run_dir))} sbatch launch/slurm.sbatch"
-    return f"{command()} {shlex.quote(f'hydra.run.dir={run_dir}')}"  # (a folder with spaces: one argument)
+    return f"{command()} {shlex.quote(run_dir_override(run_dir))}"  # (a folder with spaces: one argument)
 
 
 def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -> str:

@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,8 @@ from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_pt
 from .metrics import read_metrics
-from .config import DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings
+from .config import (DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings,
+                     run_dir_override)
 from ..errors import ConfigError, RunError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
@@ -633,7 +635,7 @@ def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
         more = f" and {len(other) - 4} more" if len(other) > 4 else ""
         raise ConfigError(f"{run_dir} holds another run, made with {named}{more}; a sweep never continues a run of "
                           f"other settings: give the sweep a new hydra.sweep.dir, or resume that run on its own: "
-                          f"{command()} hydra.run.dir={run_dir} [the settings to change]")
+                          f"{command()} {shlex.quote(run_dir_override(run_dir))} [the settings to change]")
 
 
 def _shown(value: Any) -> str:
