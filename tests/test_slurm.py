@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -135,12 +136,12 @@ class Job:
     """A job submitted from ``folder`` (not the checkout): its id, log and run directory."""
 
     def __init__(self, cluster: SlurmCluster, folder: Path, sbatch_args: list[str], overrides: list[str],
-                 run_name: str | None = None, **env: str):
+                 run_name: str | None = None, script: Path = SCRIPT, **env: str):
         self.cluster, self.folder = cluster, folder
         folder.mkdir(parents=True, exist_ok=True)
         if run_name:
             env["RUN_NAME"] = run_name
-        self.id = cluster.sbatch([*sbatch_args, str(SCRIPT), *overrides], cwd=folder, env=job_env(**env))
+        self.id = cluster.sbatch([*sbatch_args, str(script), *overrides], cwd=folder, env=job_env(**env))
         self.run_dir = folder / "runs" / (run_name or f"slurm-{self.id}")
 
     @property
@@ -312,6 +313,22 @@ def test_the_script_as_shipped_trains_on_a_cpu_only_cluster(cluster, tmp_path):
     job.assert_clean_log()
 
 
+def test_a_checkout_whose_path_has_a_space_is_found_from_the_submitted_script(cluster, tmp_path):
+    """The checkout is found from the submitted script's path (scontrol's Command=, the path then the
+    arguments) also where that path holds spaces (it was cut at the first one: no checkout found). A RUN_DIR that
+    Hydra would take apart (a,b: a sweep; [1]: a list) is that directory."""
+    spaced = tmp_path / "my code" / "pcdist"
+    spaced.parent.mkdir()
+    spaced.symlink_to(ROOT)
+    job = Job(cluster, tmp_path / "elsewhere", [], ["trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
+                                                    "trainer.progress=off"], script=spaced / "launch/slurm.sbatch",
+              RUN_DIR="runs/a,b[1]")
+    fields = job.wait_finished()
+    assert fields["JobState"] == "COMPLETED", job.log
+    assert (tmp_path / "elsewhere/runs/a,b[1]/checkpoints/step-00000002/manifest.json").is_file(), job.log
+    assert job.log.splitlines()[0].endswith(f"; checkout {spaced}"), job.log
+
+
 def test_a_gpu_job_runs_one_process_per_gpu(cluster, tmp_path):
     """--gpus-per-node=2 (the test node's GPUs are a count only: no device is visible, so the two processes
     train on the CPU): the processes per node come from SLURM_GPUS_ON_NODE, the threads from the CPUs."""
@@ -364,9 +381,9 @@ def test_slurm_preemption_sigterm_with_grace_time_requeues_and_resumes(cluster, 
 def test_the_time_limit_warning_preempts_and_requeues(cluster, tmp_path):
     """A time limit of a minute (scontrol update TimeLimit=1 once the run trains): the script's
     --signal=USR1@120 is due at once; SLURM sends it within its periodic check, the run checkpoints and the
-    job is requeued. (Its next attempt gets the same warning: the test cancels it.) The limit is lowered only
-    once the job's step runs: SLURM sends the warning to the steps that exist when its check comes, so a
-    check between the job's start and its step's (``--time=1`` at submission) would lose it."""
+    job is requeued. (Its next attempt gets the same warning: the test cancels it.) The warning goes to the batch
+    script (B:USR1), which passes it on to the step; the limit is lowered once the run trains, so that it lands
+    in the training loop."""
     # One process: it trains flat out until SLURM's periodic check sends the warning (up to half a minute), niced
     # (every thread) so that it does not slow the tests beside it: what it waits for is SLURM's clock.
     overrides = [o for o in RUN if not o.startswith(("trainer.max_steps", "trainer.eval_every"))]
@@ -401,15 +418,61 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
     fields = job.wait_finished()
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
     step = preempted_step(job)
-    assert "resume with RUN_DIR=runs/named sbatch launch/slurm.sbatch" in job.log
+    assert f"resume with RUN_DIR=runs/named sbatch [its sbatch options] {SCRIPT}" in job.log
     # (the workers' own line too: it named python train.py hydra.run.dir=..., which this script refuses)
-    assert f"to resume: RUN_DIR={job.run_dir} sbatch launch/slurm.sbatch" in job.log, job.log
+    assert f"to resume: RUN_DIR={job.run_dir} sbatch [its sbatch options] {SCRIPT}" in job.log, job.log
     again = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
     assert again.id != job.id and again.run_dir == job.run_dir
     fields = again.wait_finished()
     assert fields["JobState"] == "COMPLETED", again.log
     assert_resumed(again, step)
     assert_same_run(again.run_dir, reference)
+
+
+def test_a_new_job_never_continues_a_run_that_an_earlier_job_of_its_id_left(cluster, reference, tmp_path):
+    """SLURM's job ids start again when its state is reset: a new job whose default run directory
+    (runs/slurm-<job id>) holds an earlier job's run refuses it in one line (resume=never), changing nothing in it,
+    instead of resuming it as its own."""
+    job = Job(cluster, tmp_path, ["--hold"], ["trainer.max_steps=10", "logger=none", "trainer.progress=off"])
+    shutil.copytree(reference, job.run_dir)
+    before = sorted((p.relative_to(job.run_dir), p.stat().st_mtime_ns) for p in job.run_dir.rglob("*"))
+    cluster.run("scontrol", "release", job.id)
+    fields = job.wait_finished()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0" and fields["Restarts"] == "0", job.log
+    errors = [line for line in job.log.splitlines() if not line.startswith("== ")]
+    assert errors == [f"error: resume=never but runs/slurm-{job.id} holds a run (checkpoint step-{STEPS:08d}); set "
+                      f"RUN_NAME=<name> or RUN_DIR=<path> for a new run, or RUN_DIR=runs/slurm-{job.id} to continue it"
+                      ], job.log
+    assert sorted((p.relative_to(job.run_dir), p.stat().st_mtime_ns) for p in job.run_dir.rglob("*")) == before
+
+
+def test_usr1_while_the_job_checks_its_overrides_requeues_it_and_the_next_attempt_trains(cluster, tmp_path):
+    """USR1 to the batch script (scancel --batch, and the time limit's warning: B:USR1) before srun has started
+    the workers: the job was killed by it (or, sent to the steps, it was lost). The script catches it from its
+    start, lets its checks finish (they ignore it: scancel --full signals them too) and requeues the job; the next
+    attempt trains the run to its end. The checks are held until the script has said it got the signal (a PYTHON
+    that waits for a file when it is train.py --check), so that it lands there however fast the machine is."""
+    release = tmp_path / "release"
+    python = tmp_path / "python"
+    python.write_text(f"#!/usr/bin/env bash\nif [[ \" $* \" == *\" --check \"* ]]; then\n"
+                      f"  while [[ ! -e {release} ]]; do sleep 0.1; done\nfi\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    job = Job(cluster, tmp_path / "run", [], ["trainer.max_steps=10", "trainer.eval_every=10", "logger=none",
+                                              "trainer.progress=off"], PYTHON=str(python))
+    job.wait(lambda f: f"job {job.id} attempt 1 on" in job.log or f["JobState"] not in ("PENDING", "CONFIGURING",
+                                                                                          "RUNNING"), "the checks")
+    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
+    job.wait(lambda f: "got SIGUSR1" in job.log or f["JobState"] != "RUNNING", "the signal")
+    release.touch()
+    fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the job")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
+    assert "launch/slurm.sbatch: got SIGUSR1" in job.log and "before training started: the job is requeued once its " \
+                                                            "checks end" in job.log
+    assert f"== got SIGUSR1 before training started; requeued job {job.id}" in job.log
+    assert [int(a) for a in re.findall(rf"job {job.id} attempt (\d+) on", job.log)] == [1, 2]
+    assert sorted(p.name for p in (job.run_dir / "checkpoints").iterdir()) == ["step-00000010"], job.log
+    assert f"new run in {job.run_dir}" in job.log and "resumed from" not in job.log
+    job.assert_clean_log()
 
 
 def workers(job_id: str) -> list[int]:
@@ -467,7 +530,9 @@ def test_a_crashed_worker_is_restarted_once_then_the_job_fails_without_requeue(c
                                       "task per node"),
     ([], ["++hydra.run.dir=/tmp/x"], {}, "launch/slurm.sbatch: error: ++hydra.run.dir=/tmp/x: the run directory is "
                                          "set with RUN_DIR=<path> or RUN_NAME=<name>"),  # (++: it got past before)
-], ids=["override", "mesh", "nproc", "restarts", "tasks", "run-dir"])
+    ([], [], {"RUN_DIR": "it's"}, "launch/slurm.sbatch: error: RUN_DIR=it's: a run directory with a quote, a "
+                                  "backslash or a $ is not supported; choose another"),
+], ids=["override", "mesh", "nproc", "restarts", "tasks", "run-dir", "quote"])
 def test_a_mistake_is_one_line_and_the_job_fails_before_any_worker_starts(cluster, tmp_path, sbatch_args, overrides,
                                                                           env, error):
     job = Job(cluster, tmp_path, sbatch_args, overrides, **env)

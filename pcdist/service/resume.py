@@ -27,8 +27,9 @@ def resume_command(c: Config, run_dir) -> str:
         given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
                                           ("layers=...", c.model.name == PYTHON_MODEL)) if on)
         return f"pcdist.train({{'run_dir': '{run_dir}'}}, {given}) with the same {given.replace('=...', '')}"
-    if os.environ.get("PCDIST_LAUNCHER") == "slurm":
-        return f"RUN_DIR={shlex.quote(str(run_dir))} sbatch launch/slurm.sbatch"
+    if os.environ.get("PCDIST_LAUNCHER") == "slurm":  # (the script's path as the job found it)
+        script = os.environ.get("PCDIST_SLURM_SCRIPT", "launch/slurm.sbatch")
+        return f"RUN_DIR={shlex.quote(str(run_dir))} sbatch [its sbatch options] {shlex.quote(script)}"
     return f"{command()} {shlex.quote(run_dir_override(run_dir))}"  # (a folder with spaces: one argument)
 
 

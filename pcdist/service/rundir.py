@@ -521,8 +521,10 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
         r.unstarted = _refuse_without_checkpoint(c, Path(run_dir), skipped, restarted, sweep)
         return r
     if c.resume == "never" and not restarted:
-        raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); choose another "
-                          f"directory, or resume=auto to continue it")
+        how = (f"set RUN_NAME=<name> or RUN_DIR=<path> for a new run, or RUN_DIR={run_dir} to continue it" if
+               os.environ.get("PCDIST_LAUNCHER") == "slurm" else
+               "choose another directory, or resume=auto to continue it")  # (slurm.sbatch's default is resume=never)
+        raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); {how}")
     r.meta = read_pt(r.checkpoint / "meta.pt")
     old = r.meta.get("config")
     if old is None and (r.run_dir / "config.yaml").is_file():  # checkpoints written before configs were kept in them
