@@ -98,7 +98,8 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     Each step's local error is Heun's against Euler's, dt/2 (k_1 - k_0), per entry over tol (1 + |h|), and
     its root mean square over every node of every rank (one all-reduce) decides: at most 1 the step is
     taken, else the nodes are put back. Either way the next dt is dt min(5, max(0.2, 0.9 / sqrt(err))),
-    starting from x_lr and never past the end; after ``max_steps`` tries (default 100 T) it stops where it is,
+    starting from x_lr and never past the end (nor a schedule's row: a step cut short so, and taken, keeps the
+    size proposed before it where that is larger); after ``max_steps`` tries (default 100 T) it stops where it is,
     with a warning saying how far it got. Returns {"accepted", "rejected", "evaluations", "t"}."""
     if not (tol > 0 and math.isfinite(tol)):
         raise ValueError(f"the adaptive solver's tolerance must be a finite number > 0, got {tol!r}")
@@ -112,17 +113,17 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     done = {"accepted": 0, "rejected": 0, "evaluations": 0}
     try:
         while t < end * (1 - 1e-12) and done["accepted"] + done["rejected"] < max_steps:
-            dt = min(dt, end - t)
+            step = min(dt, end - t)
             if schedule is not None:  # this time's row, for a step that ends where the next row starts
                 k = min(T - 1, int(t / x_lr * (1 + 1e-12)))
                 set_precision(st, schedule, k)
-                dt = min(dt, (k + 1) * x_lr - t)
+                step = min(step, (k + 1) * x_lr - t)
             vo.estimate = [tol, torch.zeros((), dtype=torch.float64, device=like.device)]
             for s in range(2):
                 par.errors(st, exchange=True)
                 par.backproject(st)
                 vo.stage = s
-                par.update_values(st, dt, more=s == 0)
+                par.update_values(st, step, more=s == 0)
             done["evaluations"] += 2
             total = par.all_sum(torch.stack([vo.estimate[1].double(),
                                              torch.tensor(count, dtype=torch.float64, device=like.device)]),
@@ -130,13 +131,16 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
             sq, n = total.tolist()
             err = math.sqrt(sq / max(n, 1.0))
             if err <= 1.0:
-                t += dt
+                t += step
                 done["accepted"] += 1
             else:
                 vo.restore()
                 done["rejected"] += 1
             # (an error estimate that is not finite, a trial step that overflowed: shrink, as for a large one)
-            dt *= 0.2 if not math.isfinite(err) else min(5.0, max(0.2, 0.9 / math.sqrt(err))) if err > 0 else 5.0
+            grown = step * (0.2 if not math.isfinite(err) else min(5.0, max(0.2, 0.9 / math.sqrt(err))) if err > 0
+                            else 5.0)
+            # a step cut short by a row's end (or the end) says nothing against the size proposed before it
+            dt = max(dt, grown) if err <= 1.0 and step < dt else grown
     finally:
         vo.estimate = None
     done["t"] = t
