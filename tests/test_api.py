@@ -515,3 +515,20 @@ def test_compile_graph_on_a_cpu_says_nothing_of_the_optimizer():
     for s in range(3):
         tr.step(*(t.float() for t in _xy(s)))
     assert notes == []
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+def test_compile_graph_on_a_cpu_trains_an_adam_with_foreach_as_compile_none(make):
+    """Adam(foreach=True) refuses a tensor learning rate unless capturable, which a CPU's Adam refuses too: the plan's
+    rate given to it raised at the first step (torch's 'lr as a Tensor is not supported'). On a CPU it is given the
+    plan's value as a number: the same weights as compile="none", bit for bit, under a schedule."""
+    x, y = (t.float() for t in _xy())
+    weights = {}
+    for compile in ("none", "graph"):
+        net = pcdist.PCNetwork.from_dims([4, 8, 3], seed=0)
+        opt = make(net.parameters(), lr=0.01, foreach=True)
+        tr = pcdist.PCTrainer(net, opt, T=3, compile=compile, scheduler=pcdist.warmup_cosine(opt, 2, 10))
+        for _ in range(4):
+            tr.step(x, y)
+        weights[compile] = [p.detach().clone() for p in net.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights["none"], weights["graph"]))

@@ -176,7 +176,10 @@ class WeightUpdate:
             return
         rates = [g["lr"] for g in opt.param_groups]
         for j, g in enumerate(opt.param_groups):
-            g["lr"] = self.plan[i, j]
+            # (a CPU's Adam with foreach=True refuses a tensor rate, and capturable=True: the plan's value, read
+            # on the host, which on a CPU waits for nothing)
+            eager_only = self.plan.device.type != "cuda" and g.get("foreach") and not g.get("capturable")
+            g["lr"] = self.plan[i, j].item() if eager_only else self.plan[i, j]
         try:
             opt.step()
         finally:
