@@ -55,5 +55,9 @@ class RunError(ValueError):
     """A run directory cannot be read back as asked (the message names the problem; pcdist/service/load.py)."""
 
 
+USER_ERRORS = (ConfigError, DataError, CheckpointError, RunError)
+"""What the user's input (a setting, a file, a run directory) causes, not a bug: one line, status 2."""
+
+
 class PeerError(RuntimeError):
     """A point-to-point exchange or a collective with other ranks failed or timed out."""

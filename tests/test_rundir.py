@@ -427,6 +427,63 @@ def test_a_resume_refused_at_its_checkpoint_changes_nothing_in_the_run_directory
     assert pcdist.load(run_dir).inputs.sample_shape == (1, 8, 8)
 
 
+def _edited_meta(run: Path, edit) -> Path:
+    """The run's newest meta.pt edited (its checksum in the manifest mended, as a stranger or a newer pcdist would
+    have written it)."""
+    meta = sorted((run / "checkpoints").glob("step-*"))[-1] / "meta.pt"
+    torch.save(edit(torch.load(meta, weights_only=True)), meta)
+    manifest = json.loads((meta.parent / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256(meta.read_bytes()).hexdigest()
+    (meta.parent / "manifest.json").write_text(json.dumps(manifest))
+    return meta
+
+
+def _newer(m):
+    m["config"]["trainer"]["grad_clip"] = 1.0
+    return m
+
+
+def _without_config(m):
+    del m["config"]
+    return m
+
+
+@pytest.mark.parametrize("case, edit, config_yaml, says", [
+    ("newer", _newer, None, r"cannot resume {run}: its checkpoint's settings hold trainer.grad_clip, which this pcdist "
+                            r"does not know \(a run of a newer pcdist\?\); resume it with the pcdist that made it"),
+    ("settings", lambda m: {**m, "config": "text"}, None, r"{meta} holds settings that are a str, not a mapping"),
+    ("step", lambda m: {k: v for k, v in m.items() if k != "step"}, None, r"{meta} holds no step \(a whole number"),
+    ("list", lambda m: [1, 2], None, r"{meta} holds a list, not a checkpoint file pcdist wrote"),
+    ("tag", _without_config, "!!python/object/apply:os.system ['true']\n", r"{run}/config.yaml is damaged \("),
+    ("yaml-list", _without_config, "- 1\n", r"{run}/config.yaml holds a list, not the run's settings"),
+])
+def test_a_run_folder_pcdist_did_not_write_is_refused_in_one_line_naming_the_file(stopped_at_12, tmp_path, case,
+                                                                                  edit, config_yaml, says):
+    """A checkpoint that passes its manifest but whose meta.pt is not what this pcdist wrote: settings it does not
+    know (a newer pcdist's: the resume dropped them without a word), settings or a step that are not there, not a
+    mapping; an older run's config.yaml (its checkpoint keeps no settings) that is not YAML or not a mapping. A
+    resume, train.py --check and pcdist.load each refuse it in one line naming the file (they failed with
+    tracebacks: AttributeError, KeyError, an uncaught CheckpointError under --check), and nothing changes."""
+    run = copy_of(stopped_at_12, tmp_path / "run")
+    meta = _edited_meta(run, edit)
+    if config_yaml is not None:
+        (run / "config.yaml").write_text(config_yaml)
+    says = says.format(run=re.escape(str(run)), meta=re.escape(str(meta)))
+    before = snapshot(run)
+    with pytest.raises(pcdist.errors.USER_ERRORS, match=says):
+        pcdist.train(cfg(run))
+    if case == "newer":  # evaluate's refusal names the run (it read as a mistyped key on the command line)
+        says = rf"{re.escape(str(run))}: the run's settings \(its checkpoint's, else config.yaml\) cannot be read by "
+    with pytest.raises(pcdist.errors.USER_ERRORS, match=says):
+        pcdist.load(run)
+    assert snapshot(run) == before
+    if case == "list":
+        out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--check", f"hydra.run.dir={run}"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stderr.startswith(f"error: {meta} holds a list") and \
+            out.stderr.count("\n") == 1, out.stderr[-3000:]
+
+
 def test_a_launch_that_fails_before_training_leaves_no_run_directory(tmp_path):
     """A bad value, bad data, resume=require on a mistyped directory: one line each and nothing under runs/."""
     (tmp_path / "a-file").write_text("not a directory")

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import barrier
-from ..errors import CheckpointError, printable
+from ..errors import CheckpointError, RunError, printable
 from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
@@ -262,6 +263,40 @@ def read_pt(path: Path) -> dict:
     if not isinstance(found, dict):
         raise CheckpointError(f"{path} holds a {type(found).__name__}, not a checkpoint file pcdist wrote")
     return found
+
+
+def read_meta(checkpoint: Path) -> dict:
+    """A checkpoint's meta.pt (``read_pt``), checked as far as a resume and ``pcdist.load`` read it: its step a
+    whole number >= 0, the run's settings (where it keeps them) a mapping; else a CheckpointError naming the file."""
+    path = Path(checkpoint) / "meta.pt"
+    meta = read_pt(path)
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path} holds no step (a whole number >= 0; found {step!r:.40}): not a checkpoint "
+                              f"file pcdist wrote")
+    if meta.get("config") is not None and not isinstance(meta["config"], dict):
+        raise CheckpointError(f"{path} holds settings that are a {type(meta['config']).__name__}, not a mapping: "
+                              f"not a checkpoint file pcdist wrote")
+    return meta
+
+
+def saved_config(run_dir: Path, meta: dict) -> dict | None:
+    """The run's settings as its checkpoint keeps them (``read_meta``), else as its config.yaml does (checkpoints
+    written before they kept them), else None; a config.yaml that is not YAML or not a mapping is a RunError naming
+    it. Read as data: no YAML tag builds anything (``safe_load``)."""
+    if meta.get("config") is not None:
+        return meta["config"]
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is damaged ({' '.join(str(e).split())[:200]}): not the run's settings as pcdist "
+                       f"wrote them") from None
+    if not isinstance(saved, dict):
+        raise RunError(f"{path} holds a {type(saved).__name__}, not the run's settings as pcdist wrote them")
+    return saved
 
 
 def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -40,7 +40,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of m
 
 from .config import (CONF_DIR, Config, check_overrides, command, config_keys, did_you_mean, groups,  # noqa: E402
                      load_config)
-from ..errors import PeerError, printable, stop_status  # noqa: E402
+from ..errors import USER_ERRORS, PeerError, printable, stop_status  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -135,7 +135,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
             _checked[:] = [(list(args.overrides), composed)]
     except HydraException as e:
         fail(str(composition_error(e)))
-    except ConfigError as e:
+    except USER_ERRORS as e:  # (the multirun checks: a job directory's damaged checkpoint)
         fail(str(e))
     except OmegaConfBaseException as e:  # ${oc.env:UNSET}, ${no.such.key}
         key = getattr(e, "full_key", None)
@@ -152,7 +152,6 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
 
     from .checks import check_as_launched  # (torch)
     from .config import passed_settings
-    from .data import DataError
 
     from omegaconf import open_dict
 
@@ -170,7 +169,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         print(f"ok: {mesh}")
     except HydraException as e:
         fail(" ".join(str(e).split()))
-    except (ConfigError, DataError) as e:
+    except USER_ERRORS as e:  # (a run directory's damaged checkpoint among them)
         fail(str(e))
     sys.exit(0)
 
@@ -261,9 +260,7 @@ def _train(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from .checkpoint import CheckpointError
     from .config import passed_settings
-    from .data import DataError
     from .run import run
 
     run_dir = None
@@ -282,7 +279,7 @@ def _train(cfg) -> float | None:
         print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"
               f"{f' (run directory: {run_dir})' if run_dir else ''}", file=sys.stderr, flush=True)
         sys.exit(preempted_status(signal.SIGINT))
-    except (pcdist.ConfigError, DataError, CheckpointError) as e:  # the user's input, not a bug: one line, status 2
+    except USER_ERRORS as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)

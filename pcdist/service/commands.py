@@ -109,12 +109,12 @@ def _run(args) -> None:
 
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
-    from ..errors import CheckpointError, ConfigError, DataError, RunError  # (no torch: compare needs none)
+    from ..errors import USER_ERRORS  # (no torch: compare needs none)
 
     args = _parser().parse_args(argv)
     try:
         _run(args)
-    except (RunError, CheckpointError, ConfigError, DataError) as e:
+    except USER_ERRORS as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch import Tensor
 
 from ..engine.energies import energy_of
 from ..engine.network import PCNetwork, legacy_signature
-from ..errors import RunError
+from ..errors import ConfigError, RunError
 from .autostep import resolve_x_lr
-from .checkpoint import CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint, read_pt
+from .checkpoint import (CheckpointError, _checkpoints, _step_of, _verify, latest_checkpoint, load_checkpoint,
+                         read_meta, saved_config)
 from .config import PYTHON_MODEL, Config, literal, load_config, network_options
 from .data import as_float
 from .metrics import read_metrics
@@ -191,12 +191,14 @@ def _inputs_without_model_file(p: Path, c: Config, meta: dict, in_shape: tuple[i
 
 
 def _config(p: Path, meta: dict) -> Config:
-    saved = meta.get("config")
-    if saved is None and (p / "config.yaml").is_file():
-        saved = yaml.safe_load((p / "config.yaml").read_text())
+    saved = saved_config(p, meta)
     if saved is None:
         raise RunError(f"{p}: neither its checkpoint nor config.yaml holds the run's config")
-    return load_config(literal(saved))  # the folder's text is data: no ${...} is resolved
+    try:
+        return load_config(literal(saved))  # the folder's text is data: no ${...} is resolved
+    except ConfigError as e:  # (a setting this pcdist does not know: a run of a newer one)
+        raise RunError(f"{p}: the run's settings (its checkpoint's, else config.yaml) cannot be read by this pcdist: "
+                       f"{e}") from None
 
 
 def _specs(p: Path, model: dict | None, signature: list) -> list:
@@ -237,7 +239,7 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     device = _device(device)
     p = _run_dir(run_dir)
     path = find_checkpoint(p, checkpoint)
-    meta = read_pt(path / "meta.pt")
+    meta = read_meta(path)
     signature = legacy_signature(meta.get("model")) or meta.get("model")
     if not isinstance(signature, list):
         raise CheckpointError(f"{path}: its meta.pt holds no layer signatures")

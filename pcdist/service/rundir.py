@@ -38,7 +38,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from .checkpoint import newest_valid, read_pt
+from .checkpoint import newest_valid, read_meta, saved_config
 from .metrics import read_metrics
 from .config import (DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings,
                      run_dir_override)
@@ -525,16 +525,20 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
                os.environ.get("PCDIST_LAUNCHER") == "slurm" else
                "choose another directory, or resume=auto to continue it")  # (slurm.sbatch's default is resume=never)
         raise ConfigError(f"resume=never but {run_dir} holds a run (checkpoint {r.checkpoint.name}); {how}")
-    r.meta = read_pt(r.checkpoint / "meta.pt")
-    old = r.meta.get("config")
-    if old is None and (r.run_dir / "config.yaml").is_file():  # checkpoints written before configs were kept in them
-        old = yaml.safe_load((r.run_dir / "config.yaml").read_text())
+    r.meta = read_meta(r.checkpoint)
+    old = saved_config(r.run_dir, r.meta)
     if old is None:
         r.unknown_config = True
         return r
+    before, after = flat(old), flat(asdict(c))
+    unknown = [k for k in before if k not in after and not _of_launch(k)]
+    if unknown:  # a run of a newer pcdist: resumed here, those settings would be dropped without a word
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ConfigError(f"cannot resume {run_dir}: its checkpoint's settings hold {shown}, which this pcdist does "
+                          f"not know (a run of a newer pcdist?); resume it with the pcdist that made it, or start a "
+                          f"new run directory")
     if sweep:
         _refuse_other_settings(old, c, Path(run_dir))
-    before, after = flat(old), flat(asdict(c))
     if passed is not None:  # the run's own settings, but for what the user passes now and the launch's
         kept = {k: before[k] for k in after if k in before and k not in passed and not _of_launch(k)}
         r.config = c = load_config(literal(_nested({**after, **kept})))  # the run's text is data: no ${...}

@@ -23,9 +23,8 @@ import os
 import socket
 from pathlib import Path
 
-from ..errors import ConfigError, printable
+from ..errors import USER_ERRORS, ConfigError, printable
 from .config import load_config, passed_settings
-from .data import DataError
 from .rundir import run_files
 
 __all__ = ["check_sweep"]
@@ -133,7 +132,7 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     try:
         check_as_launched(load_config(composed), passed_settings(job), int(os.environ.get("WORLD_SIZE", "1")),
                           job_dir, sweep=True, loaded=loaded)
-    except (ConfigError, DataError) as e:
+    except USER_ERRORS as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
 
