@@ -3,10 +3,12 @@ with an earlier sweep's runs (real Hydra, real subprocesses). The Optuna sweeper
 over seeds are tested on the sweeps of docs/after-training.md (tests/test_docs_after_training.py)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pcdist.service.metrics import read_metrics
@@ -103,6 +105,37 @@ def test_a_sweep_into_an_earlier_sweeps_folder_refuses_and_changes_nothing(tmp_p
     assert again.stdout.count("is already finished") == 2 and "new run in" not in again.stdout, again.stdout
     assert again.stdout.count("a sweep's jobs keep their settings: to train longer, launch the sweep with a larger "
                               "trainer.max_steps into a new hydra.sweep.dir") == 2, again.stdout
+
+
+def test_a_run_and_a_sweep_never_share_a_folder_and_compare_shows_both_where_they_do(tmp_path):
+    """A single run launched into a sweep's folder (its job's /0 left out) trained beside the jobs, and a sweep
+    launched into a run's folder wrote its jobs into it; compare then showed only the run, the jobs hidden. Each
+    launch is refused in one line, changing nothing; compare of a folder holding both (made by an earlier pcdist)
+    lists the run and the jobs."""
+    import shutil
+
+    import pcdist
+    from pcdist.service.compare import find_runs
+
+    sweep, run = tmp_path / "sweep", tmp_path / "run"
+    train_py("--multirun", "pc.T=2,3", *QUICK, "trainer.max_steps=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    before = snapshot(sweep)
+    with pytest.raises(pcdist.ConfigError, match=rf"^{re.escape(str(sweep))} is a sweep's folder \(multirun.yaml, "
+                                                 rf"\.pcdist-sweep\.json, 0/, 1/\), whose runs a run there would mix "
+                                                 rf"with; to resume one of its jobs name its folder"):
+        pcdist.train({"run_dir": str(sweep), "logger": "none", "trainer": {"max_steps": 2}})
+    assert snapshot(sweep) == before
+    pcdist.train({"run_dir": str(run), "logger": {"name": "none", "plots": False},
+                  "trainer": {"max_steps": 2, "progress": "off"}, "pc": {"T": 2}})
+    before = snapshot(run)
+    said = refused("--multirun", "pc.T=2,3", *QUICK, f"hydra.sweep.dir={run}", cwd=tmp_path)
+    assert said.startswith(f"error: sweep directory {run} holds a run (checkpoints, metrics.jsonl, train.log, "
+                           f"config.yaml, configs), whose files this sweep's jobs would mix with"), said
+    assert snapshot(run) == before
+    mixed = shutil.copytree(sweep, tmp_path / "mixed")
+    for name in ("config.yaml", "metrics.jsonl", "checkpoints"):
+        (shutil.copytree if (run / name).is_dir() else shutil.copy)(run / name, mixed / name)
+    assert find_runs([mixed]) == [mixed, mixed / "0", mixed / "1"]
 
 
 def test_a_sweep_into_a_folder_another_sweep_is_launching_into_is_refused_before_it_writes(tmp_path):

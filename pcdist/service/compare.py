@@ -37,15 +37,13 @@ def find_runs(paths) -> list[Path]:
     for p in map(Path, paths):
         if not p.is_dir():
             raise RunError(f"{p} is not a directory; give run directories or a sweep directory")
-        if (p / "config.yaml").is_file():
-            runs.append(p)
-            continue
+        own = [p] if (p / "config.yaml").is_file() else []  # (a run and a sweep's runs in one folder: both shown)
         inner = sorted((q for q in p.iterdir() if (q / "config.yaml").is_file()),
                        key=lambda q: (not q.name.isdigit(), int(q.name) if q.name.isdigit() else 0, q.name))
-        if not inner:
+        if not own and not inner:
             raise RunError(f"{p} is neither a run directory (no config.yaml) nor a sweep directory (no run "
                            f"directories in it)")
-        runs.extend(inner)
+        runs.extend(own + inner)
     if not runs:
         raise RunError("no run directories given")
     return runs

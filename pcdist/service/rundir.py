@@ -45,8 +45,8 @@ from .config import (DATA_PATHS, Config, absolute_path, command, flat, literal, 
 from ..errors import ConfigError, RunError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
-           "LAUNCH_KEYS", "RUN_FILES", "run_files", "write_attempt", "position_schedule", "run_overrides", "links_in",
-           "links_refusal", "LOCK", "check_not_in_use", "lock_run_dir", "unlock_run_dir"]
+           "LAUNCH_KEYS", "RUN_FILES", "run_files", "sweep_in", "write_attempt", "position_schedule", "run_overrides",
+           "links_in", "links_refusal", "LOCK", "check_not_in_use", "lock_run_dir", "unlock_run_dir"]
 
 _calls = itertools.count(1)
 
@@ -261,6 +261,18 @@ every attempt writes anew before it logs anything, does not count)."""
 def run_files(run_dir: Path) -> list[str]:
     """The names in RUN_FILES that ``run_dir`` holds."""
     return [name for name in RUN_FILES if (Path(run_dir) / name).exists()]
+
+
+SWEEP_FILES = ("multirun.yaml", ".pcdist-sweep.json", "optimization_results.yaml")
+"""What Hydra and pcdist write into a sweep's folder, beside its jobs' run directories."""
+
+
+def sweep_in(run_dir: Path) -> list[str]:
+    """What makes ``run_dir`` a sweep's folder: SWEEP_FILES, and folders holding a run (its jobs), by name."""
+    run_dir = Path(run_dir)
+    jobs = [d.name for d in sorted(run_dir.iterdir()) if d.is_dir() and d.name not in RUN_FILES and run_files(d)] \
+        if run_dir.is_dir() else []
+    return [name for name in SWEEP_FILES if (run_dir / name).exists()] + [f"{name}/" for name in jobs]
 
 
 def links_in(run_dir: Path) -> list[str]:
@@ -507,6 +519,11 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     found = links_in(run_dir)
     if found:
         raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
+    held = sweep_in(run_dir)
+    if held:  # (hydra.run.dir=<a sweep's folder>: its job's /<n> left out)
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ConfigError(f"{run_dir} is a sweep's folder ({shown}), whose runs a run there would mix with; to resume "
+                          f"one of its jobs name its folder ({Path(run_dir) / '<job>'}), or choose another directory")
     for rows in ("metrics.jsonl", "diagnostics.jsonl"):  # whole rows, but for a last one cut short (a resume keeps
         if (Path(run_dir) / rows).is_file():  # those of its steps, drops the rest and that one)
             try:
