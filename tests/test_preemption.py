@@ -279,3 +279,24 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line_and_leaves_nothing(tmp
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert (out.returncode, out.stderr) == (130, said + "\n"), out.stdout[-2000:] + out.stderr[-3000:]
     assert not run_dir.exists() and "new run in" not in out.stdout
+
+
+def test_a_ctrl_c_after_the_last_step_stops_the_end_of_run_trace_at_once(tmp_path, monkeypatch):
+    """Once the last step is checkpointed, what is left (the trace of the inference, the pictures, the last line)
+    can stop at once: a Ctrl-C there was caught as in training, then ignored (the next one stopped the process).
+    Here it comes as the trace starts: KeyboardInterrupt, the run finished and checkpointed."""
+    from pcdist.engine.trainer import PCTrainer
+
+    trace = PCTrainer.trace
+
+    def interrupted(self, x, y):
+        os.kill(os.getpid(), signal.SIGINT)
+        return trace(self, x, y)
+
+    monkeypatch.setattr(PCTrainer, "trace", interrupted)
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        pcdist.train({"run_dir": str(run_dir), "logger": {"name": "none", "plots": False},
+                      "trainer": {"max_steps": 3, "progress": "off"}, "pc": {"T": 2}})
+    assert latest_checkpoint(run_dir).name == "step-00000003"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

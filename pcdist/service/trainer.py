@@ -241,6 +241,8 @@ class ServiceTrainer:
             self._signals = catch_stop_signals()
         self.start()
         self._steps(self.end if until is None else until, self._signals[0])
+        if until is None:  # finished and checkpointed: a Ctrl-C in the trace and pictures below stops at once
+            restore_signals({signal.SIGINT: self._signals[1].get(signal.SIGINT)})  # (it was kept and ignored)
         c = self.config
         if c.pc.diagnostics and c.logger.plots and self.parallel.is_logging:
             Diagnostics(c, self.run_dir, self.logger).plot()
