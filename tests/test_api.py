@@ -1,5 +1,6 @@
 """The public API: construction, round trips, structure of the fused groups, errors."""
 
+import copy
 import re
 
 import pytest
@@ -531,4 +532,49 @@ def test_compile_graph_on_a_cpu_trains_an_adam_with_foreach_as_compile_none(make
         for _ in range(4):
             tr.step(x, y)
         weights[compile] = [p.detach().clone() for p in net.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights["none"], weights["graph"]))
+
+
+def test_an_annealed_value_step_with_noise_keeps_a_bounded_noise_state():
+    """Value noise at an x_lr annealed at every step: each x_lr made a ValueNoise with its own buffer (global batch x
+    every node), kept for the stage's life (200 steps of a small net: 57 MiB). The stage keeps NOISE_KEPT of them, all
+    drawing into one buffer; the run equals one whose trainer is made afresh at each x_lr (the draws depend on the
+    seed and the call, not on what the stage kept)."""
+    from pcdist.engine.values import NOISE_KEPT
+
+    x, y = (t.float() for t in _xy())
+    net, fresh = (pcdist.PCNetwork.from_dims([4, 8, 3], seed=0) for _ in range(2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tr = pcdist.PCTrainer(net, opt, T=2, value_noise=0.05, noise_seed=3)
+    for s in range(3 * NOISE_KEPT):
+        tr.x_lr = 0.1 * 0.9 ** s
+        got = tr.step(x, y)["energy"]
+        other = pcdist.PCTrainer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), T=2, x_lr=tr.x_lr,
+                                 value_noise=0.05, noise_seed=3)
+        other.steps_done = s
+        assert got == other.step(x, y)["energy"], s
+    st = tr._stage
+    assert len(st.noise) == NOISE_KEPT and len({id(n.flat) for n in st.noise.values()}) == 1
+
+
+def test_a_live_optimizer_given_a_group_or_a_saved_state_trains_as_compile_none():
+    """Progressive training (add_param_group on the trainer's optimizer) and a rollback (load_state_dict of a saved
+    state): under compile="graph" the rates table was the first groups' (a shape error at the next step, also on a
+    CPU) and a captured step went on updating the state tensors it was captured with. The update is made anew for
+    the optimizer as it is now: the same weights as compile="none", bit for bit."""
+    x, y = (t.float() for t in _xy())
+    weights = {}
+    for compile in ("none", "graph"):
+        net = pcdist.PCNetwork.from_dims([4, 8, 8, 3], seed=0)
+        params = list(net.parameters())
+        opt = torch.optim.AdamW(params[:2], lr=0.01)
+        tr = pcdist.PCTrainer(net, opt, T=3, compile=compile)
+        for s in range(12):
+            if s == 5:
+                opt.add_param_group({"params": params[2:], "lr": 0.005})
+                saved = copy.deepcopy(opt.state_dict())
+            if s == 9:
+                opt.load_state_dict(saved)
+            tr.step(x, y, log=s % 4 == 0)
+        weights[compile] = [p.detach().clone() for p in params]
     assert all(torch.equal(a, b) for a, b in zip(weights["none"], weights["graph"]))

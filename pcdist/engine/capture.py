@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter, OrderedDict
 from contextlib import nullcontext
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["COMPILE", "HostReads", "Program", "Runner", "on_host", "compile_mode"]
 
 COMPILE = ("auto", "none", "graph")
-WARMUP = 2  # eager calls on the capture stream before a stage is captured (lazy init: optimizer state, cuBLAS)
+WARMUP = 2  # calls after the first before a stage is captured: the checked one, then one on the capture stream
+# (lazy init there: optimizer state, cuBLAS)
 MAX_PROGRAMS = 16
 """Captured cores a Runner keeps (each holds its graphs and their memory pool): past it, the least recently
 replayed one is dropped, its memory given back, and captured again at once if it comes back (a sweep over many
@@ -214,26 +215,39 @@ class Program:
     def __init__(self, device: torch.device, stream, pool, generators=()):
         self.device, self.stream, self.pool, self.generators = device, stream, pool, tuple(generators)
         self.parts: list = []
+        self.grads: list = []  # (tensor, its .grad when captured): what the graphs write by address (keep_grads)
         self._open = None
 
     def capture(self, fn: Callable[[], None]) -> None:
         global _recording
         _recording = self
         try:
-            with torch.cuda.stream(self.stream):
-                self._begin()
-                fn()
-                self._end()
-        except BaseException:
-            if self._open is not None:
-                try:
-                    self._open.capture_end()
-                except Exception:  # the capture had failed: its generators may be left capturing
-                    self._release()
-                self._open = None
-            raise
+            with torch.cuda.stream(self.stream):  # a failed capture is ended here too: on the stream it began on
+                try:  # (CUDA refuses another; the capture would stay open, and the stream with it)
+                    self._begin()
+                    fn()
+                    self._end()
+                except BaseException:
+                    self._abandon()
+                    raise
         finally:
             _recording = None
+
+    def _abandon(self) -> None:
+        """End the capture a failure left open (on the capture stream, current)."""
+        g, self._open = self._open, None
+        if g is None:
+            return
+        try:
+            g.capture_end()
+        except Exception:  # the capture had failed: its generators may be left capturing
+            self._release()
+
+    def keep_grads(self, holders) -> None:
+        """Keep the ``.grad`` of each of ``holders`` (the parameters a step trains), which the graphs read and write
+        by address: a replay puts back any that was replaced or dropped since (a parameter frozen then unfrozen,
+        whose .grad the step set to None; ``zero_grad()``), which would otherwise be written after it was freed."""
+        self.grads = [(p, p.grad) for p in holders if p.grad is not None]
 
     def _release(self) -> None:
         """After a capture whose end failed: one empty capture over the same generators, which ends their capture
@@ -268,6 +282,9 @@ class Program:
         self._begin()
 
     def replay(self) -> None:
+        for p, g in self.grads:
+            if p.grad is not g:
+                p.grad = g
         for p in self.parts:
             if isinstance(p, torch.cuda.CUDAGraph):
                 p.replay()
@@ -282,12 +299,14 @@ class Runner:
 
     ``prepare()``: a context manager that every call run in Python on a CUDA device runs inside (the first calls,
     the capture, an eager fallback; not a replay): the optimizer made capturable while it steps there (a
-    non-fused Adam's step reads its tensor learning rate on the host otherwise)."""
+    non-fused Adam's step reads its tensor learning rate on the host otherwise). ``trained()``: the parameters whose
+    ``.grad`` a captured step writes (``Program.keep_grads``)."""
 
     def __init__(self, mode: str, device: torch.device, say: Callable[[str], None] = print,
-                 generators=(), prepare: Callable[[], ContextManager] | None = None):
+                 generators=(), prepare: Callable[[], ContextManager] | None = None,
+                 trained: Callable[[], Iterable[torch.Tensor]] = tuple):
         self.mode, self.device, self.say = mode, torch.device(device), say
-        self.generators, self.prepare = generators, prepare
+        self.generators, self.prepare, self.trained = generators, prepare, trained
         self.calls: Counter = Counter()
         self.programs: OrderedDict = OrderedDict()  # key -> its Program, the least recently replayed first
         self.eager: dict = {}  # key -> why that stage runs eagerly
@@ -381,6 +400,7 @@ class Runner:
             fn()
             return
         cur.wait_stream(s)
+        program.keep_grads(self.trained())
         self.programs[key] = program
         program.replay()
 

@@ -99,7 +99,8 @@ class Stage:
         # What a step's core writes for the host to read at log points, and the precision schedule's rows.
         self.energy_log = torch.zeros(sum(g.K for g in self.groups), dtype=energy_dtype(dtype), device=p.device)
         self.precision_rows: dict[int, Tensor] = {}
-        self.noise: dict = {}  # (tau, global batch) -> its ValueNoise (pcdist/engine/values.py)
+        self.noise: dict = {}  # (tau, global batch, x_lr) -> its ValueNoise (pcdist/engine/values.py)
+        self.noise_buffers: dict = {}  # global batch -> the buffer every ValueNoise of that batch draws into
         # The lowest layer whose weight gradient this step can be nonzero: pc from the feed-forward init (no noise,
         # the target clamped) moves the error one layer per evaluation, so below layer L - T x stages the exact
         # gradient is zero and the computed one round-off of recomputed predictions, which Adam would scale up

@@ -137,6 +137,12 @@ class LiveSettings:
     def _capturable(self):
         return self.update.capturable()
 
+    def _trained(self) -> list[Tensor]:
+        """The parameters whose .grad a step writes: the network's, and the optimizer's (bf16: its float32 copies)."""
+        found = {id(p): p for p in self.net.parameters()}
+        found.update((id(p), p) for g in self.optimizer.param_groups for p in g["params"])
+        return list(found.values())
+
     @property
     def skipped_updates(self) -> int:
         """Weight updates skipped by ``skip_above`` (a host read: ask where the step is logged); set it on resume."""
@@ -213,7 +219,7 @@ class PCTrainer(LiveSettings):
         self._compile = compile_mode(compile, self._device)
         self._generator = torch.Generator(device=self._device)  # value noise (graph-safe: seeded per call on the host)
         self.runner = Runner(self.compile, self._device, say,
-                             (self._generator,) if self._device.type == "cuda" else (), self._capturable)
+                             (self._generator,) if self._device.type == "cuda" else (), self._capturable, self._trained)
         self._new_update(optimizer, scheduler, steps=self.T if algorithm == "ipc" else 1)
 
     max_stages = 8  # stages kept at once (cached_stage); a training run uses two or three
@@ -238,6 +244,8 @@ class PCTrainer(LiveSettings):
         st = self._begin(x, y, None)
         noise = self._noise(st, self.value_noise, global_batch, self.steps_done)
         self.parallel.begin_step()
+        if self.update.outdated():  # (add_param_group, load_state_dict on the live optimizer)
+            self._new_update(self.optimizer, self.scheduler, self.update.steps)
         self.update.prepare()
         clock = [time.perf_counter()]
         frozen = self.update.frozen() if self.runner.mode == "graph" else ()  # (a capture skips the ones frozen then)

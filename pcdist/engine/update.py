@@ -51,6 +51,17 @@ class WeightUpdate:
         self._vote: Tensor | None = None
         self._bad = torch.zeros((), dtype=torch.bool, device=device)
         self._settled = False  # a fused optimizer has made all its state
+        self._layout = self._optimizer_layout()
+
+    def _optimizer_layout(self) -> tuple:
+        o = self.optimizer
+        return id(o.state), tuple(tuple(map(id, g["params"])) for g in o.param_groups)
+
+    def outdated(self) -> bool:
+        """The optimizer changed under this update: a parameter group added (``add_param_group``), its state
+        loaded (``load_state_dict`` makes every state tensor anew). Its rates table and the steps captured
+        with it (which update the state tensors they were captured with) are then the old optimizer's."""
+        return self._optimizer_layout() != self._layout
 
     # -- host work, around a step's core --------------------------------------------------
     def prepare(self) -> None:

@@ -332,7 +332,9 @@ class ValueNoise:
         for shape in shapes:
             offsets.append(offsets[-1] + total * math.prod(shape))
         like = st.node(st.net.stop - 1)
-        self.flat = torch.empty(offsets[-1], dtype=like.dtype, device=like.device)
+        self.flat = st.noise_buffers.get(total)  # one per global batch, whatever x_lr and tau: each call fills it
+        if self.flat is None:
+            self.flat = st.noise_buffers[total] = torch.empty(offsets[-1], dtype=like.dtype, device=like.device)
         self.std, self.generator = std, generator
 
         def block(n: int, N: int) -> Tensor:  # xi of nodes n .. n + N - 1, this rank's rows
@@ -355,15 +357,22 @@ class ValueNoise:
             h.add_(xi, alpha=self.std)
 
 
+NOISE_KEPT = 8
+"""The ValueNoise objects a Stage keeps (the most recently used): an x_lr annealed at every step makes one each."""
+
+
 def stage_noise(st, par, x_lr: float, tau: float, global_batch: int | None, generator: torch.Generator,
                 seed: int, call: int) -> ValueNoise | None:
-    """The Stage's value noise at temperature ``tau`` (made once per stage, tau and x_lr: its std is
-    sqrt(2 x_lr tau)), seeded for ``call``; None without noise."""
+    """The Stage's value noise at temperature ``tau`` (made once per stage, tau and x_lr, NOISE_KEPT at most: its
+    std is sqrt(2 x_lr tau)), seeded for ``call``; None without noise."""
     if not tau:
         return None
     key = (tau, global_batch, x_lr)
-    noise = st.noise.get(key)
+    noise = st.noise.pop(key, None)
     if noise is None:
-        noise = st.noise[key] = ValueNoise(st, par, math.sqrt(2.0 * x_lr * tau), global_batch, generator)
+        noise = ValueNoise(st, par, math.sqrt(2.0 * x_lr * tau), global_batch, generator)
+    st.noise[key] = noise  # (the most recent last)
+    while len(st.noise) > NOISE_KEPT:
+        del st.noise[next(iter(st.noise))]
     noise.seed_call(seed, call)
     return noise
