@@ -425,6 +425,8 @@ def test_bad_input_is_one_line_naming_the_problem(digits_run, tmp_path):
         ("predict", run_dir, tmp_path / "bad.npz", "--out", tmp_path / "p.npz"): "inputs have shape [3, 7], but "
                                                                                    "this run takes [N, 1, 8, 8]",
         ("evaluate", mixed): "was written by a different model",
+        ("predict", run_dir, tmp_path, "--out", tmp_path / "p.npz"): f"{tmp_path} is a folder; predict reads an .npz "
+                                                                     f"or .npy file",  # (it said: does not exist)
     }
     for args, says in cases.items():
         out = cli(*args, check=False)
@@ -950,3 +952,34 @@ def test_backprop_twin_refuses_several_processes():
 def test_model_name_python_needs_layers():
     with pytest.raises(pcdist.ConfigError, match="model.name='python' stands for layers passed"):
         pcdist.train({"model": {"name": "python"}, "logger": "none"})
+
+
+def test_normalize_leaves_a_feature_constant_in_training_unscaled_and_needs_two_samples(tmp_path):
+    """Flattened images [N, 64] with data.normalize=true: a pixel 0 in every training image (a border) got a std
+    floor of 1e-8, so a held-out image with ink there was multiplied by 1e8 (logits of 1e6, the wrong class) in
+    the logged accuracy, evaluate, predict and the export. It keeps std 1 (scikit-learn's StandardScaler does the
+    same), also read back from a run of before (its model.json holds the floor); one training sample (no deviation)
+    is one line, not a diverged run of NaN."""
+    d = load_dataset("digits")
+    x_train, x_val = d.x_train.flatten(1).clone(), d.x_val.flatten(1).clone()
+    x_train[:, 0], x_val[:, 0] = 0.0, 0.0
+    x_val[:4, 0] = 0.5  # ink where no training image has any
+    data = pcdist.data.Dataset(x_train, d.y_train, x_val, d.y_val, 10)
+    run_dir = tmp_path / "run"
+    config = {**SHORT, "run_dir": str(run_dir), "data": {"normalize": True}}
+    pcdist.train(config, data=data)
+    run = pcdist.load(run_dir)
+    assert run.inputs.std[0] == 1.0
+    deviation = x_train.std(0)
+    assert torch.allclose(run.inputs.std, torch.where(deviation > 0, deviation, 1.0)), "the other pixels' deviation"
+    assert run.preprocess(x_val[:4]).abs().max() < 100, "no held-out value blown up by the constant pixel"
+    model = json.loads((run_dir / "model.json").read_text())
+    model["inputs"]["normalize"]["std"][0] = 1e-8  # as a run of before wrote it
+    (run_dir / "model.json").write_text(json.dumps(model))
+    assert pcdist.load(run_dir).inputs.std[0] == 1.0
+    one = pcdist.data.Dataset(x_train[:1], d.y_train[:1], x_val, d.y_val, 10)
+    with pytest.raises(pcdist.data.DataError, match=r"^config data.normalize=true standardises by the training "
+                                                    r"set's standard deviation, which needs 2 training samples or "
+                                                    r"more; this data has 1$"):
+        pcdist.train({**config, "run_dir": str(tmp_path / "one"), "trainer": {**SHORT["trainer"], "batch_size": 1}},
+                     data=one)

@@ -119,9 +119,14 @@ def test_1d_signals_train_a_conv1d_network_end_to_end(tmp_path):
 
 
 def test_flat_signals_without_data_signal_name_the_key(tmp_path):
+    """Flat arrays [N, L] for a conv model: data.signal=true is named; vectors of another data set (synthetic), which
+    has no such key, are not told to set it (it was, then refused it)."""
     path = signals_npz(tmp_path, flat=True)
-    with pytest.raises(Exception, match=r"data\.signal=true"):
+    with pytest.raises(Exception, match=r"\(one-channel signals \[N, L\]: add data\.signal=true\)$"):
         pcdist.train(cfg(tmp_path, **{**CNN, "data": "arrays", "data.path": str(path), "trainer.max_steps": 1}))
+    with pytest.raises(pcdist.data.DataError, match=r"\(data=synthetic gives vectors: a conv model needs images, or "
+                                                    r"signals: data=signals, or data=arrays with data.signal=true\)$"):
+        pcdist.train(cfg(tmp_path, **{**CNN, "data": "synthetic", "trainer.max_steps": 1}))
 
 
 @pytest.mark.parametrize("over,key", [({"model.stride": [1, 2, 1]}, "model.stride"),

@@ -217,7 +217,11 @@ def _check_data(c: Config, ds) -> None:
     if model.refuse_channels_last and c.data.layout == "auto" and _channels_last(c, ds.sample_shape):
         raise DataError(_channels_last(c, ds.sample_shape))
     if model.images and len(ds.sample_shape) not in (2, 3):
-        one = " (one-channel signals [N, L]: add data.signal=true)" if len(ds.sample_shape) == 1 else ""
+        one = ""
+        if len(ds.sample_shape) == 1:  # (data.signal is the arrays' key)
+            one = (" (one-channel signals [N, L]: add data.signal=true)" if c.data.name == "arrays" else
+                   f" (data={c.data.name} gives vectors: a conv model needs images, or signals: data=signals, or "
+                   f"data=arrays with data.signal=true)")
         raise DataError(f"model.name={c.model.name} takes images [C, H, W] (or signals [C, L]), but data "
                         f"{c.data.name}'s samples have shape {list(ds.sample_shape)}{one}")
     model.check_data(c, ds, shape)

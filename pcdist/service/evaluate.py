@@ -210,6 +210,9 @@ def read_inputs(path, key: str | None = None) -> np.ndarray:
 def _inputs(path, key: str | None = None) -> tuple[str | None, np.ndarray]:
     """(the array's name in the .npz, or None for an .npy, the array) of ``read_inputs``."""
     p = Path(path)
+    if p.is_dir():
+        raise RunError(f"{p} is a folder; predict reads an .npz or .npy file (a data folder's inputs: "
+                       f"{p / 'x_val.npy'})")
     if not p.is_file():
         raise RunError(f"{p} does not exist")
     try:

@@ -133,6 +133,7 @@ class Inputs:
             if not (torch.isfinite(mean).all() and torch.isfinite(std).all() and (std > 0).all()):
                 raise ValueError("model.json: the input normalisation holds a std that is not > 0, or a value that "
                                  "is not finite")
+            std = torch.where(std <= 1e-8, 1.0, std)  # a run of before: its floor on a constant channel (data.py)
         return cls(tuple(shape), bool(d["flatten"]), d.get("dtype", "float32"), classes, mean, std)
 
 

@@ -136,7 +136,8 @@ class DataConfig:
     synthetic_val: int = 512
     """synthetic: number of validation samples."""
     normalize: bool = False
-    """Standardise every input channel by the training set's mean and standard deviation (in-memory data)."""
+    """Standardise every input channel by the training set's mean and standard deviation (in-memory data; a
+    channel constant in training keeps a std of 1)."""
     augment: bool = False
     """Images: random crops after 4 pixels of zero padding and random horizontal flips of every training
     batch (PCX's CIFAR augmentation), drawn from (trainer.seed, step)."""
