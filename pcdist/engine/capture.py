@@ -400,7 +400,8 @@ class Runner:
             fn()
             return
         cur.wait_stream(s)
-        program.keep_grads(self.trained())
+        if key[0] == "step":  # (inference writes no gradient)
+            program.keep_grads(self.trained())
         self.programs[key] = program
         program.replay()
 
