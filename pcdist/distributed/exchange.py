@@ -17,6 +17,7 @@ a step ahead (see ``update_values``). A rank with no neighbours exchanges nothin
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 
@@ -38,25 +39,65 @@ def first_line(e: BaseException) -> str:
 
 
 _FAILED_KEY = "pcdist/failed/{}"
+_store_gone = _store_asked = False
+
+
+def diagnostic_store():
+    """The rendezvous store, for what a failure's line says; None once it is gone. A call to a store whose host died
+    logs the backend's C++ frames (dozens of lines on every survivor) before it raises: its host is first asked with
+    a plain connection, and a store that failed once (``store_gone``) is not asked again."""
+    if _store_gone:
+        return None
+    try:
+        store = inner = dist.distributed_c10d._get_default_store()
+    except Exception:  # no process group (any more)
+        return None
+    while hasattr(inner, "underlying_store"):  # (pcdist's prefix per restart, torch's own)
+        inner = inner.underlying_store
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    if host and port:
+        global _store_asked
+        if not _store_asked:  # the first time, after a failure: a host killed as the failure came may still be
+            _store_asked = True  # closing its sockets (its listening one accepts, then the store's reply is a reset)
+            time.sleep(0.5)
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+        except OSError:
+            store_gone()
+            return None
+    return store
+
+
+def store_gone(now: bool = True) -> bool:
+    """Whether the store is gone; ``now``: a call to it failed (its host is gone, and with it the store: torchrun's
+    agent, or rank 0), so that it is not asked again."""
+    global _store_gone
+    _store_gone = _store_gone or now
+    return _store_gone
 
 
 def report_failure(message: str) -> None:
     """Leave in the rendezvous store why this rank stops (a file missing on its side, a diverged energy), so that a
     peer whose exchange or collective fails for it names the rank and the cause in its own one line."""
+    store = diagnostic_store()
     try:
-        dist.distributed_c10d._get_default_store().set(_FAILED_KEY.format(dist.get_rank()), message.split("\n")[0])
+        if store is not None:
+            store.set(_FAILED_KEY.format(dist.get_rank()), message.split("\n")[0])
     except Exception:  # diagnostics only
-        pass
+        store_gone()
 
 
 def failures(ranks, store=None) -> dict[int, str]:
     """{rank: why it stopped} of the ``ranks`` that left a reason (``report_failure``); {} where none did or the store
     is gone."""
+    store = store or diagnostic_store()
+    if store is None:
+        return {}
     try:
-        store = store or dist.distributed_c10d._get_default_store()
         keys = {r: _FAILED_KEY.format(r) for r in ranks}
         return {r: store.get(k).decode(errors="replace") for r, k in keys.items() if store.check([k])}
     except Exception:  # diagnostics only
+        store_gone()
         return {}
 
 

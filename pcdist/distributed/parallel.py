@@ -28,7 +28,7 @@ from .buckets import GradBuckets
 from ..engine.capture import on_host
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
-from .exchange import LayerExchange, first_line, stopped
+from .exchange import LayerExchange, diagnostic_store, first_line, stopped, store_gone
 from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
@@ -138,24 +138,22 @@ _STEPS_KEY = "pcdist/steps_begun/{}"
 def _mark_progress(steps: int) -> None:
     """Record in the rendezvous store how many training steps this rank has begun (one small
     write per step) so that a failed collective can name the member that fell behind."""
-    global _store_lost
-    if _store_lost:
+    if store_gone(now=False):
         return
     try:
         dist.distributed_c10d._get_default_store().set(_STEPS_KEY.format(dist.get_rank()), str(steps))
     except Exception:  # diagnostics only: a dead store shows up in the next exchange anyway; its host (torchrun's
-        _store_lost = True  # agent, killed) stays gone, so no more writes (each logged C++ frames on every step)
-
-
-_store_lost = False
+        store_gone()  # agent, killed) stays gone, so no more writes (each logged C++ frames on every step)
 
 
 def _who_fell_behind(ranks: list[int]) -> str:
     """Which ranks of a failed collective stopped and why (``report_failure``), or else began fewer training steps
     than this one (from the store, read within 5 s; empty when the store is gone with the rank that hosted it)."""
     me = dist.get_rank()
+    store = diagnostic_store()
+    if store is None:
+        return ""
     try:
-        store = dist.distributed_c10d._get_default_store()
         old = store.timeout
         store.set_timeout(timedelta(seconds=5))
         try:
@@ -165,6 +163,7 @@ def _who_fell_behind(ranks: list[int]) -> str:
         finally:
             store.set_timeout(old)
     except Exception:
+        store_gone()
         return ""
     if failed:
         return f" ({failed})"
