@@ -312,3 +312,27 @@ def test_unusable_cache_folder_builds_in_the_temp_folder_once_for_processes_star
     assert outs[1][1] == "", "nothing in a log"
     tried = [re.sub(r" -o \S+", "", line) for line in calls.read_text().splitlines()]  # one per flag set it tried
     assert tried and len(tried) == len(set(tried)), f"each build compiled once, not once per process: {tried}"
+
+
+def test_a_first_layer_parallel_launch_compiles_the_kernel_before_the_ranks_meet(tmp_path):
+    """The kernel was compiled in the first step, where a layer neighbour waits for it only parallel.timeout_s:
+    a launch on a new machine (or after an upgrade) with a short timeout failed ("feed-forward receive with rank 0
+    ... timed out"), and so did every torchrun restart (each killed the compile). Every rank builds it (or waits
+    for the one that does) before the process group is made. The compiler here takes 8 s more than the timeout
+    (a wrapper that waits, then compiles at -O0), whatever the machine's speed."""
+    from test_service import ROOT
+
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\nsleep 8\nfor a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
+                  f'exec {shutil.which(os.environ.get("CC") or "cc")} "$@"\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "PCDIST_CACHE_DIR": str(tmp_path / "cache"), "CC": str(cc), "OMP_NUM_THREADS": "1",
+           "PCDIST_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "train.py"), "parallel.layer=2", "parallel.timeout_s=4", "trainer.max_steps=2",
+                          "logger=none", "logger.plots=false", "trainer.progress=off",
+                          f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json").is_file()
+    assert list((tmp_path / "cache").glob("pcdist_native_*.so")), "the kernel was built (and used)"

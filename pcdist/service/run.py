@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from ..distributed.exchange import report_failure
 from ..distributed.parallel import barrier, init_distributed, leave_process_group
+from ..engine import native
+from ..engine.arguments import env_choice
 from ..engine.precision import restore_tf32, tf32_state
 from ..errors import ConfigError
 from .checks import check, check_length, choose_mesh
@@ -112,6 +114,9 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
     torchrun = distributed or "TORCHELASTIC_RUN_ID" in os.environ  # every attempt says its mesh, one rank or more
     failed = True  # until the run ends or stops as every rank does (pre-empted: after the same step)
     try:
+        if distributed and device.type == "cpu" and env_choice("PCDIST_NATIVE") == "1":
+            native.library()  # the fused CPU kernel, compiled at its first use (tens of seconds, once per machine and
+            # version): before the ranks meet, not in a first step whose peers wait only parallel.timeout_s for it
         if distributed:
             init_distributed(device, timeout_s=c.parallel.timeout_s,
                              backend=None if c.parallel.backend == "auto" else c.parallel.backend)
