@@ -68,11 +68,14 @@ def diagnostic_store():
     return store
 
 
-def store_gone(now: bool = True) -> bool:
-    """Whether the store is gone; ``now``: a call to it failed (its host is gone, and with it the store: torchrun's
-    agent, or rank 0), so that it is not asked again."""
+def store_gone() -> None:
+    """A call to the store failed: its host is gone, and with it the store (torchrun's agent, or rank 0); it is not
+    asked again (``diagnostic_store``, ``store_is_gone``)."""
     global _store_gone
-    _store_gone = _store_gone or now
+    _store_gone = True
+
+
+def store_is_gone() -> bool:
     return _store_gone
 
 

@@ -28,7 +28,7 @@ from .buckets import GradBuckets
 from ..engine.capture import on_host
 from ..engine.stage import Stage
 from ..errors import ConfigError, PeerError
-from .exchange import LayerExchange, diagnostic_store, first_line, stopped, store_gone
+from .exchange import LayerExchange, diagnostic_store, first_line, stopped, store_gone, store_is_gone
 from ..engine.layers import LayerKind
 from .partition import check_layer_ranks, layer_costs, partition_layers
 from .rendezvous import join_process_group, warn_if_restarts_unsafe
@@ -138,7 +138,7 @@ _STEPS_KEY = "pcdist/steps_begun/{}"
 def _mark_progress(steps: int) -> None:
     """Record in the rendezvous store how many training steps this rank has begun (one small
     write per step) so that a failed collective can name the member that fell behind."""
-    if store_gone(now=False):
+    if store_is_gone():
         return
     try:
         dist.distributed_c10d._get_default_store().set(_STEPS_KEY.format(dist.get_rank()), str(steps))

@@ -41,8 +41,9 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     head = compose(fixed)
     sweep_dir = Path(head.hydra.sweep.dir)
-    if run_files(sweep_dir):  # (a run's own folder given as hydra.sweep.dir)
-        raise ConfigError(f"sweep directory {sweep_dir} holds a run ({', '.join(run_files(sweep_dir))}), whose files "
+    held = run_files(sweep_dir)
+    if held:  # (a run's own folder given as hydra.sweep.dir)
+        raise ConfigError(f"sweep directory {sweep_dir} holds a run ({', '.join(held)}), whose files "
                           f"this sweep's jobs would mix with; give the sweep a new hydra.sweep.dir (no job was "
                           f"started)")
     if not str(head.hydra.sweeper._target_).endswith(".BasicSweeper"):
