@@ -891,6 +891,20 @@ def test_to_layers_round_trips_a_mupc_network():
     torch.testing.assert_close(fresh(x), net(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_without_parameters_comes_back_as_itself():
+    """A PC layer that is a parameter-free module (u_2 = tanh(h_1)) trains, and the way back to torch modules
+    gives it back in place, the other layers with the trained weights (it raised a bare StopIteration)."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Tanh(), nn.Linear(5, 3)]
+    net = pcdist.PCNetwork.from_layers(layers, input_shape=(6,))
+    pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=5).step(torch.randn(4, 6), torch.randn(4, 3))
+    back = net.to_layers()
+    assert [type(m) for m in back] == [nn.Sequential, nn.Tanh, nn.Linear]
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(nn.Sequential(*back)(x), net(x))
+    torch.testing.assert_close(net.to_sequential()(x), net(x))
+
+
 def test_presets_return_the_structure_their_config_describes(digits_run):
     """model=mlp (dims 64-128-128-10, gelu): Linear, GELU, Linear, GELU, Linear."""
     seq = pcdist.load(digits_run[0]).network.to_sequential()

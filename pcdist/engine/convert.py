@@ -119,8 +119,10 @@ def to_layers(net) -> nn.ModuleList:
 def _from_template(net, g, k: int, l: int) -> nn.Module:
     template, names = net._templates[l]
     m = copy.deepcopy(template)
-    p = next(g.parameters())
-    m.to(device=p.device, dtype=p.dtype)
+    p = next(g.parameters(), None)  # a layer of no parameters (nn.Tanh(), a pooling) as the network holds it
+    p = p if p is not None else next(net.parameters(), None)
+    if p is not None:
+        m.to(device=p.device, dtype=p.dtype)
     with torch.no_grad():
         for pub, t in g.public_params(k).items():
             m.get_parameter(names[pub]).copy_(t)
