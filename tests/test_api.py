@@ -107,6 +107,9 @@ def test_batch_size_change_reallocates():
          "layer 1 outputs 4 features but layer 2 expects 5"),
         (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Tanh(), nn.Linear(3, 2))),
          "before the first nn.Linear"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 5), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))]),
+         r"^layer 2 \(Sequential\) fails on the node it is given, \[B, 5\] \(layer 1's output\): "
+         r"Given normalized_shape=\[4\]"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], energy="mse"), "unknown energy 'mse'"),
         (lambda: pcdist.PCNetwork.from_dims([5, 8, 3], activation="swish"), "unknown activation 'swish'"),
         (lambda: pcdist.PCNetwork.from_dims([5]), "at least two positive integer widths"),

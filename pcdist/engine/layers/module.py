@@ -99,7 +99,13 @@ class ModuleKind(LayerKind):
         kw = dict(dtype=p.dtype if p is not None else torch.get_default_dtype(),
                   device=p.device if p is not None else "cpu")
         with torch.no_grad():
-            out = m(torch.zeros(2, *in_shape, **kw))
+            try:
+                out = m(torch.zeros(2, *in_shape, **kw))
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a width that does not fit, mostly
+                node = f"layer {index - 1}'s output" if index > 1 else "the input"
+                raise ValueError(f"layer {index} ({type(m).__name__}) fails on the node it is given, "
+                                 f"[B, {', '.join(map(str, in_shape))}] ({node}): "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
         if not isinstance(out, Tensor) or out.shape[0] != 2:
             raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
                              f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
