@@ -216,6 +216,31 @@ def test_module_kind_equals_the_reference(name, algorithm, x_momentum, energy, o
         assert kinds == ["conv", "module", "dense", "residual", "module", "dense"]
 
 
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_a_convolution_as_the_output_layer_predicts_images_as_the_reference(algorithm):
+    """Images at the top (a conv decoder's last layer, nn.Conv2d given as a module): the module kind, equal to
+    the reference's steps (it was refused, saying the output energy acts on a vector)."""
+    torch.manual_seed(5)
+    layers = [nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh()), nn.Conv2d(3, 2, 3, padding=1)]
+    layers = [m.to(DT) for m in layers]
+    net = pcdist.PCNetwork.from_layers(copy.deepcopy(layers), input_shape=(1, 4, 4))
+    assert [g.kind.kind for g in net.groups] == ["conv", "module"]
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.05), T=4, x_lr=0.1, algorithm=algorithm)
+    ref = copy.deepcopy(layers)
+    params = [p for m in ref for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for B in (5, 3):
+        x, y = torch.randn(B, 1, 4, 4, generator=gen, dtype=DT), torch.randn(B, 2, 4, 4, generator=gen, dtype=DT)
+        stats = trainer.step(x, y)
+        want, hs = pc_step(lambda l, h: ref[l - 1](h), 2, params, opt, x, y, 4, 0.1, 0.0, algorithm, "se")
+        assert stats["energy"] == pytest.approx(want["energy"], abs=ATOL, rel=0)
+        for a, b in zip(trainer.value_nodes(), hs):
+            assert_close(a, b, atol=ATOL, rtol=0)
+        for a, b in zip(net.to_layers().parameters(), params):
+            assert_close(a.detach(), b.detach(), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("algorithm,x_momentum", [("pc", 0.0), ("pc", 0.5), ("ipc", 0.0)])
 def test_module_kind_on_linear_tanh_equals_the_dense_kind(algorithm, x_momentum):
     """The generic path (AnyModule) and the fused dense path compute the same steps to 1e-12."""

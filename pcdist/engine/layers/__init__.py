@@ -94,8 +94,8 @@ def _dense_from_module(m: nn.Module, in_shape, is_output: bool):
 def _conv_from_module(m: nn.Module, in_shape, is_output: bool):
     """nn.Conv1d/2d [, activation] [, MaxPool / AvgPool] (zero padding) as a Conv layer."""
     mods = list(m) if isinstance(m, nn.Sequential) else [m]
-    if not mods or not stock(mods[0], (nn.Conv1d, nn.Conv2d)) or len(mods) > 3 or in_shape is None:
-        return None
+    if not mods or not stock(mods[0], (nn.Conv1d, nn.Conv2d)) or len(mods) > 3 or in_shape is None or is_output:
+        return None  # an output convolution (images at h_L: a conv decoder) is the module kind's
     conv, rest = mods[0], mods[1:]
     n = 1 if isinstance(conv, nn.Conv1d) else 2
     if conv.padding_mode != "zeros" or len(in_shape) != n + 1:

@@ -171,8 +171,9 @@ class Conv(LayerKind):
 
     def check(self, index: int, is_output: bool) -> None:
         if is_output:
-            raise ValueError(f"layer {index} (a convolution) cannot be the output layer: end the network with "
-                             "nn.Flatten() and an nn.Linear (the output energy acts on a vector)")
+            raise ValueError(f"layer {index} (the conv kind) cannot be the output layer: for images at the top "
+                             "(a conv decoder) give the convolution as a module (PCNetwork.from_layers takes it as "
+                             "the module kind), or end the network with nn.Flatten() and an nn.Linear")
         if self.activation is None:
             raise ValueError(f"layer {index} is a hidden conv layer without an activation "
                              "(use Activation('identity') for a linear one)")
