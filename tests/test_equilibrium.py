@@ -164,6 +164,13 @@ def test_under_a_precision_schedule_the_init_reads_the_networks_own_precisions(i
     tr = fresh()
     energies = [tr.step(x, y)["energy"] for _ in range(3)]
     assert energies[1] == energies[0] and energies[2] == energies[0], energies
+    tr = fresh()  # a schedule set anew on the live trainer: its first call, as a trainer made with it
+    tr.infer(x, y)
+    tr.precision_schedule = lambda layer, t, L: 1.0  # (it read the old schedule's last output precision: 0.49 off)
+    net = pcdist.PCNetwork.from_dims([5, 8, 8, 8, 3], activation="tanh", seed=0, dtype=DT)
+    new = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=3, x_lr=0.1, init=init,
+                           precision_schedule=lambda layer, t, L: 1.0).infer(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(tr.infer(x, y), new))
 
 
 def test_block_tridiagonal_solve_equals_a_dense_solve():

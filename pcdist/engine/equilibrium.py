@@ -168,8 +168,8 @@ def _setup(st):
     pis = net.precision or (1.0,) * L
     if any(p <= 0 for p in pis[:-1]):
         raise ValueError(f"init={st.init!r} needs every hidden layer's precision > 0, got {pis}")
-    if st.precision_rows:  # a precision schedule left its last step's row: the init reads the network's own pi_l
-        if -1 not in st.precision_rows:  # (for the output layer too, as for the hidden ones: pis)
+    if st.precision is not None:  # a precision schedule (this one's or one set before) left its last step's row:
+        if -1 not in st.precision_rows:  # the init reads the network's own pi_l (the output layer's too: pis)
             st.precision_rows[-1] = torch.tensor(pis, dtype=st.precision.dtype).to(st.precision.device)
         st.precision.copy_(st.precision_rows[-1])
     hs = [st.node(n) for n in range(L + 1)]
