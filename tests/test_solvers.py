@@ -158,6 +158,9 @@ def test_the_adaptive_solver_is_for_inference_only():
         tr.infer(x, y, solver="adaptive", noise=0.1)
     with pytest.raises(ValueError, match="unknown inference solver"):
         tr.infer(x, y, solver="rk45")
+    for tol in ("1e-3", float("inf"), 0.0, True):  # ('1e-3': a TypeError that named no setting)
+        with pytest.raises(ValueError, match=r"the adaptive solver's tolerance must be a finite number > 0"):
+            tr.infer(x, y, solver="adaptive", tol=tol)
 
 
 def test_solvers_refuse_what_they_cannot_take():
@@ -169,3 +172,7 @@ def test_solvers_refuse_what_they_cannot_take():
                 dict(value_optimizer="adam", x_momentum=0.3), dict(value_optimizer="rmsprop")):
         with pytest.raises(ValueError):
             pcdist.PCTrainer(net, opt, **bad)
+    for rule in (dict(name="adamw", decay=float("inf")), dict(name="adam", eps=float("inf")),
+                 dict(name="adam", eps=float("nan"))):  # infinite ones trained into NaN weights, or froze the values
+        with pytest.raises(ValueError, match=r"eps > 0 and decay >= 0 \(finite\)"):
+            pcdist.ValueRule(**rule)

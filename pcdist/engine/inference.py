@@ -101,7 +101,7 @@ def relax_adaptive(st, par, T: int, x_lr: float, tol: float, max_steps: int | No
     starting from x_lr and never past the end (nor a schedule's row: a step cut short so, and taken, keeps the
     size proposed before it where that is larger); after ``max_steps`` tries (default 100 T) it stops where it is,
     with a warning saying how far it got. Returns {"accepted", "rejected", "evaluations", "t"}."""
-    if not (tol > 0 and math.isfinite(tol)):
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol > 0 and math.isfinite(tol)):
         raise ValueError(f"the adaptive solver's tolerance must be a finite number > 0, got {tol!r}")
     vo = st.values
     vo.tableau = TABLEAUS["heun"]

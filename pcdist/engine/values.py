@@ -88,8 +88,8 @@ class ValueRule:
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise ValueError(f"adam's betas must be a pair (beta1, beta2), got {self.betas!r}")
         b1, b2 = self.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and self.eps > 0 and self.decay >= 0):
-            raise ValueError(f"adam's betas must be in [0, 1), eps > 0 and decay >= 0, got {self}")
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and 0 < self.eps < math.inf and 0 <= self.decay < math.inf):
+            raise ValueError(f"adam's betas must be in [0, 1), eps > 0 and decay >= 0 (finite), got {self}")
         unread = ["decay"] if self.name != "adamw" and self.decay else []
         if self.name in ("sgd", "nesterov"):
             unread += ["betas"] * (tuple(self.betas) != (0.9, 0.999)) + ["eps"] * (self.eps != 1e-8)
