@@ -281,3 +281,22 @@ def test_closed_form_products_equal_torch_func(kind, init, monkeypatch):
         got[closed] = [st.node(n).clone() for n in range(net.num_layers + 1)]
     for n, (a, b) in enumerate(zip(got[True], got[False])):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=lambda m: f"{kind} {init}: h_{n}: {m}")
+
+
+@pytest.mark.parametrize("init", ["newton", "backward", "newton_cr"])
+def test_the_inits_take_a_callable_output_energy_as_its_built_in_twin(init):
+    """A callable energy (its curvature by autograd) equal to se gives the steps se gives (it raised: the init
+    called the energy's wrapper, not the user's function)."""
+    x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
+
+    def se(u, target):
+        return 0.5 * ((u - target) ** 2).sum(1)
+
+    got = []
+    for energy in ("se", se):
+        net = pcdist.PCNetwork.from_dims([5, 8, 8, 3], activation="tanh", seed=0, dtype=DT, energy=energy)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, x_lr=0.1, init=init)
+        got.append((tr.step(x, y)["energy"], [p.detach().clone() for p in net.parameters()]))
+    assert got[1][0] == pytest.approx(got[0][0], abs=1e-12)
+    for a, b in zip(got[0][1], got[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)

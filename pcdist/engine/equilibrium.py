@@ -144,7 +144,7 @@ def output_hessian(energy, u_BO: Tensor, y_BO: Tensor) -> Tensor:
         H = u_BO.new_zeros(B, O, O)
     else:
         def one(u_O, y_O):
-            return energy.energy(u_O.unsqueeze(0), y_O.unsqueeze(0))[0]
+            return energy.energy.fn(u_O.unsqueeze(0), y_O.unsqueeze(0))[0]  # (a FromCallable: the user's)
         H = vmap(jacrev(jacrev(one)))(u_BO, y_BO)
     return H if energy.prec is None else H * energy.prec.view(1, 1, 1)
 
