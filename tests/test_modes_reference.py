@@ -248,3 +248,27 @@ def test_value_optimizers_and_solvers_on_every_kind(kind, method):
     optimizer = "adamw" if adam and algorithm == "ipc" else "sgd"
     mu = 0.6 if method == "nesterov" else 0.0
     compare(kind, feature, algorithm, mu, optimizer, steps=2, T=3, method=METHODS[method])
+
+
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_top_down_acts_only_where_layers_have_errors_before_the_front_and_says_so_where_it_cannot(algorithm, recwarn):
+    """top_down damps the layers the output's error has not reached. After the feed-forward init, without value
+    noise or a value decay, those have no error (layer l has none before step L - l), so it changes nothing beyond
+    round-off (the docs said it re-balanced the errors there) and the trainer warns; after init='backward' or under noise
+    it changes the step, without the warning."""
+    x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
+
+    def step(schedule, **kw):
+        net = pcdist.PCNetwork.from_dims([5, 8, 8, 8, 8, 3], activation="tanh", seed=0, dtype=DT)
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, x_lr=0.1, algorithm=algorithm,
+                              precision_schedule=schedule, **kw)
+        return tr.step(x, y)["energy"], [p.detach().clone() for p in net.parameters()]
+
+    for kw, inert in ((dict(init="ff"), True), (dict(init="deeppcr"), True), (dict(init="backward"), False),
+                      (dict(value_noise=0.05), False), (dict(value_optimizer=pcdist.ValueRule("adamw")), False)):
+        recwarn.clear()
+        with_it, without = step(top_down(0.3), **kw), step(None, **kw)
+        said = [str(w.message) for w in recwarn if "changes nothing here" in str(w.message)]
+        moved = max(float((a - b).abs().max()) for a, b in zip(with_it[1], without[1]))
+        assert (moved < 1e-14) == inert and (inert or moved > 1e-6), (kw, moved)  # (round-off: the ff state's errors)
+        assert len(said) == int(inert), (kw, said)

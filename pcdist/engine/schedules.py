@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["warmup_cosine", "top_down", "PrecisionSchedule", "PRECISION_SCHEDULES", "precision_schedule"]
+__all__ = ["warmup_cosine", "top_down", "inert", "PrecisionSchedule", "PRECISION_SCHEDULES", "precision_schedule"]
 
 PrecisionSchedule = Callable[[int, int, int], float]
 PRECISION_SCHEDULES = ("none", "top_down")
@@ -40,12 +40,14 @@ def top_down(decay: float = 0.1) -> PrecisionSchedule:
     """Layers switched on from the top: at inference step t, layer l (depth L - l below the output)
     has its full precision once t >= L - l, and decay^(L - l - t) times it before.
 
-    After the feed-forward init only the output layer has an error, and each inference step
-    carries it one layer down; this keeps the layers the error has not reached yet from pulling
-    their nodes towards their own (stale) predictions meanwhile. In the spirit of Qi et al.
-    ("Towards the training of deeper predictive coding neural networks", ICML 2026): a per-layer
-    precision that re-balances the errors across depth during relaxation. ``decay`` 1 is no
-    schedule, 0 switches layers on outright.
+    It damps the layers the output's error has not reached yet, which matters where they have errors
+    of their own: after an init near equilibrium (``init="backward"``, ``"newton"``, ``"newton_cr"``),
+    under value noise, or with a value decay (``ValueRule("adamw")``). After the feed-forward init
+    (``"ff"``, ``"deeppcr"``) without those, a layer has no error before the front reaches it (only the
+    output layer has one at t = 0, and each step carries it one layer down), so the schedule changes
+    nothing there (``inert``: the trainer warns). In the spirit of Qi et al. ("Towards the training of
+    deeper predictive coding neural networks", ICML 2026): a per-layer precision that re-balances the
+    errors across depth during relaxation. ``decay`` 1 is no schedule, 0 switches layers on outright.
     """
     if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
         raise ValueError(f"precision decay must be a number in [0, 1], got {decay!r}")
@@ -55,7 +57,20 @@ def top_down(decay: float = 0.1) -> PrecisionSchedule:
         return 1.0 if behind <= 0 else decay ** behind
 
     factor.__name__ = f"top_down({decay:g})"
+    factor.behind_the_front = decay < 1.0  # it acts only on layers the output's error has not reached (inert)
     return factor
+
+
+def inert(schedule, init: str, value_noise: float, value_decay: float) -> str | None:
+    """Why ``schedule`` changes nothing under these settings (None where it may act): ``top_down`` damps only the
+    layers the error front has not reached, which have no error after the feed-forward init unless value noise or
+    a value decay moves their nodes."""
+    if not getattr(schedule, "behind_the_front", False) or init not in ("ff", "deeppcr") or value_noise \
+            or value_decay:
+        return None
+    return (f"precision_schedule={schedule.__name__} changes nothing here: after init={init!r} without value noise "
+            f"or a value decay, the layers it damps have no error yet (layer l has none before step L - l); it acts "
+            f"after init='backward', 'newton' or 'newton_cr', or with value noise (docs/modes.md)")
 
 
 def precision_schedule(name: str, decay: float = 0.1) -> PrecisionSchedule | None:

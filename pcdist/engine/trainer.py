@@ -17,6 +17,7 @@ import functools
 import math
 import operator
 import time
+import warnings
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from .exchange import Local
 from .inference import check_solver, relax, relax_adaptive, set_precision
 from .network import PCNetwork
 from .precision import MixedPrecision, cpu_float32, cpu_is_ieee
-from .schedules import PrecisionSchedule, warmup_cosine
+from .schedules import PrecisionSchedule, inert, warmup_cosine
 from .stage import Stage
 from .update import WeightUpdate
 from .values import ValueNoise, ValueRule, stage_noise, value_rule
@@ -73,6 +74,13 @@ def _drop_precision_rows(tr, schedule) -> None:
     for _, st in tr._stages.values():
         st.precision_rows.clear()
         tr.runner.forget(st)
+    _warn_if_inert(schedule, tr.init, tr.value_noise, tr.rule, stacklevel=4)  # (the user's line setting it)
+
+
+def _warn_if_inert(schedule, init: str, value_noise: float, rule: ValueRule, stacklevel: int) -> None:
+    why = inert(schedule, init, value_noise, rule.decay if rule.name == "adamw" else 0.0)
+    if why:
+        warnings.warn(why, stacklevel=stacklevel)
 
 
 def _new_T(tr, T: int) -> None:
@@ -207,6 +215,7 @@ class PCTrainer(LiveSettings):
         self._T, self._x_lr, self._algorithm = operator.index(T), float(x_lr), algorithm
         self._init, self._skip_above, self._precision_schedule = init, skip_above, precision_schedule
         self._value_noise, self._noise_seed = float(value_noise), operator.index(noise_seed)
+        _warn_if_inert(precision_schedule, init, self._value_noise, self._rule, stacklevel=3)
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends, ...) -> (weights' addresses, Stage)

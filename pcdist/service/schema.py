@@ -216,7 +216,8 @@ class PCConfig:
     """Layers' precisions pi_l weighing their errors: null (all 1), a number (every hidden layer) or a list of
     one number >= 0 per layer."""
     precision_schedule: str = "none"
-    """none or top_down (layers switched on from the top over the inference steps, pcdist.top_down)."""
+    """none or top_down (layers switched on from the top over the inference steps, pcdist.top_down; it acts after
+    pc.init=backward/newton/newton_cr or under value noise: after the feed-forward init it changes nothing)."""
     precision_decay: float = 0.1
     """top_down: a layer's precision factor per layer below the error front, in [0, 1]."""
     eval_T: Optional[int] = None
