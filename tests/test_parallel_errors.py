@@ -423,3 +423,19 @@ def test_an_exchange_coalesced_into_one_work_names_every_peer_and_why(tmp_path):
         assert _why((2, 0)) == "rank 0 stopped: DataError: data/mnist missing"
     finally:
         dist.destroy_process_group()
+
+
+def test_world_size_left_set_for_a_plain_process_is_one_line_before_any_work(tmp_path, monkeypatch):
+    """WORLD_SIZE exported in a shell (or inherited from a job) and a plain `python train.py`: the rendezvous torchrun
+    sets up is missing, which one line names (torch's env:// traceback before), and no run directory is made."""
+    from pcdist.errors import ConfigError
+
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: this "
+                                          r"process was not started by torchrun; launch it with torchrun "
+                                          r"--nproc_per_node=2 train.py \[overrides\], or unset WORLD_SIZE$"):
+        pcdist.train({"run_dir": str(run_dir), "logger": "none", "trainer.max_steps": 1})
+    assert not run_dir.exists()

@@ -90,6 +90,16 @@ def run(c: Config, passed: dict[str, str] | None, data: Dataset | StreamedData |
             unlock_run_dir()
 
 
+def _check_launcher(world: int) -> None:
+    """Several ranks need the rendezvous torchrun sets up: WORLD_SIZE left set in a shell (or a job's environment)
+    for a plain ``python train.py`` is one line, not torch's traceback."""
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if world > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          f"not: this process was not started by torchrun; launch it with torchrun "
+                          f"--nproc_per_node={world} train.py [overrides], or unset WORLD_SIZE")
+
+
 def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None, world: int, sweep: bool) -> Result:
     resume = find_resume(c, Path(c.run_dir), passed, sweep)  # the run's own settings, or a one-line refusal
     c = resume.config
@@ -106,6 +116,7 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
         raise ConfigError(f"config data.name={PYTHON_DATA!r} stands for data passed to pcdist.train(cfg, data=...), "
                           f"and none was passed")
     mesh = check(c, world)
+    _check_launcher(world)
     device = pick_device(c)
     # the caller's TF32 switches, torch threads and cuDNN search, put back when the run ends (the run sets its own)
     tf32, caller = tf32_state(), (torch.get_num_threads(), torch.backends.cudnn.benchmark)
