@@ -33,6 +33,17 @@ def test_presets_are_all_covered():
             "pcx_vgg5_cifar100", "pcx_vgg7_cifar100"} <= set(PRESETS)
 
 
+def test_the_optimizer_and_the_data_chosen_on_the_command_line_are_the_ones_every_preset_trains():
+    """A preset (a model or an experiment) may bring its own learning rates, not its own choice of a group: with
+    model=mupc or the PCX VGG presets, optim=sgd trained AdamW without a word (their optim.name overwrote the
+    group the user chose, and optim.momentum=0 was then refused as not AdamW's)."""
+    models = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+    for preset in [f"experiment={p}" for p in PRESETS] + [f"model={m}" for m in models]:
+        for group, option in (("optim", "sgd"), ("data", "synthetic")):  # (not the defaults: adamw, digits)
+            got = composed(preset, f"{group}={option}")[group].name
+            assert got == option, f"{preset} {group}={option} composes {group}.name={got}"
+
+
 @pytest.mark.parametrize("preset", [None, *PRESETS])
 def test_every_preset_composes_and_trains(preset, tmp_path):
     """Each experiment file composes with Hydra and runs a few real steps (generated files where needed: set
