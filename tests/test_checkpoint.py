@@ -1,6 +1,7 @@
 """Checkpoints: a damaged newest checkpoint falls back to the previous one; a failed write
 never damages what is on disk; a checkpoint of another model shape is refused."""
 
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_manifest", "delete_layer_file"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_manifest", "delete_layer_file", "files_not_a_mapping",
+                                    "a_path_for_a_file_name", "layers_not_a_number"])
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tmp_path, damage):
     run = copy_run(two_checkpoints, tmp_path / "run")
     newest = run / "checkpoints" / "step-00000008"
@@ -52,6 +54,15 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tm
         layer_file.write_bytes(bytes(raw))
     elif damage == "delete_manifest":
         (newest / "manifest.json").unlink()
+    elif damage in ("files_not_a_mapping", "a_path_for_a_file_name", "layers_not_a_number"):  # (a traceback before)
+        manifest = json.loads((newest / "manifest.json").read_text())
+        if damage == "files_not_a_mapping":
+            manifest["files"] = "abc"
+        elif damage == "a_path_for_a_file_name":
+            manifest["files"] = {f"../step-00000004/{k}": v for k, v in manifest["files"].items()}
+        else:
+            manifest["layers"] = "3"
+        (newest / "manifest.json").write_text(json.dumps(manifest))
     else:
         layer_file.unlink()
     with warnings.catch_warnings(record=True) as seen:  # at every call (a second was silent: Python's default

@@ -202,6 +202,11 @@ def _verify(path: Path) -> None:
         files = manifest["files"]
     except Exception as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+    if not isinstance(files, dict) or not all(isinstance(k, str) and k == Path(k).name and k not in ("", ".", "..")
+                                              and isinstance(v, str) for k, v in files.items()) \
+            or not isinstance(manifest.get("layers"), (int, type(None))):
+        raise CheckpointError(f"{manifest_path}: unreadable manifest (files is not a mapping of file names to "
+                              f"digests, or layers not a number)")
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
