@@ -1,6 +1,7 @@
 """Bad meshes and dead peers give clear errors on real processes, never a hang."""
 
 import os
+import re
 import time
 
 import pytest
@@ -439,3 +440,21 @@ def test_world_size_left_set_for_a_plain_process_is_one_line_before_any_work(tmp
                                           r"--nproc_per_node=2 train.py \[overrides\], or unset WORLD_SIZE$"):
         pcdist.train({"run_dir": str(run_dir), "logger": "none", "trainer.max_steps": 1})
     assert not run_dir.exists()
+
+
+def mesh_of_layers(rank, world):
+    from torch import nn
+
+    init_distributed(timeout_s=30)
+    net = pcdist.PCNetwork.from_layers([nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Tanh()])
+    Parallel.from_mesh(ParallelDims(1, 2), net.specs)
+
+
+def test_a_layer_rank_of_parameter_free_layers_only_is_refused_alike_on_every_rank():
+    """nn.Tanh() as a PC layer, alone on a rank: that rank's optimizer had nothing to train (torch's 'empty
+    parameter list' traceback, its peers a lost-peer line); every rank now names the slice."""
+    with pytest.raises(WorkerError) as e:
+        run(mesh_of_layers, 2, timeout=60)
+    said = r"parallel.layer=2: a layer rank would hold layers 2..2 \(module Tanh \[5\] -> \[5\]\), which have no " \
+           r"parameters to train"
+    assert len(re.findall(rf"rank \d: ConfigError: {said}", str(e.value))) == 2, str(e.value)[-3000:]

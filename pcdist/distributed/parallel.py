@@ -58,6 +58,18 @@ class ParallelDims:
             check_layer_ranks(self.layer, num_layers)
 
 
+def _check_slices_train(slices: list[tuple[int, int]], specs, P: int) -> None:
+    """Each layer slice holds a parameter to train (a rank of parameter-free layers only, nn.Tanh() as a PC layer,
+    would have an optimizer over nothing): ConfigError naming the slice."""
+    for first, stop in slices:
+        kinds = specs[first - 1:stop - 1]
+        if all(isinstance(s, LayerKind) and getattr(s, "num_params", 1) == 0 for s in kinds):
+            held = ", ".join(str(s) for s in kinds)
+            raise ConfigError(f"parallel.layer={P}: a layer rank would hold layers {first}..{stop - 1} "
+                              f"({held}), which have no parameters to train; use fewer layer ranks, or give those "
+                              f"layers to a neighbour's module")
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA devices, gloo for everything else."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -227,6 +239,8 @@ class Parallel(LayerExchange):
         costs = layer_costs(specs, free_bottom) if all(isinstance(s, LayerKind) for s in specs) else \
             [int(c) for c in specs]
         slices = partition_layers(costs, P)
+        _check_slices_train(slices[1:] if free_bottom else slices, specs, P)  # (every rank sees every slice: all
+        # refuse alike, before any exchange; the first slice with a free h_0 may hold its learned prior's mean)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
         logging = int(mesh.mesh[0, P - 1])
         return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,
