@@ -189,3 +189,21 @@ def test_evaluating_a_run_reproduces_its_logged_test(mode, tmp_path):
         assert got["accuracy"] == pytest.approx(result["val/accuracy"], abs=1e-12)
         assert (run_dir / "confusion.png").read_bytes()[:8] == PNG
     assert (run_dir / "eval.json").is_file()
+
+
+def test_a_resume_that_would_add_or_drop_a_learned_prior_mean_is_refused_naming_the_key(tmp_path):
+    """pc.prior_mean to or from learned changes the model's parameters: refused in one line naming the key (it was
+    applied, then the load failed blaming the checkpoint); zero <-> uniform changes none, and is applied."""
+    short = {"pc.T": 3, "pc.eval_T": 3, "trainer.max_steps": 2, "trainer.eval_every": 2, "trainer.ckpt_every": 2,
+             "logger.plots": False}
+    _, run_dir = train(tmp_path, experiment="unsupervised_digits", **short)
+    with pytest.raises(pcdist.ConfigError, match=rf"^cannot resume {run_dir} with changed pc.prior_mean \('auto' -> "
+                                                 r"'learned': a learned mean is a parameter of the model, which the "
+                                                 r"checkpoint does not hold\); leave out pc.prior_mean=learned"):
+        pcdist.train({"run_dir": str(run_dir), "pc.prior_mean": "learned", "trainer.max_steps": 3})
+    assert pcdist.train({"run_dir": str(run_dir), "pc.prior_mean": "uniform", "trainer.max_steps": 3})["step"] == 3
+    _, learned = train(tmp_path, name="learned", experiment="unsupervised_digits", **short,
+                       **{"pc.prior_mean": "learned"})
+    with pytest.raises(pcdist.ConfigError, match=r"\('learned' -> 'zero': a learned mean is a parameter of the model, "
+                                                 r"which the checkpoint holds\)"):
+        pcdist.train({"run_dir": str(learned), "pc.prior_mean": "zero", "trainer.max_steps": 3})

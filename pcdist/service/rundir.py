@@ -177,7 +177,10 @@ def _of_launch(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in LAUNCH_KEYS)
 
 
-def _policy(key: str) -> tuple[str, str]:
+def _policy(key: str, old: Any = None, new: Any = None) -> tuple[str, str]:
+    if key == "pc.prior_mean" and (old == "learned") != (new == "learned"):
+        return REFUSE, "a learned mean is a parameter of the model, which the checkpoint " + \
+            ("holds" if old == "learned" else "does not hold")
     if key in ON_RESUME:
         return ON_RESUME[key]
     if key.split(".")[0] in ON_RESUME:
@@ -563,7 +566,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     for key, new in after.items():
         shown = passed is None or key in passed or not _of_launch(key)
         if key in before and key not in _NOT_SETTINGS and before[key] != new and shown:
-            r.changes.append((key, before[key], new, *_policy(key)))
+            r.changes.append((key, before[key], new, *_policy(key, before[key], new)))
     refused = [(k, o, n, why) for k, o, n, decision, why in r.changes if decision == REFUSE]
     if refused:
         named = ", ".join(f"{k} ({o!r} -> {n!r}: {why})" for k, o, n, why in refused)
