@@ -407,6 +407,8 @@ def test_data_keys_a_data_set_does_not_read_are_said_in_a_line(tmp_path, capsys)
     ({"precision_decay": 0.5, "mode": "generative", "latent_dim": 5}, "pc.latent_dim=5 (read by "
      "pc.mode=unsupervised), pc.precision_decay=0.5 (read by pc.precision_schedule=top_down)"),
     ({"mode": "generative", "eval_T": 5, "precision_schedule": "top_down", "precision_decay": 0.5}, None),
+    ({"diagnostics_every": 5}, "pc.diagnostics_every=5 (read by pc.diagnostics=true)"),
+    ({"diagnostics_every": 5, "diagnostics": True}, None),
 ])
 def test_pc_keys_a_run_does_not_read_are_said_in_a_line(pc, said):
     """pc.latent_dim, pc.prior_*, pc.eval_* in a supervised run, pc.precision_decay without its schedule: accepted

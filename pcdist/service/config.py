@@ -295,6 +295,7 @@ _PC_READERS = {
     "eval_solver": ("the generative and unsupervised tests", lambda pc: pc.mode != "supervised"),
     "eval_tol": ("pc.eval_solver=adaptive", lambda pc: pc.mode != "supervised" and pc.eval_solver == "adaptive"),
     "precision_decay": ("pc.precision_schedule=top_down", lambda pc: pc.precision_schedule == "top_down"),
+    "diagnostics_every": ("pc.diagnostics=true", lambda pc: pc.diagnostics),
 }
 """pc.* keys that only some runs read: key -> (what reads it, whether this run's pc.* settings do)."""
 
