@@ -254,8 +254,8 @@ def test_value_optimizers_and_solvers_on_every_kind(kind, method):
 def test_top_down_acts_only_where_layers_have_errors_before_the_front_and_says_so_where_it_cannot(algorithm, recwarn):
     """top_down damps the layers the output's error has not reached. After the feed-forward init, without value
     noise or a value decay, those have no error (layer l has none before step L - l), so it changes nothing beyond
-    round-off (the docs said it re-balanced the errors there) and the trainer warns; after init='backward' or under noise
-    it changes the step, without the warning."""
+    round-off (the docs said it re-balanced the errors there) and the trainer warns; after init='backward' or under
+    noise it changes the step, without the warning."""
     x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
 
     def step(schedule, **kw):
