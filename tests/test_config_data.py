@@ -442,3 +442,17 @@ def test_a_test_time_solver_goes_with_training_noise():
     net = pcdist.PCNetwork.from_dims([4, 8, 3], seed=0)
     tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=2, value_noise=0.1)
     assert len(tr.infer(None, torch.randn(5, 3), solver="adaptive")) == 3
+
+
+def test_pc_inference_settings_given_to_a_backprop_run_are_said_in_a_line():
+    """pc.algorithm=bp reads none of PC's inference settings (they were accepted without a word); the ones the user
+    gives are said, a preset's are not (model=mupc brings pc.T and pc.x_lr), and a PC run says nothing."""
+    from pcdist.service.config import backprop_note, load_config
+
+    given = ["pc.algorithm=bp", "pc.T=3", "pc.x_lr=0.3", "pc.init=newton", "optim.lr=0.01"]
+    assert backprop_note(load_config(pcdist.compose(given)), given) == (
+        "note: pc.algorithm=bp trains by backprop and does not read pc.T=3, pc.x_lr=0.3, pc.init=newton (PC's "
+        "inference settings)")
+    preset = ["model=mupc", "pc.algorithm=bp"]
+    assert backprop_note(load_config(pcdist.compose(preset)), preset) is None
+    assert backprop_note(load_config(pcdist.compose(given[1:])), given[1:]) is None

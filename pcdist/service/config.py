@@ -318,6 +318,19 @@ def unread_pc_note(c: Config) -> str | None:
     return f"note: this run does not read {', '.join(said)}"
 
 
+def backprop_note(c: Config, overrides: list[str]) -> str | None:
+    """The one line for PC's inference settings given for a backprop run (pc.algorithm=bp reads none of them: its
+    twin shares its PC run's settings, so they are said, not refused; a preset's go unsaid)."""
+    if c.pc.algorithm != "bp":
+        return None
+    given = dict.fromkeys(o.lstrip("+~").partition("=")[0] for o in overrides)
+    said = [f"{k}={getattr(c.pc, k[3:])}" for k in given
+            if k.startswith("pc.") and k not in ("pc.algorithm", "pc.mode") and hasattr(c.pc, k[3:])]
+    if not said:
+        return None
+    return f"note: pc.algorithm=bp trains by backprop and does not read {', '.join(said)} (PC's inference settings)"
+
+
 def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
     """Config group -> its options (conf/<group>/<option>.yaml)."""
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(conf_dir.iterdir()) if d.is_dir()}

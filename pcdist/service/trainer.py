@@ -38,7 +38,7 @@ from .autostep import BATCHES, method_options, resolve_x_lr, settle_x_lr
 from .backprop import BackpropTrainer
 from .batches import batch_indices, shard, step_batches, val_chunks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside
-from .config import Config, network_options, unread_pc_note
+from .config import Config, backprop_note, network_options, unread_pc_note
 from .data import DataError, StreamedData
 from .datachecks import check_same_data, load_data, num_train, signals_hint, unread_keys_note
 from .diagnostics import Diagnostics, check_trace
@@ -214,7 +214,8 @@ class ServiceTrainer:
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
             for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
-                         unread_keys_note(c), unread_pc_note(c), warmup_note(c, self.resume.overrides)):
+                         unread_keys_note(c), unread_pc_note(c), warmup_note(c, self.resume.overrides),
+                         backprop_note(c, self.resume.overrides)):
                 if hint:
                     self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
