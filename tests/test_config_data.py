@@ -394,10 +394,28 @@ def test_data_keys_a_data_set_does_not_read_are_said_in_a_line(tmp_path, capsys)
                   "model": {"dims": [64, 16, 10]}, "trainer": {"max_steps": 1, "batch_size": 32, "progress": "off"},
                   "pc": {"T": 2, "x_lr": 0.1}, "logger": "none", "logger.plots": False,
                   "run_dir": str(tmp_path / "run")})
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: data.")]
-    assert notes == ["note: data.val_fraction=0.3, data.layout=channels_first are not read by data=synthetic (it "
-                     "has its own split, size and layout; data.val_fraction is data=digits', data.synthetic_* "
-                     "data=synthetic's, data.layout your own data's)"]
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run (data")]
+    assert notes == ["note: this run (data=synthetic, logger=none) does not read data.val_fraction=0.3 (read by "
+                     "data=digits), data.layout=channels_first (read by your own data)"]
+
+
+def test_loader_and_wandb_keys_a_run_does_not_read_are_said_in_a_line():
+    """data.num_workers / prefetch_factor on data held in memory, logger.project / entity / run_name without wandb:
+    accepted without a word (review); said in the same line, and nothing where they are read."""
+    from pcdist.service.config import load_config
+    from pcdist.service.datachecks import unread_keys_note
+
+    c = load_config(pcdist.compose(["data.num_workers=7", "data.prefetch_factor=9", "logger=none",
+                                    "logger.project=foo", "logger.run_name=bar"]))
+    assert unread_keys_note(c) == (
+        "note: this run (data=digits, logger=none) does not read data.num_workers=7 (read by streamed data: a "
+        "folder of .npy files or a StreamedData), data.prefetch_factor=9 (read by streamed data: a folder of .npy "
+        "files or a StreamedData), logger.project=foo (read by logger=wandb), logger.run_name=bar (read by "
+        "logger=wandb)")
+    assert unread_keys_note(c, streamed=True).endswith("does not read logger.project=foo (read by logger=wandb), "
+                                                       "logger.run_name=bar (read by logger=wandb)")
+    assert unread_keys_note(load_config(pcdist.compose(["logger=none"]))) is None
+    assert unread_keys_note(load_config(pcdist.compose(["logger=wandb", "logger.project=foo"]))) is None
 
 
 @pytest.mark.parametrize("pc, said", [

@@ -183,20 +183,24 @@ def signals_hint(c: Config, sample_shape: tuple[int, ...]) -> str | None:
             f"their channel: x[:, None], shape [N, 1, {h}, {w}]")
 
 
-def unread_keys_note(c: Config) -> str | None:
-    """The one line for data keys set off their defaults for a data set that does not read them (data.val_fraction:
-    digits; data.synthetic_*: synthetic): said, not refused, as a run made so, or a sweep over data sets sharing
-    them, must go on."""
-    readers = {k: lambda data, name=name: data.name == name  # read by that data set alone
-               for k, name in (("val_fraction", "digits"), ("synthetic_train", "synthetic"),
-                               ("synthetic_val", "synthetic"))}
-    readers["layout"] = lambda data: data.name in ("arrays", PYTHON_DATA)
-    said = [f"data.{k}={getattr(c.data, k)}" for k in unread(c.data, readers)]
+def unread_keys_note(c: Config, streamed: bool = False) -> str | None:
+    """The one line for data and logger keys set off their defaults that this run does not read (data.val_fraction:
+    digits; data.synthetic_*: synthetic; data.num_workers, data.prefetch_factor: streamed data, ``streamed``;
+    logger.project and the other wandb keys: logger=wandb): said, not refused, as a run made so, or a sweep over
+    data sets sharing them, must go on."""
+    data = {k: (f"data={name}", lambda d, name=name: d.name == name)  # read by that data set alone
+            for k, name in (("val_fraction", "digits"), ("synthetic_train", "synthetic"),
+                            ("synthetic_val", "synthetic"))}
+    data["layout"] = ("your own data", lambda d: d.name in ("arrays", PYTHON_DATA))
+    for k in ("num_workers", "prefetch_factor"):
+        data[k] = ("streamed data: a folder of .npy files or a StreamedData", lambda d: streamed)
+    logger = {k: ("logger=wandb", lambda lg: lg.name == "wandb") for k in ("project", "entity", "run_name")}
+    said = [f"{section}.{k}={getattr(getattr(c, section), k)} (read by {readers[k][0]})"
+            for section, readers in (("data", data), ("logger", logger))
+            for k in unread(getattr(c, section), {k: reads for k, (_, reads) in readers.items()})]
     if not said:
         return None
-    return (f"note: {', '.join(said)} {'is' if len(said) == 1 else 'are'} not read by data={c.data.name} (it has "
-            f"its own split, size and layout; data.val_fraction is data=digits', data.synthetic_* data=synthetic's, "
-            f"data.layout your own data's)")
+    return f"note: this run (data={c.data.name}, logger={c.logger.name}) does not read {', '.join(said)}"
 
 
 def _check_augment(c: Config, sample_shape, flatten: bool) -> None:

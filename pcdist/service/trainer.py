@@ -214,8 +214,8 @@ class ServiceTrainer:
         if par.is_logging:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
             for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
-                         unread_keys_note(c), unread_pc_note(c), warmup_note(c, self.resume.overrides),
-                         backprop_note(c, self.resume.overrides)):
+                         unread_keys_note(c, isinstance(self.data, StreamedData)), unread_pc_note(c),
+                         warmup_note(c, self.resume.overrides), backprop_note(c, self.resume.overrides)):
                 if hint:
                     self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
