@@ -318,13 +318,17 @@ def unread_pc_note(c: Config) -> str | None:
     return f"note: this run does not read {', '.join(said)}"
 
 
+def given_keys(overrides: list[str]) -> list[str]:
+    """The keys (``optim.lr``) the overrides a run was given (``optim.lr=0.01``, ``+x=1``, ``~x``) set, in order."""
+    return list(dict.fromkeys(o.lstrip("+~").partition("=")[0] for o in overrides))
+
+
 def backprop_note(c: Config, overrides: list[str]) -> str | None:
     """The one line for PC's inference settings given for a backprop run (pc.algorithm=bp reads none of them: its
     twin shares its PC run's settings, so they are said, not refused; a preset's go unsaid)."""
     if c.pc.algorithm != "bp":
         return None
-    given = dict.fromkeys(o.lstrip("+~").partition("=")[0] for o in overrides)
-    said = [f"{k}={getattr(c.pc, k[3:])}" for k in given
+    said = [f"{k}={getattr(c.pc, k[3:])}" for k in given_keys(overrides)
             if k.startswith("pc.") and k not in ("pc.algorithm", "pc.mode") and hasattr(c.pc, k[3:])]
     if not said:
         return None

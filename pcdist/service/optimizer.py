@@ -6,7 +6,7 @@ import torch
 
 from ..engine.trainer import warmup_cosine
 from ..errors import ConfigError
-from .config import Config
+from .config import Config, given_keys
 
 
 def optimizer_steps(c: Config) -> int:
@@ -35,8 +35,7 @@ def make_optimizer(c: Config, params, total_steps: int, device: torch.device | N
 def warmup_note(c: Config, overrides: list[str]) -> str | None:
     """The one line for a warm-up the user set (``overrides``) longer than the run (it is shortened to the run: the
     peak rate at its end); a preset's, in a short run made for a try, goes unsaid."""
-    given = any(o.lstrip("+~").partition("=")[0] == "optim.warmup_steps" for o in overrides)
-    if not given or c.optim.warmup_steps <= c.trainer.max_steps:
+    if "optim.warmup_steps" not in given_keys(overrides) or c.optim.warmup_steps <= c.trainer.max_steps:
         return None
     return (f"note: optim.warmup_steps={c.optim.warmup_steps} is longer than the run (trainer.max_steps="
             f"{c.trainer.max_steps}): the warm-up is shortened to the run, and no cosine decay follows")

@@ -102,10 +102,10 @@ class ModuleKind(LayerKind):
             try:
                 out = m(torch.zeros(2, *in_shape, **kw))
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a width that does not fit, mostly
-                node = f"layer {index - 1}'s output" if index > 1 else "the input"
+                node, why = f"layer {index - 1}'s output" if index > 1 else "the input", str(e).strip()
                 raise ValueError(f"layer {index} ({type(m).__name__}) fails on the node it is given, "
                                  f"[B, {', '.join(map(str, in_shape))}] ({node}): "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+                                 f"{why.splitlines()[0] if why else type(e).__name__}") from e
         if not isinstance(out, Tensor) or out.shape[0] != 2:
             raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
                              f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
