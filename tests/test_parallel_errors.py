@@ -450,6 +450,26 @@ def mesh_of_layers(rank, world):
     Parallel.from_mesh(ParallelDims(1, 2), net.specs)
 
 
+def mesh_free_bottom(rank, world, learned_prior):
+    from torch import nn
+
+    init_distributed(timeout_s=30)
+    net = pcdist.PCNetwork.from_layers([nn.Tanh(), nn.Sequential(nn.Linear(5, 4), nn.Tanh())], input_shape=(5,))
+    par = Parallel.from_mesh(ParallelDims(1, 2), net.specs, free_bottom=True, learned_prior=learned_prior)
+    assert par.layers == ((1, 2) if rank == 0 else (2, 3))
+
+
+def test_a_free_bottom_rank_of_parameter_free_layers_is_refused_unless_it_trains_a_learned_prior():
+    """A free h_0 (unsupervised) with nn.Tanh() alone on the first layer rank: that rank trains something only where
+    h_0's prior mean is learned; with a fixed prior it is refused on every rank like any other slice (it had been
+    let through, to torch's empty-optimizer traceback on rank 0)."""
+    run(mesh_free_bottom, 2, True, timeout=60)
+    with pytest.raises(WorkerError) as e:
+        run(mesh_free_bottom, 2, False, timeout=60)
+    said = r"parallel.layer=2: a layer rank would hold layers 1..1 \(module Tanh \[5\] -> \[5\]\), which have no"
+    assert len(re.findall(rf"rank \d: ConfigError: {said}", str(e.value))) == 2, str(e.value)[-3000:]
+
+
 def test_a_layer_rank_of_parameter_free_layers_only_is_refused_alike_on_every_rank():
     """nn.Tanh() as a PC layer, alone on a rank: that rank's optimizer had nothing to train (torch's 'empty
     parameter list' traceback, its peers a lost-peer line); every rank now names the slice."""

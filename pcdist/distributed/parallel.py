@@ -218,12 +218,13 @@ class Parallel(LayerExchange):
     @classmethod
     def from_mesh(cls, dims: ParallelDims, specs: Sequence[LayerKind] | Sequence[int],
                   device: torch.device | str = "cpu", micro_batches: int = 1, timeout_s: float = 300.0,
-                  free_bottom: bool = False) -> "Parallel":
+                  free_bottom: bool = False, learned_prior: bool = False) -> "Parallel":
         """Build the (data, layer) mesh over the initialised process group and place this rank.
 
         ``specs``: the network's layer kinds, or any per-layer costs (the partition balances
         their sums over the layer ranks; see ``pcdist.distributed.partition.layer_costs``, and ``free_bottom``
-        there: an inferred h_0).
+        there: an inferred h_0). ``learned_prior``: the first layer slice holds the learned mean of a free h_0's prior
+        (a parameter to train, whatever its layers hold).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -239,8 +240,8 @@ class Parallel(LayerExchange):
         costs = layer_costs(specs, free_bottom) if all(isinstance(s, LayerKind) for s in specs) else \
             [int(c) for c in specs]
         slices = partition_layers(costs, P)
-        _check_slices_train(slices[1:] if free_bottom else slices, specs, P)  # (every rank sees every slice: all
-        # refuse alike, before any exchange; the first slice with a free h_0 may hold its learned prior's mean)
+        _check_slices_train(slices[1:] if learned_prior else slices, specs, P)  # (every rank sees every slice: all
+        # refuse alike, before any exchange; the first slice trains its learned prior's mean, whatever it holds)
         # Stats are gathered on the rank that sees the output energy: last layer slice, data rank 0.
         logging = int(mesh.mesh[0, P - 1])
         return cls(slices[lr], len(specs), prev=peer(lr - 1) if lr > 0 else None,

@@ -150,7 +150,9 @@ class ServiceTrainer:
             return Parallel.single(len(self.specs))
         return Parallel.from_mesh(ParallelDims(p.data, p.layer), self.specs, device=self.device,
                                   micro_batches=p.micro_batches, timeout_s=p.timeout_s,
-                                  free_bottom=self.config.pc.mode == "unsupervised")
+                                  free_bottom=self.config.pc.mode == "unsupervised",
+                                  learned_prior=self.config.pc.mode != "supervised"
+                                  and network_options(self.config)["prior"].mean == "learned")
 
     def _make_network(self):
         """This rank's layer slice of the network: the user's layers, or the configured model."""
