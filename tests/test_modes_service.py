@@ -207,3 +207,16 @@ def test_a_resume_that_would_add_or_drop_a_learned_prior_mean_is_refused_naming_
     with pytest.raises(pcdist.ConfigError, match=r"\('learned' -> 'zero': a learned mean is a parameter of the model, "
                                                  r"which the checkpoint holds\)"):
         pcdist.train({"run_dir": str(learned), "pc.prior_mean": "zero", "trainer.max_steps": 3})
+
+
+def test_a_resume_into_another_mode_of_the_same_shape_says_so(tmp_path, capsys):
+    """An unsupervised run (latent dim 10, as many as the classes) resumed as generative: the network's shapes agree,
+    so it runs, but h_0 then holds labels instead of a latent, learned prior mean and all; it had been applied without
+    a word."""
+    short = {"pc.T": 3, "pc.eval_T": 3, "trainer.max_steps": 2, "trainer.eval_every": 2, "trainer.ckpt_every": 2,
+             "logger.plots": False, "pc.prior_mean": "learned"}
+    _, run_dir = train(tmp_path, experiment="unsupervised_digits", **short)
+    capsys.readouterr()
+    assert pcdist.train({"run_dir": str(run_dir), "pc.mode": "generative", "trainer.max_steps": 3})["step"] == 3
+    assert "resume: pc.mode changed 'unsupervised' -> 'generative': applied, with a warning (h_0 and h_L now hold " \
+           "other things" in capsys.readouterr().out

@@ -160,6 +160,8 @@ ON_RESUME: dict[str, tuple[str, str]] = {
     "data.path": (WARN, SAME_DATA),
     "trainer.dtype": (WARN, "the checkpoint's weights and optimizer state are cast to the new precision"),
     "pc.algorithm": (WARN, "the weights so far were trained with the other algorithm"),
+    "pc.mode": (WARN, "h_0 and h_L now hold other things (data, labels or a latent): the weights so far were trained "
+                      "for the other mode"),
     "parallel": (APPLY, "checkpoints are keyed by layer, so any split resumes"),
 }
 SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.schedule", "optim.final_lr_ratio", "trainer.max_steps",
