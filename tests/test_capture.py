@@ -353,6 +353,28 @@ def test_ops_whose_output_size_depends_on_the_values_are_host_reads():
                      "where": 0, "index": 0, "repeats": 1, "histc": 0, "sized repeats": 0}
 
 
+def test_copies_from_the_host_to_the_device_are_found_as_on_a_gpu():
+    """HostReads(strict=False), as on a GPU (here "meta" tensors stand for device tensors: any device not the CPU):
+    a host array copied to the device in the core (``t.to(device)``, ``d.copy_(host)``, a 0-d one too) is what a
+    capture refuses or replays stale, and was not found; copies between device tensors, a device tensor times a
+    Python number or a host 0-d scalar (a value, no copy), and a host tensor made on the device are not."""
+    d, host = torch.zeros(3, device="meta"), torch.ones(3)
+    found = {}
+    for name, op in (("to", lambda: host.to("meta")), ("to device=", lambda: host.to(device=d.device)),
+                     ("copy_", lambda: d.clone().copy_(host)),
+                     ("0-d copy_", lambda: d[0].clone().copy_(torch.tensor(2.0))),
+                     ("device copy", lambda: d.clone().copy_(d)), ("device to", lambda: d.to(torch.float64)),
+                     ("scalars", lambda: d * 2.0 + torch.tensor(3.0)),
+                     ("made there", lambda: torch.ones(3, device="meta")),
+                     ("host only", lambda: host.clone().copy_(host))):
+        with HostReads(strict=False) as r:
+            op()
+        found[name] = [what.split(" (")[0] for what in r.reads]
+    copied = ["a copy from the host"]
+    assert found == {"to": copied, "to device=": copied, "copy_": copied, "0-d copy_": copied, "device copy": [],
+                     "device to": [], "scalars": [], "made there": [], "host only": []}
+
+
 def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     """A layer that reads a value of its input on the host cannot be captured: the stage says so once, in one
     line that names the stage and the read, and then trains exactly as compile="none"."""

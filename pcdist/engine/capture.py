@@ -102,6 +102,16 @@ def _mixes_host_arrays(args) -> bool:
     return any(t.device.type != "cpu" for t in flat) and any(t.device.type == "cpu" and t.ndim for t in flat)
 
 
+def _from_host(name: str, args, kwargs) -> bool:
+    """A host array copied to the device (``t.to("cuda")``, ``d.copy_(host)``): on a GPU, what a capture refuses
+    (pageable memory) or replays from the host memory of the capture, stale (pinned)."""
+    if name == "_to_copy":
+        return isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" and \
+            kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu"
+    return name == "copy_" and _on_device(args[:1]) and isinstance(args[1], torch.Tensor) and \
+        args[1].device.type == "cpu"
+
+
 class _Ops(TorchDispatchMode):
     """Counts every aten op; a scalar read or a copy into host memory of a device tensor is a host read."""
 
@@ -123,6 +133,8 @@ class _Ops(TorchDispatchMode):
             o.read("a copy to the host")
         elif name == "copy_" and args[0].device.type == "cpu" and _on_device(args[1:2]):
             o.read("a copy to the host")
+        elif not o.strict and _from_host(name, args, kwargs):
+            o.read("a copy from the host (a graph would replay it from the host memory of the capture)")
         elif name != "copy_" and _mixes_host_arrays(args):
             o.read(f"a host tensor handed to aten.{name} with device tensors")
         return func(*args, **kwargs)
@@ -163,7 +175,7 @@ class HostReads:
     (``nonzero``, ``unique``, indexing with a boolean mask), and a tensor made with no ``device=`` (``torch.arange(n)``:
     on a GPU a host tensor, copied to the device, blocking, where it is used). (A ``.to(device)`` cannot tell the host
     from the device on a CPU; on a GPU every copy into host memory, and every host array handed to a device op, is
-    found where it is dispatched.)"""
+    found where it is dispatched, and so is every copy of a host array to the device.)"""
 
     def __init__(self, strict: bool = True):
         self.strict = strict
