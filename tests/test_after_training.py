@@ -842,7 +842,8 @@ def test_compare_names_a_run_whose_config_is_damaged(digits_run, tmp_path):
     from pcdist.service.compare import compare
 
     run_dir, _ = digits_run
-    for name, text, says in (("cut", "trainer: {max_steps: 4\n  seed", "is damaged (ParserError)"),
+    cut = "trainer: {max_steps: 4\n  seed"
+    for name, text, says in (("cut", cut, "is damaged (ParserError: while parsing a flow mapping"),
                              ("empty", "", "holds no settings")):
         sweep = tmp_path / name
         shutil.copytree(run_dir, sweep / "0")

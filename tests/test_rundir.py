@@ -455,7 +455,7 @@ def _without_config(m):
     ("step", lambda m: {k: v for k, v in m.items() if k != "step"}, None, r"{meta} holds no step \(a whole number"),
     ("list", lambda m: [1, 2], None, r"{meta} holds a list, not a checkpoint file pcdist wrote"),
     ("tag", _without_config, "!!python/object/apply:os.system ['true']\n", r"{run}/config.yaml is damaged \("),
-    ("yaml-list", _without_config, "- 1\n", r"{run}/config.yaml holds a list, not the run's settings"),
+    ("yaml-list", _without_config, "- 1\n", r"{run}/config.yaml holds a list: not the run's settings"),
 ])
 def test_a_run_folder_pcdist_did_not_write_is_refused_in_one_line_naming_the_file(stopped_at_12, tmp_path, case,
                                                                                   edit, config_yaml, says):

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ..engine.network import PCNetwork, legacy_signature
 from ..distributed.parallel import barrier
-from ..errors import CheckpointError, RunError, printable
+from ..errors import CheckpointError, printable
+from .config import read_settings
 from .metrics import replace_file
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "newest_valid", "load_checkpoint", "CheckpointError"]
@@ -292,16 +292,7 @@ def saved_config(run_dir: Path, meta: dict) -> dict | None:
     if meta.get("config") is not None:
         return meta["config"]
     path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return None
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RunError(f"{path} is damaged ({' '.join(str(e).split())[:200]}): not the run's settings as pcdist "
-                       f"wrote them") from None
-    if not isinstance(saved, dict):
-        raise RunError(f"{path} holds a {type(saved).__name__}, not the run's settings as pcdist wrote them")
-    return saved
+    return read_settings(path, "not the run's settings as pcdist wrote them") if path.is_file() else None
 
 
 def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:

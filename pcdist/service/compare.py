@@ -17,11 +17,10 @@ import json
 import statistics
 from pathlib import Path
 
-import yaml
 
 from ..errors import RunError, printable
 from .metrics import _save, replace_file, subplots, read_metrics
-from .config import flat
+from .config import flat, read_settings
 
 __all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv", "write_json", "SEED", "METRICS"]
 
@@ -65,14 +64,7 @@ def _summary(rows: list[dict]) -> dict:
 
 def _config(run: Path) -> dict:
     """A run's settings (its config.yaml), flattened; a RunError naming the file where it is damaged."""
-    try:
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RunError(f"{run / 'config.yaml'} is damaged ({type(e).__name__}): mend it or leave this run out of "
-                       f"the comparison") from None
-    if not isinstance(cfg, dict) or not cfg:
-        raise RunError(f"{run / 'config.yaml'} holds no settings: mend it or leave this run out of the comparison")
-    return flat(cfg)
+    return flat(read_settings(run / "config.yaml", "mend it or leave this run out of the comparison"))
 
 
 def compare(paths, plot: str | Path | None = None) -> dict:

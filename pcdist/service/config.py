@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError, did_you_mean
+from ..errors import ConfigError, RunError, did_you_mean
 from .schema import (BP, DATASETS, PYTHON_DATA, PYTHON_MODEL, RESUME, ROOT_DATASETS, Config, DataConfig,
                      LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, PCConfig, TrainerConfig, config_keys,
                      check_combination, num_layers, validate)
@@ -138,6 +138,21 @@ def make_config(cfg: Any = None) -> Config:
     for key, value in dotted.items():
         OmegaConf.update(merged, key, value, merge=True)
     return load_config(merged)
+
+
+def read_settings(path: Path, what: str) -> dict:
+    """A run's config.yaml (``path``) as data: ``safe_load``, so no YAML tag builds anything; a RunError naming the
+    file, then ``what`` (the way on), where it is not YAML or holds no mapping of settings."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is damaged ({type(e).__name__}: {' '.join(str(e).split())[:200]}): {what}") from None
+    if not isinstance(saved, dict) or not saved:
+        held = "no settings" if not saved else f"a {type(saved).__name__}"
+        raise RunError(f"{path} holds {held}: {what}")
+    return saved
 
 
 def flat(d: dict, prefix: str = "") -> dict:
