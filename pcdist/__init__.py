@@ -69,7 +69,7 @@ _API = {
     ".service.evaluate": ("evaluate", "predict"),
     ".service.export": ("export",),
     ".service.load": ("Run", "RunError", "load"),
-    ".service.run": ("Preempted", "Result", "train"),
+    ".service.run": ("Interrupted", "Preempted", "Result", "train"),
 }
 """pcdist's API: where each name lives. ``import pcdist`` imports none of it (no torch: the command line checks
 its arguments and answers ``--help`` in ~0.5 s); the first name used imports it all, as one import would."""

@@ -207,28 +207,36 @@ SIGNAL_AT_START = textwrap.dedent("""
     try:
         print("finished at step", pcdist.train(cfg, data=data)["step"], flush=True)
     except Preempted as e:
-        print("stopped:", e.signal == sig, flush=True)
+        print("stopped:", e.signal == sig, isinstance(e, Exception), isinstance(e, KeyboardInterrupt), flush=True)
     print("handlers:", signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
           signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # the caller's handler again, not a recorded stop
 """)
 
 
-@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
 def test_a_stop_signal_during_the_start_stops_after_its_second_step_and_handlers_come_back(tmp_path, sig):
-    """SIGUSR1 or SIGTERM while the run starts (reading its first batches for pc.x_lr=auto, after it made its
-    files): recorded, so the run stops as a pre-empted one after its second step (each step reads the stop vote
-    of the step before), with its checkpoint (SIGUSR1 killed the process outright, without a line or
-    PREEMPTED). When pcdist.train returns or raises, the caller's handlers of SIGTERM, SIGUSR1 and SIGINT are
-    back (a script ignored SIGTERM and SIGUSR1 after its first pcdist.train)."""
+    """SIGUSR1, SIGTERM or Ctrl-C while the run starts (reading its first batches for pc.x_lr=auto, after it made
+    its files): recorded, so the run stops after its second step (each step reads the stop vote of the step
+    before), with its checkpoint (SIGUSR1 killed the process outright, without a line or PREEMPTED); pre-empted
+    (PREEMPTED written), or interrupted by the user (none). pcdist.train raises a Preempted that is no Exception
+    (a caller's `except Exception` around each run had caught a Ctrl-C and gone on to its next run), for Ctrl-C
+    a KeyboardInterrupt too. When pcdist.train returns or raises, the caller's handlers of SIGTERM, SIGUSR1 and
+    SIGINT are back (a script ignored SIGTERM and SIGUSR1 after its first pcdist.train)."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-c", SIGNAL_AT_START, sig, str(run_dir), "500"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines[-3:] == ["stopped: True", "handlers: True True True", "the caller's own handler"], out.stdout
-    assert any(line.startswith("pre-empted: stopped by a signal after step 2;") for line in lines), out.stdout
-    assert (run_dir / "PREEMPTED").read_text() == "2\n"
+    ctrl_c = sig == "SIGINT"
+    assert lines[-3:] == [f"stopped: True False {ctrl_c}", "handlers: True True True", "the caller's own handler"], \
+        out.stdout
+    said = "interrupted: stopped by Ctrl-C (SIGINT)" if ctrl_c else "pre-empted: stopped by a signal"
+    assert any(line.startswith(f"{said} after step 2;") for line in lines), out.stdout
+    if ctrl_c:
+        assert not (run_dir / "PREEMPTED").exists()
+    else:
+        assert (run_dir / "PREEMPTED").read_text() == "2\n"
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
 
 

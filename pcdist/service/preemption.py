@@ -19,13 +19,25 @@ from ..distributed.parallel import collective
 from ..errors import stop_status
 
 
-class Preempted(RuntimeError):
+class Preempted(BaseException):
     """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived: the run checkpointed and stopped; rerunning resumes it.
-    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption)."""
+    ``signal``: the one every rank agreed on (SIGINT: the user's Ctrl-C; else the launcher's pre-emption).
+
+    A request to stop, as KeyboardInterrupt and SystemExit are, not an error: ``except Exception`` in a caller's
+    loop over runs does not catch it and start the next run. A Ctrl-C raises ``Interrupted``, a KeyboardInterrupt
+    too (``except KeyboardInterrupt`` catches it, and a notebook shows it as one)."""
 
     def __init__(self, message: str, signal_number: int = signal.SIGTERM):
         super().__init__(message)
         self.signal = signal_number
+
+    @staticmethod
+    def of(message: str, signal_number: int) -> "Preempted":
+        return (Interrupted if signal_number == signal.SIGINT else Preempted)(message, signal_number)
+
+
+class Interrupted(Preempted, KeyboardInterrupt):
+    """The user's Ctrl-C (SIGINT) stopped the run after a checkpoint: a ``Preempted`` and a ``KeyboardInterrupt``."""
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

@@ -33,13 +33,13 @@ from .data import DataError, Dataset, StreamedData
 from .device import cpu_threads, pick_device, use_device
 from .models import check_model_keys
 from .optimizer import check_optim_keys
-from .preemption import Preempted
+from .preemption import Interrupted, Preempted
 from .resume import resume_command
 from .rundir import find_resume, lock_run_dir, next_run_dir, unlock_run_dir
 from .trainer import Result, ServiceTrainer
 from .userlayers import UserLayers
 
-__all__ = ["train", "run", "check", "Preempted", "choose_mesh", "cpu_threads", "Result"]
+__all__ = ["train", "run", "check", "Preempted", "Interrupted", "choose_mesh", "cpu_threads", "Result"]
 
 
 def train(cfg=None, data: Dataset | StreamedData | None = None, layers=None) -> Result:

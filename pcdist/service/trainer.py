@@ -334,7 +334,7 @@ class ServiceTrainer:
             message = stop_message(stop, done, path, resume_command(self.config, self.run_dir))
             # one line, on the terminal and in train.log (the record a requeued job's reader has)
             self.logger.say(f"{'interrupted' if stop == signal.SIGINT else 'pre-empted'}: {message}")
-            raise Preempted(message, stop)
+            raise Preempted.of(message, stop)
 
     def _log_step(self, stats: dict | None, x, y, done: int) -> dict | None:
         """A logged step: the batch's accuracy after its update (collective, supervised), then its metrics
