@@ -969,6 +969,26 @@ def test_model_name_python_needs_layers():
         pcdist.train({"model": {"name": "python"}, "logger": "none"})
 
 
+def test_normalize_scales_each_varying_feature_whatever_the_others_magnitude():
+    """Tabular features in other units: a price near 5e5 beside a fraction of std 0.05 and a 0/1 flag. The fraction
+    was taken for a constant (its deviation under 1e-6 of the whole set's largest value) and left unscaled (std 0.047
+    where 1 is due); each feature is judged by its own magnitude, and only the constant ones keep std 1."""
+    from pcdist.service.data import normalization_stats, normalized
+
+    g = torch.Generator().manual_seed(0)
+    n = 500
+    x = torch.stack([5e5 + 1e5 * torch.randn(n, generator=g), 0.3 + 0.05 * torch.randn(n, generator=g),
+                     (torch.rand(n, generator=g) < 0.5).float(), torch.full((n,), 5e5), torch.zeros(n)], 1)
+    y = torch.zeros(n, dtype=torch.long)
+    d = pcdist.data.Dataset(x, y, x[:10], y[:10], 2)
+    mean, std = normalization_stats(d)
+    want = x.double().std(0)  # the sample deviation (n - 1)
+    assert torch.allclose(std[:3].double(), want[:3], rtol=1e-5) and std[3:].tolist() == [1.0, 1.0]
+    assert torch.allclose(mean.double(), x.double().mean(0), rtol=1e-6)
+    spread = normalized(d).x_train.double().std(0)
+    assert torch.allclose(spread[:3], torch.ones(3, dtype=torch.float64), atol=1e-5), spread
+
+
 def test_normalize_leaves_a_feature_constant_in_training_unscaled_and_needs_two_samples(tmp_path):
     """Flattened images [N, 64] with data.normalize=true: a pixel 0 in every training image (a border) got a std
     floor of 1e-8, so a held-out image with ink there was multiplied by 1e8 (logits of 1e6, the wrong class) in

@@ -515,18 +515,20 @@ def sample_pair(item, what: str):
 
 
 def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:
-    """The training set's per-channel mean and standard deviation, shaped to broadcast over one sample
-    ([C, 1, 1] for images [N, C, H, W]; [F] for [N, F] inputs). A channel that does not vary in training (a border
-    pixel of flattened images, 0 in every one) keeps std 1, as scikit-learn's StandardScaler does: a floor of 1e-8
-    multiplied the held-out values there by 1e8. A DataError below two training samples (no deviation to take)."""
+    """The training set's per-channel mean and standard deviation (the sample deviation, over n - 1), shaped to
+    broadcast over one sample ([C, 1, 1] for images [N, C, H, W]; [F] for [N, F] inputs). A channel that does not
+    vary in training (a border pixel of flattened images, 0 in every one) keeps std 1, as scikit-learn's
+    StandardScaler does: a floor of 1e-8 multiplied the held-out values there by 1e8. A DataError below two
+    training samples (no deviation to take)."""
     if len(ds.x_train) < 2:
         raise DataError(f"config data.normalize=true standardises by the training set's standard deviation, which "
                         f"needs 2 training samples or more; this data has {len(ds.x_train)}")
     dims = [0, *range(2, ds.x_train.dim())]
     mean = ds.x_train.mean(dims, keepdim=True)[0]
     std = ds.x_train.std(dims, keepdim=True)[0]
-    # (a constant's deviation in floating point is its rounding: at most 1e-6 of the data's largest magnitude)
-    still = std <= torch.clamp(1e-6 * ds.x_train.abs().max().to(std.dtype), min=1e-8)
+    # (a constant's deviation in floating point is its rounding: at most 1e-6 of the channel's own largest magnitude;
+    # the whole set's would take a varying fraction beside a price of 5e5 for a constant)
+    still = std <= torch.clamp(1e-6 * ds.x_train.abs().amax(dims, keepdim=True)[0].to(std.dtype), min=1e-8)
     return mean, torch.where(still, 1.0, std)
 
 
