@@ -367,8 +367,8 @@ def test_arrays_without_a_path_say_which_key_to_set(tmp_path):
 class Samples(torch.utils.data.Dataset):
     """A plain map-style torch Dataset: one (x, label) per index, as user code would write it."""
 
-    def __init__(self, x, labels, nan_at=None):
-        self.x, self.labels, self.nan_at = x, labels, nan_at
+    def __init__(self, x, labels, nan_at=None, wide_at=None):
+        self.x, self.labels, self.nan_at, self.wide_at = x, labels, nan_at, wide_at
 
     def __len__(self):
         return len(self.labels)
@@ -377,6 +377,8 @@ class Samples(torch.utils.data.Dataset):
         x = self.x[i].clone()
         if i == self.nan_at:
             x[0] = float("nan")
+        if i == self.wide_at:
+            x = torch.cat([x, x[:1]])
         return x, int(self.labels[i])
 
 
@@ -465,6 +467,11 @@ def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
     with pytest.raises(DataError) as info:
         pcdist.train(small_cfg(tmp_path / "run", trainer={"batch_size": 64}), data=data)
     assert str(info.value) == "StreamedData train sample 5 holds NaN or Inf"
+    # a sample of another shape (torch.stack's traceback, from the worker, naming no sample)
+    data = StreamedData(Samples(x, labels, wide_at=9), Samples(x[:16], labels[:16]), 10)
+    with pytest.raises(DataError) as info:
+        pcdist.train(small_cfg(tmp_path / "wide", trainer={"batch_size": 64}), data=data)
+    assert str(info.value) == "StreamedData train sample 9 has shape (65,), expected (64,) (the first training sample's)"
     # in the validation split, met at the end-of-run evaluation: one line too, and the trained steps are kept
     data = StreamedData(Samples(x, labels), Samples(x[:16], labels[:16], nan_at=7), 10)
     with pytest.raises(DataError) as info:

@@ -56,7 +56,12 @@ class _Checked(torch.utils.data.Dataset):
         if got is None or isinstance(got, list):  # one (x, label) per index (torch's Subset returns a list)
             items = got if got is not None else [self.dataset[i] for i in indices]
             pairs = [sample_pair(item, f"{self.what} sample {i}") for i, item in zip(indices, items)]
-            x = torch.stack([as_float(x) for x, _ in pairs])
+            xs = [as_float(x) for x, _ in pairs]
+            for i, x in zip(indices, xs):  # named here: torch.stack would refuse them naming no sample
+                if tuple(x.shape) != self.sample_shape:
+                    raise DataError(f"{self.what} sample {i} has shape {tuple(x.shape)}, expected "
+                                    f"{self.sample_shape} (the first training sample's)")
+            x = torch.stack(xs)
             labels = torch.tensor([class_id(y, f"{self.what} sample {i}") for i, (_, y) in zip(indices, pairs)])
         else:  # a batch at once: (x [b, ...], labels [b])
             x, labels = sample_pair(got, f"{self.what} samples {indices[0]}..")
