@@ -471,7 +471,8 @@ def test_a_bad_streamed_sample_is_one_line_naming_it(tmp_path):
     data = StreamedData(Samples(x, labels, wide_at=9), Samples(x[:16], labels[:16]), 10)
     with pytest.raises(DataError) as info:
         pcdist.train(small_cfg(tmp_path / "wide", trainer={"batch_size": 64}), data=data)
-    assert str(info.value) == "StreamedData train sample 9 has shape (65,), expected (64,) (the first training sample's)"
+    assert str(info.value) == \
+        "StreamedData train sample 9 has shape (65,), expected (64,) (the first training sample's)"
     # in the validation split, met at the end-of-run evaluation: one line too, and the trained steps are kept
     data = StreamedData(Samples(x, labels), Samples(x[:16], labels[:16], nan_at=7), 10)
     with pytest.raises(DataError) as info:
