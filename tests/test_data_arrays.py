@@ -152,6 +152,15 @@ def test_own_arrays_with_the_default_mlp_get_both_fixes_at_once_and_a_note_on_la
     assert said == ("error: data arrays has 40 input features but model.dims[0]=64 and 5 classes but model.dims[-1]="
                     "10; set model.dims=[40,128,128,5] (no label is below 1, so class 0 is empty: labels are class ids "
                     "from 0; if yours start at 1, subtract 1, y - 1)\n")
+    folder = tmp_path / "own"  # the same arrays as a folder (memory-mapped): the same line (it had no note)
+    folder.mkdir()
+    with np.load(own) as arrays:
+        for name in ("x_train", "y_train", "x_val", "y_val"):
+            np.save(folder / f"{name}.npy", arrays[name])
+    with pytest.raises(pcdist.data.DataError) as info:
+        pcdist.train({"data": {"name": "arrays", "path": str(folder)}, "logger": "none",
+                      "run_dir": str(tmp_path / "f")})
+    assert f"error: {info.value}\n" == said
     assert pcdist.train({"data": {"name": "arrays", "path": str(own)}, "model": {"dims": [40, 128, 128, 5]},
                          "logger": "none", "logger.plots": False, "trainer": {"max_steps": 2, "progress": "off"},
                          "run_dir": str(tmp_path / "ok")})["step"] == 2

@@ -15,15 +15,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from ..engine.layers import mupc_specs
 from ..engine.models import cnn_specs, deconv_specs, vgg_specs
 from ..engine.modes import MODES
 from ..engine.network import PCNetwork, mlp_specs
 from ..errors import ConfigError
 from .config import GROUPS, PYTHON_MODEL, Config, ModelConfig, network_options
-from .data import DataError, Dataset
+from .data import DataError, Dataset, NpyArrays
 from .modelfile import Inputs, write_model_file
 from .userlayers import UserLayers
 
@@ -282,11 +280,22 @@ def _check_mlp_ends(c: Config, ds, shape: str) -> None:
     raise DataError(f"data {c.data.name} has {' and '.join(wrong)}; set model.dims=[{fixed}]{_empty_class_0(ds)}")
 
 
+def _labels_at_hand(ds) -> list | None:
+    """The training and validation labels where they are at hand without reading a sample: in memory, or the
+    memory-mapped y_*.npy of an arrays folder; None for other streamed data."""
+    if isinstance(ds, Dataset):
+        return [ds.y_train, ds.y_val]
+    splits = [getattr(getattr(ds, split, None), "inner", getattr(ds, split, None)) for split in ("train", "val")]
+    return [split.y for split in splits] if all(isinstance(split, NpyArrays) for split in splits) else None
+
+
 def _empty_class_0(ds) -> str:
-    """A note for labels that start at 1 (in-memory data): the classes counted include an empty class 0."""
-    if not isinstance(ds, Dataset) or not len(ds.y_train) or int(ds.y_train.min()) < 1:
+    """A note for labels that start at 1 (in memory or in an arrays folder): the classes counted include an empty
+    class 0."""
+    labels = _labels_at_hand(ds)
+    if labels is None or not len(labels[0]) or int(labels[0].min()) < 1:
         return ""
-    low = int(torch.cat([ds.y_train, ds.y_val]).min())
+    low = min(int(y.min()) for y in labels if len(y))
     return (f" (no label is below {low}, so class{'es' * (low > 1)} 0{f'-{low - 1}' if low > 1 else ''} "
             f"{'are' if low > 1 else 'is'} empty: labels are class ids from 0; if yours start at {low}, subtract "
             f"{low}, y - {low})")
