@@ -166,6 +166,30 @@ def test_own_arrays_with_the_default_mlp_get_both_fixes_at_once_and_a_note_on_la
                          "run_dir": str(tmp_path / "ok")})["step"] == 2
 
 
+def test_a_resume_that_changes_a_key_its_data_set_does_not_read_is_applied_saying_so(tmp_path, capsys):
+    """data.val_fraction is read by data=digits alone (an arrays file holds its own split): a fresh arrays run notes it
+    unread, and a resume that changes it had been refused, saying it changes the train/validation split; it is
+    applied, saying why. On digits the same change is still refused."""
+    rng = np.random.default_rng(0)
+    own = save_npz(tmp_path / "own.npz", rng.standard_normal((64, 6), np.float32), np.arange(64) % 3,
+                   rng.standard_normal((16, 6), np.float32), np.arange(16) % 3)
+    cfg = {"data": {"name": "arrays", "path": str(own)}, "model": {"dims": [6, 8, 3]}, "logger": "none",
+           "logger.plots": False, "trainer": {"max_steps": 2, "ckpt_every": 2, "progress": "off"}}
+    pcdist.train({**cfg, "run_dir": str(tmp_path / "a")})
+    capsys.readouterr()
+    resumed = {**cfg, "run_dir": str(tmp_path / "a"), "data": {**cfg["data"], "val_fraction": 0.3},
+               "trainer": {**cfg["trainer"], "max_steps": 3}}
+    assert pcdist.train(resumed)["step"] == 3
+    assert "resume: data.val_fraction changed 0.2 -> 0.3: applied (data=arrays does not read it)" in \
+        capsys.readouterr().out
+    digits = {"logger": "none", "logger.plots": False, "trainer": {"max_steps": 2, "ckpt_every": 2, "progress": "off"},
+              "run_dir": str(tmp_path / "d")}
+    pcdist.train(digits)
+    with pytest.raises(pcdist.ConfigError, match=r"changed data.val_fraction \(0.2 -> 0.3: it changes the "
+                                                 r"train/validation split\)"):
+        pcdist.train({**digits, "data": {"val_fraction": 0.3}, "trainer": {"max_steps": 3}})
+
+
 X, Y = np.zeros((6, 4), np.float32), np.array([0, 1, 2, 0, 1, 2])
 
 

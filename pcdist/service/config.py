@@ -140,6 +140,10 @@ def make_config(cfg: Any = None) -> Config:
     return load_config(merged)
 
 
+ONE_READER = {"data.val_fraction": "digits", "data.synthetic_train": "synthetic", "data.synthetic_val": "synthetic"}
+"""Data keys that one data set alone reads (the others' splits and sizes are their files')."""
+
+
 def read_settings(path: Path, what: str) -> dict:
     """A run's config.yaml (``path``) as data: ``safe_load``, so no YAML tag builds anything; a RunError naming the
     file, then ``what`` (the way on), where it is not YAML or holds no mapping of settings."""

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .config import PYTHON_DATA, PYTHON_MODEL, Config, unread
+from .config import ONE_READER, PYTHON_DATA, PYTHON_MODEL, Config, unread
 from .data import DataError, Dataset, NpyArrays, StreamedData, load_dataset, normalization_stats, normalized, prepared
 from .loader import Streamed
 from .modelfile import Inputs
@@ -188,9 +188,8 @@ def unread_keys_note(c: Config, streamed: bool = False) -> str | None:
     digits; data.synthetic_*: synthetic; data.num_workers, data.prefetch_factor: streamed data, ``streamed``;
     logger.project and the other wandb keys: logger=wandb): said, not refused, as a run made so, or a sweep over
     data sets sharing them, must go on."""
-    data = {k: (f"data={name}", lambda d, name=name: d.name == name)  # read by that data set alone
-            for k, name in (("val_fraction", "digits"), ("synthetic_train", "synthetic"),
-                            ("synthetic_val", "synthetic"))}
+    data = {k.split(".")[1]: (f"data={name}", lambda d, name=name: d.name == name)  # read by that data set alone
+            for k, name in ONE_READER.items()}
     data["layout"] = ("your own data", lambda d: d.name in ("arrays", PYTHON_DATA))
     for k in ("num_workers", "prefetch_factor"):
         data[k] = ("streamed data: a folder of .npy files or a StreamedData", lambda d: streamed)

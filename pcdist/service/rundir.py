@@ -40,8 +40,8 @@ from omegaconf import OmegaConf
 
 from .checkpoint import newest_valid, read_meta, saved_config
 from .metrics import read_metrics
-from .config import (DATA_PATHS, Config, absolute_path, command, flat, literal, load_config, passed_settings,
-                     run_dir_override)
+from .config import (DATA_PATHS, ONE_READER, Config, absolute_path, command, flat, literal, load_config,
+                     passed_settings, run_dir_override)
 from ..errors import ConfigError, RunError, printable
 
 __all__ = ["new_run_dir", "launch_run_dir", "next_run_dir", "Resume", "find_resume", "ON_RESUME", "SCHEDULE_KEYS",
@@ -179,7 +179,11 @@ def _of_launch(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in LAUNCH_KEYS)
 
 
-def _policy(key: str, old: Any = None, new: Any = None) -> tuple[str, str]:
+def _policy(key: str, old: Any = None, new: Any = None, data: str | None = None) -> tuple[str, str]:
+    """The decision on a changed ``key`` and why; ``data``: the run's data set (a key only another one reads is
+    applied: nothing changes)."""
+    if data is not None and ONE_READER.get(key, data) != data:
+        return APPLY, f"data={data} does not read it"
     if key == "pc.prior_mean" and (old == "learned") != (new == "learned"):
         return REFUSE, "a learned mean is a parameter of the model, which the checkpoint " + \
             ("holds" if old == "learned" else "does not hold")
@@ -568,7 +572,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     for key, new in after.items():
         shown = passed is None or key in passed or not _of_launch(key)
         if key in before and key not in _NOT_SETTINGS and before[key] != new and shown:
-            r.changes.append((key, before[key], new, *_policy(key, before[key], new)))
+            r.changes.append((key, before[key], new, *_policy(key, before[key], new, c.data.name)))
     refused = [(k, o, n, why) for k, o, n, decision, why in r.changes if decision == REFUSE]
     if refused:
         named = ", ".join(f"{k} ({o!r} -> {n!r}: {why})" for k, o, n, why in refused)
