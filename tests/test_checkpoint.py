@@ -41,7 +41,7 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete_manifest", "delete_layer_file", "files_not_a_mapping",
-                                    "a_path_for_a_file_name", "layers_not_a_number"])
+                                    "a_path_for_a_file_name", "layers_not_a_number", "an_unlisted_layer_file"])
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tmp_path, damage):
     run = copy_run(two_checkpoints, tmp_path / "run")
     newest = run / "checkpoints" / "step-00000008"
@@ -63,6 +63,10 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tm
         else:
             manifest["layers"] = "3"
         (newest / "manifest.json").write_text(json.dumps(manifest))
+    elif damage == "an_unlisted_layer_file":  # zeros for every layer, beside the checked files: it was loaded after
+        part = torch.load(layer_file, weights_only=True)  # them, unchecked, and replaced their weights
+        part["layers"] = {k: torch.zeros_like(v) for k, v in part["layers"].items()}
+        torch.save(part, newest / "layers-9999-9999.pt")
     else:
         layer_file.unlink()
     with warnings.catch_warnings(record=True) as seen:  # at every call (a second was silent: Python's default

@@ -207,6 +207,10 @@ def _verify(path: Path) -> None:
             or not isinstance(manifest.get("layers"), (int, type(None))):
         raise CheckpointError(f"{manifest_path}: unreadable manifest (files is not a mapping of file names to "
                               f"digests, or layers not a number)")
+    unlisted = sorted(f.name for f in path.glob("layers-*.pt") if f.name not in files)
+    if unlisted:  # (loaded, they would override the checked layers)
+        raise CheckpointError(f"{path}: {', '.join(unlisted)} not listed in the manifest (added after the checkpoint "
+                              f"was written)")
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
@@ -295,6 +299,15 @@ def saved_config(run_dir: Path, meta: dict) -> dict | None:
     return read_settings(path, "not the run's settings as pcdist wrote them") if path.is_file() else None
 
 
+def _layer_files(path: Path) -> list[Path]:
+    """The layer files of a checkpoint as its manifest lists them (``_verify`` refuses any other beside them)."""
+    try:
+        listed = json.loads((path / "manifest.json").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
+    return [path / name for name in sorted(listed) if name.startswith("layers-")]
+
+
 def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load the owned layers (and their optimizer state) from any split; returns the meta dict."""
     path = Path(path)
@@ -306,7 +319,7 @@ def load_checkpoint(path: str | Path, net: PCNetwork, optimizer: torch.optim.Opt
                               f"this run has {_describe(net.signature())}")
     layers, opt_state = {}, {}
     try:
-        for f in sorted(path.glob("layers-*.pt")):
+        for f in _layer_files(path):
             part = read_pt(f)
             layers.update(part["layers"])
             opt_state.update(part["optimizer"])
