@@ -2,6 +2,8 @@
 images, checkpoints of a learned prior and resume, the real torchrun, the conv decoder preset, and
 one-line errors for what cannot work."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -189,6 +191,12 @@ def test_evaluating_a_run_reproduces_its_logged_test(mode, tmp_path):
         assert got["accuracy"] == pytest.approx(result["val/accuracy"], abs=1e-12)
         assert (run_dir / "confusion.png").read_bytes()[:8] == PNG
     assert (run_dir / "eval.json").is_file()
+    lost = tmp_path / "lost"  # model.json lost: the data sit at h_L (its inputs had been taken from h_0's 10)
+    shutil.copytree(run_dir, lost, ignore=shutil.ignore_patterns("eval.json", "*.png"))
+    (lost / "model.json").unlink()
+    again = evaluate(lost, write=False)
+    assert {k: again[k] for k in ("accuracy", "reconstruction_mse") if k in got} == \
+        {k: got[k] for k in ("accuracy", "reconstruction_mse") if k in got}
 
 
 def test_a_resume_that_would_add_or_drop_a_learned_prior_mean_is_refused_naming_the_key(tmp_path):

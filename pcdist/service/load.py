@@ -176,7 +176,7 @@ def find_checkpoint(run_dir, checkpoint="last") -> Path:
 
 
 def _inputs_without_model_file(p: Path, c: Config, meta: dict, in_shape: tuple[int, ...]) -> Inputs:
-    """How a run without model.json fed its inputs: a run from before the file (its first layer's input shape),
+    """How a run without model.json fed its inputs: a run from before the file (the data node's shape, ``in_shape``),
     or one whose file was lost, which its checkpoint's record of the data tells (its samples' shape: images a
     vector model read flattened)."""
     lost = "data" in meta  # checkpoints record their data from 2026-11-29, long after model.json came
@@ -267,7 +267,8 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
         specs = [b if s is None else s for s, b in zip(specs, built)]
     dtype = getattr(torch, c.trainer.dtype)
     if model is None:
-        inputs = _inputs_without_model_file(p, c, meta, tuple(specs[0].in_shape))
+        data_node = specs[0].in_shape if c.pc.mode == "supervised" else specs[-1].out_shape  # (h_L: generative's)
+        inputs = _inputs_without_model_file(p, c, meta, tuple(data_node))
     source = _layer_source(p, specs, layers, (model or {}).get("factory"), trust_code)
     if source is not None:
         user = UserLayers.of(source)
