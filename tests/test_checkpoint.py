@@ -77,6 +77,39 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(two_checkpoints, tm
     assert found == run / "checkpoints" / "step-00000004"
 
 
+def test_a_checkpoint_pruned_while_it_is_read_is_not_damaged_and_load_reads_the_next(two_checkpoints, tmp_path,
+                                                                                       monkeypatch):
+    """pcdist.load of a run still training: the run prunes (trainer.ckpt_keep) the checkpoint a reader has just
+    chosen. The reader named it damaged (a warning, or "every checkpoint is damaged") or failed on its missing
+    files (a review: 431 of 1,158 loads of a live run); it lists the checkpoints again and reads the one that is
+    there. The removal is what the trainer's pruning does (checkpoint._remove: out of the checkpoints' names
+    first), here at the worst moment: between the listing and the read."""
+    from pcdist.service import checkpoint as ckpt
+    from pcdist.service import load as loader
+
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    newest = run / "checkpoints" / "step-00000008"
+    real_verify, real_meta = ckpt._verify, loader.read_meta
+
+    def pruned_at(real):
+        def call(path, *a):
+            if path == newest and newest.is_dir():
+                ckpt._remove(newest)
+            return real(path, *a)
+        return call
+
+    monkeypatch.setattr(ckpt, "_verify", pruned_at(real_verify))
+    assert ckpt.newest_valid(run) == (run / "checkpoints" / "step-00000004", [])
+    monkeypatch.setattr(ckpt, "_verify", real_verify)
+    run = copy_run(two_checkpoints, tmp_path / "run2")
+    newest = run / "checkpoints" / "step-00000008"
+    monkeypatch.setattr(loader, "read_meta", pruned_at(real_meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipping damaged checkpoint"
+        assert pcdist.load(run).step == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004"]
+
+
 CLI = ["model.dims=[64,32,10]", "pc.T=4", "trainer.max_steps=8", "trainer.ckpt_every=4", "trainer.log_every=1",
        "trainer.eval_every=4", "logger=none", "logger.plots=false", "trainer.progress=off"]
 

@@ -138,16 +138,27 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         manifest = {"step": step, "layers": net.num_layers, "files": {n: _sha256(tmp / n) for n in files}}
         _atomic_save(manifest, tmp / "manifest.json", lambda m, f: f.write(json.dumps(m, indent=1).encode()))
         _fsync_dir(tmp)  # its files' names on disk before it is published
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         os.replace(tmp, final)
         _fsync_dir(ckdir)  # published on disk before an older checkpoint is pruned (a power loss between: one stays)
         # keep the newest `keep` up to this step; those after it (damaged ones a resume skipped) stay until
         # the run writes their steps again: pruning never removes what it has just written
         for old in [k for k in _checkpoints(ckdir) if _step_of(k) <= step][:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     if distributed:
         barrier("the checkpoint barrier", group)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Remove a checkpoint folder at once for its readers (a ``pcdist.load`` of the running run): renamed out of
+    the checkpoints' names first, then deleted; removed in place, a reader met it half gone and called it damaged."""
+    gone = checkpoint.with_name(f".{checkpoint.name}.removed-{os.getpid()}")
+    try:
+        os.replace(checkpoint, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 LAYER_FILE = re.compile(r"layers-(\d{4,})-(\d{4,})\.pt")
@@ -225,13 +236,18 @@ def _verify(path: Path) -> None:
 def newest_valid(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint whose files match its manifest (None if there is none), and the newer ones
     skipped as damaged, newest first, each with why (``"layers-0001-0004.pt: checksum mismatch ..."``)."""
-    skipped = []
-    for path in reversed(_checkpoints(Path(run_dir) / "checkpoints")):
-        try:
-            _verify(path)
-            return path, skipped
-        except CheckpointError as e:
-            skipped.append((path, printable(str(e).replace(f"{path}/", "").replace(f"{path}: ", ""))))
+    for _ in range(3):  # a checkpoint removed while it was read (the run pruned it): not damaged, listed again
+        skipped, gone = [], False
+        for path in reversed(_checkpoints(Path(run_dir) / "checkpoints")):
+            try:
+                _verify(path)
+                return path, skipped
+            except CheckpointError as e:
+                if gone := not path.is_dir():
+                    break
+                skipped.append((path, printable(str(e).replace(f"{path}/", "").replace(f"{path}: ", ""))))
+        if not gone:
+            break
     return None, skipped
 
 

@@ -238,7 +238,17 @@ def load(run_dir, checkpoint="last", layers=None, device="cpu", trust_code: bool
     """
     device = _device(device)
     p = _run_dir(run_dir)
-    path = find_checkpoint(p, checkpoint)
+    for attempt in range(3):
+        path = find_checkpoint(p, checkpoint)
+        try:
+            return _load(p, path, layers, device, trust_code)
+        except (CheckpointError, RunError, OSError):
+            if path.is_dir() or attempt == 2 or checkpoint not in ("last", "best"):
+                raise
+            # removed while it was read: the run is training and pruned it; its newer one is read
+
+
+def _load(p: Path, path: Path, layers, device: torch.device, trust_code: bool) -> Run:
     meta = read_meta(path)
     signature = legacy_signature(meta.get("model")) or meta.get("model")
     if not isinstance(signature, list):
