@@ -765,8 +765,20 @@ def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_
     ck = _rewrite_meta(pickled, buffer.getvalue())
     out = cli("evaluate", pickled, check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert f"{ck / 'meta.pt'} cannot be read as a checkpoint file pcdist wrote" in out.stderr, out.stderr
+    assert f"{ck / 'meta.pt'} cannot be read as a checkpoint file pcdist wrote (it names code to run, which pcdist " \
+           f"never runs: " in out.stderr, out.stderr
+    assert "weights_only" not in out.stderr, "torch's advice to load it anyway, passed on"
     assert not marker.exists()
+
+    typed = _sent(digits_run[0], tmp_path / "typed")  # an expression in a number's key: one line (a traceback)
+    meta = torch.load(sorted((typed / "checkpoints").glob("step-*"))[-1] / "meta.pt", weights_only=True)
+    meta["config"]["pc"]["T"] = "${oc.env:PCDIST_TEST_SECRET,30}"
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    _rewrite_meta(typed, buffer.getvalue())
+    with pytest.raises(pcdist.RunError, match=r"the run's settings \(its checkpoint's, else config.yaml\) cannot be "
+                                              r"read by this pcdist: invalid value for config key pc.T: "):
+        pcdist.load(typed)
 
 
 def test_compare_shows_and_writes_a_run_folders_text_as_text(digits_run, tmp_path):

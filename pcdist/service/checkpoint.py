@@ -283,7 +283,12 @@ def read_pt(path: Path) -> dict:
     try:
         found = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
-        why = " ".join(str(e).split()[:40]) or type(e).__name__
+        text = str(e)
+        if text.startswith("Weights only load failed"):  # a pickle naming code: torch's advice to load it anyway
+            # (weights_only=False, "arbitrary code execution") is left out, its reason kept
+            said = [p.strip() for p in text.split("\n\n")[1:] if p.strip() and "documentation" not in p]
+            text = f"it names code to run, which pcdist never runs: {said[0] if said else 'not weights'}"
+        why = " ".join(text.split()[:40]) or type(e).__name__
         raise CheckpointError(f"{path} cannot be read as a checkpoint file pcdist wrote ({why})") from e
     if not isinstance(found, dict):
         raise CheckpointError(f"{path} holds a {type(found).__name__}, not a checkpoint file pcdist wrote")

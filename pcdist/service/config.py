@@ -272,9 +272,9 @@ def load_config(cfg: Any) -> Config:
     cfg = {k: v for k, v in (cfg or {}).items() if k not in ("hydra", "experiment")}
     try:
         merged = OmegaConf.merge(base, cfg)
+        conf = OmegaConf.to_object(merged)  # (a typed key holding text, "${...}" kept as text, fails here)
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError carry the full key
         raise key_error(getattr(e, "full_key", None) or "?", str(e).split("\n")[0].strip()) from e
-    conf = OmegaConf.to_object(merged)
     validate(conf)
     return conf
 
