@@ -1001,6 +1001,18 @@ def test_normalize_scales_each_varying_feature_whatever_the_others_magnitude():
     assert torch.allclose(spread[:3], torch.ones(3, dtype=torch.float64), atol=1e-5), spread
 
 
+def test_a_float64_normalised_run_is_evaluated_as_it_was_trained(tmp_path):
+    """trainer.dtype=float64 with data.normalize=true: training standardised its float32 inputs in float32, then
+    cast them, while pcdist.load and evaluate standardise in float64 (inputs 5e-8 apart, the loss 1e-8); both
+    compute in the run's dtype, so evaluate gives the logged loss and accuracy exactly."""
+    run_dir = tmp_path / "run"
+    result = pcdist.train({**SHORT, "run_dir": str(run_dir), "trainer": {**SHORT["trainer"], "max_steps": 6,
+                                                                          "eval_every": 6, "dtype": "float64"},
+                           "data": {"normalize": True}})
+    got = pcdist.evaluate(run_dir, write=False)
+    assert (got["loss"], got["accuracy"]) == (result["val/energy"], result["val/accuracy"])
+
+
 def test_normalize_leaves_a_feature_constant_in_training_unscaled_and_needs_two_samples(tmp_path):
     """Flattened images [N, 64] with data.normalize=true: a pixel 0 in every training image (a border) got a std
     floor of 1e-8, so a held-out image with ink there was multiplied by 1e8 (logits of 1e6, the wrong class) in

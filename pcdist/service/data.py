@@ -532,11 +532,15 @@ def normalization_stats(ds: Dataset) -> tuple[Tensor, Tensor]:
     return mean, torch.where(still, 1.0, std)
 
 
-def normalized(ds: Dataset, stats: tuple[Tensor, Tensor] | None = None) -> Dataset:
+def normalized(ds: Dataset, stats: tuple[Tensor, Tensor] | None = None, dtype: torch.dtype | None = None) -> Dataset:
     """``ds`` with every input channel standardised by the training set's mean and standard deviation
-    (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs), or by ``stats``."""
+    (channel = dim 1 of [N, C, ...] images; every feature of [N, F] inputs), or by ``stats``; ``dtype``: computed
+    in it (the run's, as ``pcdist.load`` prepares inputs: float32 arithmetic cast to float64 was 5e-8 off)."""
     mean, std = stats if stats is not None else normalization_stats(ds)
-    return Dataset((ds.x_train - mean) / std, ds.y_train, (ds.x_val - mean) / std, ds.y_val, ds.num_classes)
+    x_train, x_val = ds.x_train, ds.x_val
+    if dtype is not None:
+        x_train, x_val, mean, std = (t.to(dtype) for t in (x_train, x_val, mean, std))
+    return Dataset((x_train - mean) / std, ds.y_train, (x_val - mean) / std, ds.y_val, ds.num_classes)
 
 
 def augment(x: Tensor, generator: torch.Generator, rows: Tensor | None = None, global_batch: int | None = None,

@@ -51,7 +51,7 @@ def load_data(c: Config, data: Dataset | StreamedData | None, user: UserLayers |
             raise ConfigError("config data.normalize=true standardises in-memory data; for streamed data "
                               "(an arrays folder, torch Datasets) normalise the arrays or the Dataset yourself")
         inputs.mean, inputs.std = normalization_stats(data)
-        data = normalized(data, (inputs.mean, inputs.std))
+        data = normalized(data, (inputs.mean, inputs.std), getattr(torch, c.trainer.dtype))
     _check_augment(c, data.sample_shape, flatten)
     return (data.flat() if flatten and isinstance(data, Dataset) else data), inputs, identity
 
