@@ -159,14 +159,17 @@ SECOND_CTRL_C = textwrap.dedent("""
 
 def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     """Ctrl-C, then Ctrl-C again before the stop is done (both pressed while step 7's batch is read): the process
-    stops at once, exit status 130, with one line and no traceback; the newest checkpoint is the one before the
-    first Ctrl-C (step 4), intact, and the run resumes from it."""
+    stops at once, exit status 130, with one line saying how to resume and no traceback; the newest checkpoint is
+    the one before the first Ctrl-C (step 4), intact, and the run resumes from it."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-c", SECOND_CTRL_C, str(run_dir), str(6 * 16 + 3)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 130, out.stdout[-2000:] + out.stderr[-3000:]
     assert "finished" not in out.stdout and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1].startswith("second Ctrl-C: stopped at once"), out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (  # (and how to resume: it said none)
+        f"second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its newest "
+        f"checkpoint); to resume: pcdist.train({{'run_dir': '{run_dir}'}}, data=...) with the same data"), \
+        out.stderr[-3000:]
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000004"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
     import torch

@@ -58,10 +58,13 @@ def catch_stop_signals() -> tuple[dict, dict]:
 
 
 def _on_stop_signal(got: dict, signum: int, frame) -> None:
-    """Remember the first stop signal; a Ctrl-C after it stops the process at once, without a checkpoint."""
+    """Remember the first stop signal; a Ctrl-C after it stops the process at once, saying whether the stop's
+    checkpoint was written (``got["saved"]``: its step) and how to resume (``got["resume"]``), where the run set them."""
     if signum == signal.SIGINT and got["signal"]:
-        print("second Ctrl-C: stopped at once, before the checkpoint of this step (the run directory keeps its "
-              "newest checkpoint)", file=sys.stderr, flush=True)
+        where = f"after the checkpoint of step {got['saved']}" if got.get("saved") else \
+            "before the checkpoint of this step (the run directory keeps its newest checkpoint)"
+        print(f"second Ctrl-C: stopped at once, {where}{'; to resume: ' + got['resume'] if got.get('resume') else ''}",
+              file=sys.stderr, flush=True)
         os._exit(stop_status(ctrl_c=True))
     got["signal"] = got["signal"] or signum
 

@@ -242,6 +242,7 @@ class ServiceTrainer:
             return self._nothing_to_train()
         if self._signals is None:  # caught from the start (a stop then: after the first steps) until ``close``
             self._signals = catch_stop_signals()
+            self._signals[0]["resume"] = resume_command(self.config, self.run_dir)  # (said by a second Ctrl-C)
         self.start()
         self._steps(self.end if until is None else until, self._signals[0])
         if until is None:  # finished and checkpointed: a Ctrl-C in the trace and pictures below stops at once
@@ -326,6 +327,8 @@ class ServiceTrainer:
             self.logger.progress(done, first_step_s=time.perf_counter() - t0)
         path = self._checkpoint(done) if ckpt else None
         self.step = self.result["step"] = done
+        if stop and self._signals is not None:
+            self._signals[0]["saved"] = done
         if stop and done < self.end:  # (a stop voted at the last step: the run ends as it would have, finished)
             self._vote.finish()
             # a pre-emption: the launcher requeues (a Ctrl-C: the user stops)
