@@ -59,7 +59,8 @@ def catch_stop_signals() -> tuple[dict, dict]:
 
 def _on_stop_signal(got: dict, signum: int, frame) -> None:
     """Remember the first stop signal; a Ctrl-C after it stops the process at once, saying whether the stop's
-    checkpoint was written (``got["saved"]``: its step) and how to resume (``got["resume"]``), where the run set them."""
+    checkpoint was written (``got["saved"]``: its step) and how to resume (``got["resume"]``), where a run set
+    them."""
     if signum == signal.SIGINT and got["signal"]:
         where = f"after the checkpoint of step {got['saved']}" if got.get("saved") else \
             "before the checkpoint of this step (the run directory keeps its newest checkpoint)"
