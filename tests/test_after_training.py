@@ -331,6 +331,10 @@ def test_predict_takes_the_held_out_inputs_of_a_data_file_or_the_array_named(dig
     out = cli("predict", run_dir, tmp_path / "both.npz", "--key", "x", "--out", tmp_path / "p.npz", check=False)
     assert out.returncode == 2 and "holds no array 'x' (it holds x_val, x_test)" in out.stderr
     assert not (tmp_path / "p.npz").exists()
+    out = cli("predict", run_dir, run_dir / "config.yaml", "--out", tmp_path / "p.npz", check=False)  # not numpy's:
+    assert out.returncode == 2 and out.stderr == (  # it said the file held pickled data, and how to load it unsafely
+        f"error: {run_dir / 'config.yaml'} is not a numpy .npz / .npy file (predict reads those alone, and never "
+        f"unpickles)\n"), out.stderr
 
 
 NO_PCDIST = """

@@ -216,6 +216,7 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     (["pc.T=7", "--info"], 0, "\nDefaults List\n"),  # a bare --info last (it takes an optional value)
     (["--cfg", "job", "trainer.mx_steps=3"], 2, "error: unknown config key trainer.mx_steps; did you mean "
                                                  "trainer.max_steps?"),  # (Hydra's report, advising +key, status 1)
+    (["--version"], 0, f"pcdist {pcdist.__version__} (Hydra "),  # (Hydra's own version alone, before)
 ])
 def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, status, says):
     """A mistyped key, a value of the wrong type, --help and Hydra's --cfg and --info are answered from the
@@ -229,6 +230,24 @@ def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, 
     out = run([sys.executable, "-c", code])
     assert (out.returncode, out.stdout.splitlines()[-1]) == (status, "torch imported: False"), out.stderr[-3000:]
     assert says in (out.stdout if status == 0 else out.stderr[:len(says)]), out.stderr[-3000:]
+
+
+def test_a_folder_named_pcdist_in_the_working_folder_is_named_in_one_line(tmp_path):
+    """python -m pcdist in a folder holding a clone of this repository named pcdist/: with pcdist installed editable
+    (make install), `import pcdist` finds that folder, a package of no code; --help worked, then training ended in an
+    AttributeError traceback. One line names the folder; where the install wins over the folder, the command runs."""
+    (tmp_path / "pcdist").symlink_to(ROOT)
+    found = subprocess.run([sys.executable, "-c", "import pcdist; print(getattr(pcdist, '__file__', None))"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout.strip()
+    out = subprocess.run([sys.executable, "-m", "pcdist", "--version"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    if found == "None":  # shadowed (the editable install)
+        assert (out.returncode, out.stderr) == (2, f"error: 'import pcdist' finds the folder {tmp_path / 'pcdist'} (no "
+                                                   f"pcdist package in it) before the installed pcdist: run from "
+                                                   f"another folder, or give that folder another name (git clone ... "
+                                                   f"pcdist-src)\n"), out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.startswith(f"pcdist {pcdist.__version__}"), out.stderr
 
 
 COUNTED = """

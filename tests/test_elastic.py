@@ -111,11 +111,11 @@ def test_every_attempt_says_its_mesh_also_when_it_resumes_on_fewer_ranks(tmp_pat
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it for several processes
     run(_train_worker, 2, [*quick, "trainer.stop_at=20", f"run_dir={run_dir}"])  # 2 real gloo ranks (tests/spawn.py)
     out = torchrun(1, *quick, f"hydra.run.dir={run_dir}")
-    one = ("mesh: 1 rank = parallel.data 1 x parallel.layer 1 (parallel.layer = 1 processes / parallel.data), 3 layers "
-           "split into 1 slices; 1 torch thread per rank (OMP_NUM_THREADS)")
+    one = ("mesh: 1 rank = parallel.data 1 x parallel.layer 1 (parallel.layer = 1 process / parallel.data), 3 layers "
+           "split into 1 slice; 1 torch thread per rank (OMP_NUM_THREADS)")
     assert one in out.stdout.splitlines(), out.stdout[-3000:]
     said = [line.split("  ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines() if "  mesh: " in line]
     assert said == [one.replace("1 rank =", "2 ranks =")
-                    .replace("parallel.layer 1 (parallel.layer = 1", "parallel.layer 2 (parallel.layer = 2")
-                    .replace("into 1 slices", "into 2 slices"), one], said
+                    .replace("parallel.layer 1 (parallel.layer = 1 process", "parallel.layer 2 (parallel.layer = 2 "
+                             "processes").replace("into 1 slice", "into 2 slices"), one], said
     assert f"resumed from {run_dir / 'checkpoints/step-00000020'} at step 20" in out.stdout

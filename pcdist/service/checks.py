@@ -95,11 +95,11 @@ def choose_mesh(c: Config, world: int) -> str:
         if world % p.data:
             raise ConfigError(f"parallel.data={p.data} does not divide the {world} processes; use a divisor of "
                               f"{world} (parallel.layer takes the rest)")
-        p.layer, how = world // p.data, f"parallel.layer = {world} processes / parallel.data"
+        p.layer, how = world // p.data, f"parallel.layer = {world} process{'es' * (world != 1)} / parallel.data"
         if p.layer > layers:
             fits = [d for d in range(p.data, world + 1) if world % d == 0 and world // d <= layers]
             raise ConfigError(f"{world} processes with parallel.data={p.data} leave {p.layer} layer ranks, but the "
                               f"model has only {layers} layers; use parallel.data={fits[0]} or a deeper model")
     ParallelDims(p.data, p.layer).validate(world, layers)
     return (f"mesh: {world} rank{'s' * (world > 1)} = parallel.data {p.data} x parallel.layer {p.layer} ({how}), "
-            f"{layers} layers split into {p.layer} slices")
+            f"{layers} layers split into {p.layer} slice{'s' * (p.layer != 1)}")

@@ -415,8 +415,32 @@ def end_process(status: int | str | None) -> NoReturn:
     os._exit(status)
 
 
+def _check_not_shadowed() -> None:
+    """``python -m pcdist`` run in a folder that holds a folder named pcdist/ (a clone of this repository), with
+    pcdist installed editable: ``import pcdist`` finds that folder, a package of no code, and every name of pcdist's
+    API is missing (an AttributeError traceback after the help had worked). One line naming the folder instead."""
+    found = sys.modules.get("pcdist")
+    if found is not None and getattr(found, "__file__", None) is None:
+        where = next(iter(getattr(found, "__path__", None) or []), "a folder named pcdist")
+        fail(f"'import pcdist' finds the folder {where} (no pcdist package in it) before the installed pcdist: run "
+             f"from another folder, or give that folder another name (git clone ... pcdist-src)")
+
+
 def _main() -> None:
     import hydra
+
+    _check_not_shadowed()
+    if sys.argv[1:] in (["--version"], ["-V"]):  # pcdist's (Hydra would print its own)
+        from importlib.metadata import PackageNotFoundError, version
+
+        import pcdist
+
+        try:
+            torch = f", torch {version('torch')}"
+        except PackageNotFoundError:
+            torch = ""
+        print(f"pcdist {pcdist.__version__} (Hydra {hydra.__version__}{torch})")
+        return
 
     from ..errors import ConfigError
     from .commands import COMMANDS, main as run_command

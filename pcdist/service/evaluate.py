@@ -217,8 +217,9 @@ def _inputs(path, key: str | None = None) -> tuple[str | None, np.ndarray]:
         raise RunError(f"{p} does not exist")
     try:
         got = np.load(p, allow_pickle=False)
-    except Exception as e:
-        raise RunError(f"{p} is not a numpy .npz / .npy file ({e})") from e
+    except Exception as e:  # (numpy takes any other file for a pickle and says how to load it unsafely)
+        why = "predict reads those alone, and never unpickles" if "pickle" in str(e) else e
+        raise RunError(f"{p} is not a numpy .npz / .npy file ({why})") from e
     if isinstance(got, np.ndarray):
         return None, got
     keys = list(got.keys())
