@@ -116,6 +116,12 @@ def test_compare_gives_mean_and_std_over_seeds_and_writes_csv_and_json(page):
         per_run = list(csv.DictReader(f))
     assert len(per_run) == 6 and {(int(r["pc.T"]), int(r["trainer.seed"])) for r in per_run} == \
         {(T, s) for T in (10, 20) for s in (0, 1, 2)}
+    # pc.x_lr=auto: each run's chosen step is a result of it (seeds may choose other ones), with its group's mean
+    chosen = {r["run"]: json.loads((tmp_path / r["run"] / "x_lr.json").read_text())["x_lr"] for r in result["rows"]}
+    assert [r["x_lr(auto)"] for r in result["rows"]] == list(chosen.values()) and all(chosen.values())
+    for T, g in groups.items():
+        steps = [r["x_lr(auto)"] for r in result["rows"] if r["pc.T"] == T]
+        assert g["x_lr(auto) mean"] == pytest.approx(statistics.fmean(steps), abs=1e-15)
 
 
 def test_compare_reads_the_runs_without_importing_torch(page):

@@ -26,8 +26,11 @@ __all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv",
 
 _NOT_SETTINGS = {"run_dir"}
 SEED = "trainer.seed"
-METRICS = ("val/accuracy", "val/accuracy(best)", "val/reconstruction_mse", "train/energy", "step_s")
-"""The final metrics of a run that compare shows (and averages over seeds)."""
+METRICS = ("val/accuracy", "val/accuracy(best)", "val/reconstruction_mse", "train/energy", "step_s", "x_lr(auto)")
+"""The final metrics of a run that compare shows (and averages over seeds); x_lr(auto): the step pc.x_lr=auto
+chose."""
+SOMETIMES = ("val/reconstruction_mse", "x_lr(auto)")
+"""Metrics shown only where a run has them (generative and unsupervised runs; runs of pc.x_lr=auto)."""
 
 
 def find_runs(paths) -> list[Path]:
@@ -59,12 +62,24 @@ def _summary(rows: list[dict]) -> dict:
     return {"step": max((r["step"] for r in rows), default=0), "val/accuracy": acc[-1] if acc else None,
             "val/accuracy(best)": max(acc) if acc else None, "val/reconstruction_mse": mse[-1] if mse else None,
             "train/energy": energy[-1] if energy else None,
-            "step_s": sorted(step_s)[len(step_s) // 2] if step_s else None}
+            "step_s": statistics.median(step_s) if step_s else None}
 
 
 def _config(run: Path) -> dict:
     """A run's settings (its config.yaml), flattened; a RunError naming the file where it is damaged."""
     return flat(read_settings(run / "config.yaml", "mend it or leave this run out of the comparison"))
+
+
+def _chosen_x_lr(run: Path, config: dict) -> float | None:
+    """The value step a run of ``pc.x_lr=auto`` chose (its x_lr.json), else None: a result of the run, as its
+    accuracy is (runs of other seeds may choose other steps; a seed group of them averaged it without a word)."""
+    if config.get("pc.x_lr") != "auto" or not (run / "x_lr.json").is_file():
+        return None
+    try:
+        chosen = json.loads((run / "x_lr.json").read_text()).get("x_lr")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return chosen if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) else None
 
 
 def compare(paths, plot: str | Path | None = None) -> dict:
@@ -76,7 +91,7 @@ def compare(paths, plot: str | Path | None = None) -> dict:
     keys = sorted({k for c in configs for k in c} - _NOT_SETTINGS)
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     histories = [read_metrics(r / "metrics.jsonl") if (r / "metrics.jsonl").is_file() else [] for r in runs]
-    rows = [{"run": str(r), **{k: c.get(k) for k in differing}, **_summary(h)}
+    rows = [{"run": str(r), **{k: c.get(k) for k in differing}, **_summary(h), "x_lr(auto)": _chosen_x_lr(r, c)}
             for r, c, h in zip(runs, configs, histories)]
     if plot is None:
         single = [Path(p) for p in paths]
@@ -154,7 +169,7 @@ def _csv_value(v):
 
 def _columns(result: dict) -> list[str]:
     """The per-run table's columns: the run, its differing settings, its final metrics."""
-    shown = [m for m in METRICS if m != "val/reconstruction_mse" or any(r.get(m) is not None for r in result["rows"])]
+    shown = [m for m in METRICS if m not in SOMETIMES or any(r.get(m) is not None for r in result["rows"])]
     return ["run", *result["settings"], "step", *shown]
 
 
