@@ -17,7 +17,6 @@ import json
 import statistics
 from pathlib import Path
 
-
 from ..errors import RunError, printable
 from .metrics import _save, replace_file, subplots, read_metrics
 from .config import flat, read_settings
