@@ -36,10 +36,14 @@ def test_presets_are_all_covered():
 def test_the_optimizer_and_the_data_chosen_on_the_command_line_are_the_ones_every_preset_trains():
     """A preset (a model or an experiment) may bring its own learning rates, not its own choice of a group: with
     model=mupc or the PCX VGG presets, optim=sgd trained AdamW without a word (their optim.name overwrote the
-    group the user chose, and optim.momentum=0 was then refused as not AdamW's)."""
+    group the user chose, and optim.momentum=0 was then refused as not AdamW's); experiment=generative_digits
+    model=deconv trained an MLP (its model.name)."""
     models = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
     for preset in [f"experiment={p}" for p in PRESETS] + [f"model={m}" for m in models]:
-        for group, option in (("optim", "sgd"), ("data", "synthetic")):  # (not the defaults: adamw, digits)
+        choices = [("optim", "sgd"), ("data", "synthetic")]  # (not the defaults: adamw, digits)
+        if preset.startswith("experiment="):
+            choices += [("model", "deconv"), ("model", "mupc")]
+        for group, option in choices:
             got = composed(preset, f"{group}={option}")[group].name
             assert got == option, f"{preset} {group}={option} composes {group}.name={got}"
 
