@@ -58,6 +58,26 @@ def test_a_diverged_job_is_one_line_and_the_sweep_goes_on_then_ends_with_status_
     assert (sweep / "1" / "checkpoints" / "step-00000012").is_dir()
 
 
+def test_an_optuna_study_counts_a_diverged_trial_failed_and_goes_on(tmp_path):
+    """The same under the Optuna sweeper (its seed 0 tries x_lr 0.01, then 1000): the diverged trial returned NaN,
+    which ended the whole study in two chained tracebacks, without optimization_results.yaml; it is counted failed,
+    the study ends with its best trial written, and the launch with status 1 naming the trial that diverged."""
+    sweep = tmp_path / "sweep"
+    optuna = ["hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "hydra.sweeper.n_trials=2",
+              "hydra.sweeper.sampler.seed=0"]
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", *optuna, "pc.x_lr=choice(1000,0.01)",
+                          *QUICK, f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    steps = {job: yaml.safe_load((sweep / job / "config.yaml").read_text())["pc"]["x_lr"] for job in ("0", "1")}
+    assert sorted(steps.values()) == [0.01, 1000], steps
+    diverged, good = (job for x_lr in (1000, 0.01) for job in steps if steps[job] == x_lr)
+    assert out.stderr.strip().splitlines()[-1] == f"error: 1 job(s) of the sweep diverged: {sweep / diverged}"
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_params"] == {"pc.x_lr": 0.01}
+    assert best["best_value"] == read_metrics(sweep / good / "metrics.jsonl")[-1]["val/accuracy"]
+
+
 def test_multirun_still_names_a_mistyped_key_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "optim.lrr=1e-3,2e-3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

@@ -286,13 +286,15 @@ def _train(cfg) -> float | None:
         fail(str(e).split("\n")[0], status=1)
     except FloatingPointError as e:  # the run diverged (trainer.on_divergence=stop): one line
         if sweep:  # a sweep goes on to its next job (and ends with status 1); an Optuna study counts the trial failed
-            print(f"error: {run_dir}: {e}", file=sys.stderr, flush=True)
+            print(f"error: {run_dir}: {e}", file=sys.stderr, flush=True)  # (no value: a NaN ended the whole study)
             _diverged.append(str(run_dir))
-            return float("nan")
+            return None
         fail(str(e), status=1)
     finally:
         _ignore_stop_signals()
-    return result.get("val/accuracy")  # the objective of a sweeper (Optuna: direction maximize)
+    # the objective of a sweeper (Optuna): val/accuracy (direction maximize), or unsupervised the reconstruction's
+    # error (direction minimize)
+    return result.get("val/accuracy", result.get("val/reconstruction_mse"))
 
 
 _diverged: list[str] = []
