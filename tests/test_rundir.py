@@ -805,3 +805,24 @@ def test_a_resume_on_torch_datasets_whose_targets_changed_is_refused(tmp_path):
     assert snapshot(run_dir) == before
     pcdist.train({"run_dir": str(run_dir), "trainer": {"stop_at": 4}}, data=data(0))
     assert pcdist.load(run_dir).step == 4
+
+
+def test_hydra_run_dir_given_to_pcdist_train_is_the_runs_directory(tmp_path):
+    """pcdist.train(["hydra.run.dir=..."]) (the command line as a list) and {"hydra": {"run": {"dir": ...}}} trained a
+    new run in a folder of their own, the key dropped without a word: a resume from Python started afresh. It is
+    run_dir; Hydra's other settings (a sweep's) are one line, and two directories for one run too."""
+    quick = ["trainer.max_steps=2", "logger=none", "logger.plots=false", "trainer.progress=off"]
+    run = tmp_path / "run"
+    assert pcdist.train([f"hydra.run.dir={run}", *quick])["run_dir"] == str(run)
+    resumed = pcdist.train({"hydra": {"run": {"dir": str(run)}}, "trainer": {"max_steps": 3}, "logger": "none",
+                            "logger.plots": False})
+    assert (resumed["run_dir"], resumed["step"]) == (str(run), 3)
+    for cfg, says in (({"hydra.sweep.dir": str(tmp_path / "s")}, "hydra.sweep.dir: Hydra's settings are read by the "
+                                                                 "command line"),
+                      (["hydra/sweeper=optuna"], "hydra/sweeper: Hydra's settings are read by the command line"),
+                      ({"hydra.run.dir": str(run), "run_dir": str(tmp_path / "b")}, "hydra.run.dir and run_dir name "
+                                                                                    "two directories for one run")):
+        with pytest.raises(pcdist.ConfigError, match=re.escape(says)):
+            pcdist.train(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+

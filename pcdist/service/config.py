@@ -119,11 +119,19 @@ def make_config(cfg: Any = None) -> Config:
     if isinstance(cfg, DictConfig):
         return load_config(cfg)
     if isinstance(cfg, (list, tuple)):
-        return load_config(compose(cfg))
+        return load_config(compose([_of_hydra(o.lstrip("+~").partition("=")[0], o.partition("=")[2], o)
+                                    for o in cfg]))
     if cfg is not None and not isinstance(cfg, dict):
         raise ConfigError(f"pcdist.train needs a dict, a list of overrides or an omegaconf DictConfig as its config, "
                           f"got {type(cfg).__name__}")
     cfg = dict(cfg or {})
+    if isinstance(cfg.get("hydra"), dict):  # {"hydra": {"run": {"dir": ...}}}: as its dotted keys
+        cfg.update({f"hydra.{k}": v for k, v in flat(cfg.pop("hydra")).items()})
+    for key in [k for k in cfg if k == "hydra" or k.startswith(("hydra.", "hydra/"))]:
+        run_dir = _of_hydra(key, cfg.pop(key)).partition("=")[2]
+        if cfg.get("run_dir") not in (None, run_dir):
+            raise ConfigError(f"{key} and run_dir name two directories for one run; give run_dir alone")
+        cfg["run_dir"] = run_dir
     fields = {f.name for f in dataclasses.fields(Config)}
     unknown = [f"{k}={v}" for k, v in cfg.items() if "." not in k and k not in fields and k not in GROUPS
                and isinstance(v, str)]
@@ -138,6 +146,19 @@ def make_config(cfg: Any = None) -> Config:
     for key, value in dotted.items():
         OmegaConf.update(merged, key, value, merge=True)
     return load_config(merged)
+
+
+def _of_hydra(key: str, value, given: str | None = None) -> str | None:
+    """An override of pcdist.train's config (``given``, its ``key``, its ``value``) as pcdist reads it: Hydra's
+    settings are the command line's own, where pcdist.train would drop them without a word (a resume with
+    hydra.run.dir=... started a new run elsewhere); hydra.run.dir is the run's directory, run_dir, and any other is
+    one line."""
+    if key == "hydra.run.dir":
+        return f"run_dir={value}"
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        raise ConfigError(f"{key}: Hydra's settings are read by the command line (train.py, python -m pcdist), not by "
+                          f"pcdist.train; from Python the run's directory is run_dir, and a sweep a loop over calls")
+    return given
 
 
 ONE_READER = {"data.val_fraction": "digits", "data.synthetic_train": "synthetic", "data.synthetic_val": "synthetic"}
