@@ -217,6 +217,8 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     (["--cfg", "job", "trainer.mx_steps=3"], 2, "error: unknown config key trainer.mx_steps; did you mean "
                                                  "trainer.max_steps?"),  # (Hydra's report, advising +key, status 1)
     (["--version"], 0, f"pcdist {pcdist.__version__} (Hydra "),  # (Hydra's own version alone, before)
+    (["pc.T=7", "--help"], 0, "  pc.T = 7\n"),  # options after the overrides, as Hydra takes them (the service's
+    (["pc.T=7", "--cfg", "job"], 0, "\n  T: 7\n"),  # own overrides, appended after them, were an argparse error)
 ])
 def test_the_command_lines_checks_and_help_answer_without_importing_torch(argv, status, says):
     """A mistyped key, a value of the wrong type, --help and Hydra's --cfg and --info are answered from the

@@ -417,6 +417,28 @@ def end_process(status: int | str | None) -> NoReturn:
     os._exit(status)
 
 
+_VALUED = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+           "--experimental-rerun")
+"""Hydra's options that take the next argument as their value."""
+_INFO = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+"""The values of Hydra's --info (optional)."""
+
+
+def _overrides_at(argv: list[str]) -> int:
+    """Where the service's own overrides go among ``argv``: beside the user's (Hydra takes one run of them, before or
+    after its options: appended after ``pc.T=5 -m`` they were an argparse error naming arguments nobody typed)."""
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in _VALUED or (a in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return i
+    return len(argv) - (argv[-1] in ("--info", "-i"))  # (none given; a bare --info stays last: it takes a value)
+
+
 def _check_not_shadowed() -> None:
     """``python -m pcdist`` run in a folder that holds a folder named pcdist/ (a clone of this repository), with
     pcdist installed editable: ``import pcdist`` finds that folder, a package of no code, and every name of pcdist's
@@ -457,8 +479,8 @@ def _main() -> None:
              f"overrides: {command()} --help)")
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
-    end = len(sys.argv) - (sys.argv[-1] in ("--info", "-i"))  # (a bare --info stays last: it takes a value)
-    sys.argv[end:end] = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    at = _overrides_at(sys.argv)
+    sys.argv[at:at] = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     if not before_hydra(CONF_DIR, sys.argv[1:]):  # --help, --check, mistyped keys: without torch where it can
         hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()  # it prints
         return
