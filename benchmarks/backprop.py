@@ -173,8 +173,9 @@ def main() -> None:
     ap.add_argument("--data-root", default=os.environ.get("PCDIST_DATA"), help="folder holding mnist/, cifar10/, ...")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per preset")
     ap.add_argument("--tiny", action="store_true", help="a few steps per preset: a smoke test of the script")
-    ap.add_argument("--out", default=str(OUT / "backprop.json"))
+    ap.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/backprop.json; with --tiny, benchmarks/results/tiny/backprop.json: a smoke test never writes over the results the docs quote)")
     args = ap.parse_args()
+    args.out = args.out or str((OUT / "tiny" if args.tiny else OUT) / "backprop.json")
     if args.presets is None:
         args.presets = [name for name in PRESETS if preset_config(name).pc.mode == "supervised"]
     torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second one waits for a busy core

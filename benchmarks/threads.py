@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the quick start as is, one round: a smoke test")
     ap.add_argument("--out", type=Path, default=OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
+    if args.tiny and args.out == OUT:  # a smoke test never writes over the results the docs quote
+        args.out = OUT / "tiny"
     works, rounds, budget = (["quickstart"], 1, 0.2) if args.tiny else (["quickstart", "mupc"], args.rounds, 2.0)
     conditions = CONDITIONS[:1] if args.tiny else CONDITIONS  # --tiny holds no core: a smoke test of the plumbing
     samples: dict[str, list[float]] = {}
