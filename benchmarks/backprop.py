@@ -173,7 +173,8 @@ def main() -> None:
     ap.add_argument("--data-root", default=os.environ.get("PCDIST_DATA"), help="folder holding mnist/, cifar10/, ...")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per preset")
     ap.add_argument("--tiny", action="store_true", help="a few steps per preset: a smoke test of the script")
-    ap.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/backprop.json; with --tiny, benchmarks/results/tiny/backprop.json: a smoke test never writes over the results the docs quote)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/backprop.json; with "
+                    "--tiny, benchmarks/results/tiny/: a smoke test never writes over the docs' results)")
     args = ap.parse_args()
     args.out = args.out or str((OUT / "tiny" if args.tiny else OUT) / "backprop.json")
     if args.presets is None:

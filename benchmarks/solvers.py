@@ -247,7 +247,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--fresh", action="store_true", help="drop the accuracy cells already in the JSON")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/solvers.json; with --tiny, benchmarks/results/tiny/solvers.json: a smoke test never writes over the results the docs quote)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/solvers.json; with "
+                    "--tiny, benchmarks/results/tiny/: a smoke test never writes over the docs' results)")
     args = ap.parse_args()
     args.out = args.out or str((OUT / "tiny" if args.tiny else OUT) / "solvers.json")
     torch.set_num_threads(1)
