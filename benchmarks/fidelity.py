@@ -11,7 +11,7 @@ recipes (``old``), PC as shipped now (``recipe``: the preset or default), and ba
 both optimizer settings (the old one's and the recipe's) and the better is reported, so the recipe is
 never compared with a handicapped backprop.
 
-    python benchmarks/fidelity.py                       # the table (about 10 minutes on 2 cores)
+    python benchmarks/fidelity.py                       # the table (about 30 minutes on 2 cores)
     python benchmarks/fidelity.py --networks signals_cnn --seeds 0 1 2
     python benchmarks/fidelity.py --tiny                # a smoke test of the script (seconds)
     python benchmarks/fidelity.py --search signals_cnn --trials 40   # the recipe search (Optuna TPE)

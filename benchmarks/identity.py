@@ -7,7 +7,7 @@ for three training steps with both engines side by side in one process, and repo
 each whether the value nodes, energies and weights after every step are bit-identical
 (torch.equal), else the largest difference.
 
-    python benchmarks/identity.py                    # against d4e3e38 (the reference of the latest checks)
+    python benchmarks/identity.py                    # against dd71a28 (the reference of the latest checks)
     python benchmarks/identity.py --ref 860de00      # the commit before layer kinds
 
 A configuration the other commit cannot build (an activation or an argument it did not have yet) is
@@ -77,7 +77,7 @@ def cases():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ref", default="d4e3e38", help="the git commit to compare with")
+    ap.add_argument("--ref", default="dd71a28", help="the git commit to compare with")
     args = ap.parse_args()
     old = import_ref(args.ref)
     torch.set_num_threads(1)

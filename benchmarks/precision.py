@@ -6,7 +6,7 @@ accuracy stays within 0.5 points of float32. Each row is two service runs from t
 differ only in trainer.precision (tf32 too on a GPU; on a CPU tf32 is float32). bfloat16 runs on
 CPUs as well, so this is measurable anywhere (slowly: a CPU's bfloat16 GEMMs are emulated on many).
 
-    python benchmarks/precision.py                    # the three networks, seeds 0 and 1
+    python benchmarks/precision.py                    # the three networks, seeds 0 to 7
     python benchmarks/precision.py --networks mlp --seeds 0
     python benchmarks/precision.py --tiny             # a smoke test of the script (not a measurement)
 
@@ -67,10 +67,11 @@ def main() -> None:
         for p in precisions[1:]:
             d = [100 * r[f"{p}-fp32"] for r in rows if r["network"] == name]
             mean = statistics.fmean(d)
-            se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+            se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None  # (one seed: none; NaN is no JSON)
             summary.append({"network": name, "precision": p, "seeds": len(d), "mean_points": mean, "se_points": se,
                             "min_points": min(d), "max_points": max(d)})
-            print(f"{name}: {p} - fp32 over {len(d)} seeds: {mean:+.2f} points (standard error {se:.2f}; "
+            print(f"{name}: {p} - fp32 over {len(d)} seeds: {mean:+.2f} points (standard error "
+                  f"{'-' if se is None else f'{se:.2f}'}; "
                   f"{min(d):+.2f} to {max(d):+.2f})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "precision_tiny" if args.tiny else "precision"
