@@ -361,6 +361,31 @@ def test_scancel_usr1_checkpoints_requeues_and_the_next_attempt_ends_as_an_unint
     job.assert_clean_log()
 
 
+def test_a_preempted_task_of_an_array_is_requeued_alone(cluster, tmp_path):
+    """A job array of two tasks submitted from another folder; USR1 to the last task (whose own job id is the
+    array's): it checkpoints, is requeued and resumes, while the other task trains to its end untouched. The script
+    requeued "$SLURM_JOB_ID", which scontrol reads as the whole array (the other task cancelled "due to job requeue",
+    or run again once finished), and looked its checkout up in every task's record (no checkout found)."""
+    steps = 1500
+    run = [f"trainer.max_steps={steps}", "trainer.log_every=50", f"trainer.eval_every={steps}",
+           "trainer.ckpt_every=100000", "logger=none", "logger.plots=false", "trainer.progress=off", "pc.T=5"]
+    array = cluster.sbatch(["--array=0-1", *TWO_CPUS, str(SCRIPT), *run], cwd=tmp_path, env=job_env())
+    tasks = [f"{array}_0", f"{array}_1"]
+    logs = lambda: "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("slurm-*.out"))  # noqa: E731
+    deadline = time.monotonic() + 600
+    while len(list(tmp_path.glob("runs/slurm-*/metrics.jsonl"))) < 2:  # both tasks train
+        states = [cluster.job(t).get("JobState") for t in tasks]
+        assert all(s in ("PENDING", "RUNNING", "CONFIGURING") for s in states), f"{states}\n{logs()[-6000:]}"
+        assert time.monotonic() < deadline, logs()[-6000:]
+        time.sleep(0.2)
+    cluster.run("scancel", "--batch", "--signal=USR1", tasks[1])
+    done = [cluster.wait(t, lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 900, "its end")
+            for t in tasks]
+    assert [(f["JobState"], f["Restarts"]) for f in done] == [("COMPLETED", "0"), ("COMPLETED", "1")], logs()[-6000:]
+    assert f"requeued job {tasks[1]}: the next attempt resumes" in logs() and "DUE TO JOB REQUEUE" not in logs()
+    assert "no pcdist checkout found" not in logs()
+
+
 def test_slurm_preemption_sigterm_with_grace_time_requeues_and_resumes(cluster, reference, tmp_path):
     """SLURM's own pre-emption: a job of a higher-priority partition needs the node's CPUs; the running
     job's step gets SIGTERM and the partition's GraceTime (60 s) before SIGKILL. The run checkpoints and
