@@ -33,6 +33,9 @@ def run(cmd, timeout=300, **env):
     ("trainer.batchsize=8", "unknown config key trainer.batchsize; did you mean trainer.batch_size?"),
     ("lr=0.1", "unknown config key lr; did you mean optim.lr?"),
     ("modle=cnn", "unknown config key modle; did you mean the config group model=cnn?"),
+    ("model=mlp,cnnn", "model=cnnn: no such option in conf/model/ (options: cnn, deconv, mlp, mupc, vgg); did you "
+                       "mean cnn?"),  # each value a sweep lists (its --multirun got Hydra's report of the search path)
+    ("model=choice(mlp,cnnn)", "model=cnnn: no such option"),  # an Optuna search space's too
 ])
 def test_overrides_are_checked_against_the_known_keys_and_groups(override, problem):
     """A key or option that does not exist is named with the nearest existing one; Hydra's own

@@ -400,10 +400,10 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
         if o.is_delete() or key.split(".")[0].split("/")[0] == "hydra" or o.package:
             continue
         if key in options:
-            v = None if o.is_sweep_override() else o.value()
-            if isinstance(v, str) and v not in options[key]:
-                return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(options[key])})"
-                        f"{did_you_mean(v, options[key])}")
+            for v in _values(o):  # each of a sweep's too (model=mlp,cnnn: Hydra's report of its search path)
+                if isinstance(v, str) and v not in options[key]:
+                    return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(options[key])})"
+                            f"{did_you_mean(v, options[key])}")
             continue
         if key in keys:
             if o.is_add():
@@ -418,6 +418,16 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
             hint = f"; did you mean the config group {group[0]}={value}?"
         return f"unknown config key {key}{hint} ({command()} --help lists every key and group)"
     return None
+
+
+def _values(o) -> list:
+    """An override's value, or the values it sweeps over where they can be listed without composing (not glob's)."""
+    if not o.is_sweep_override():
+        return [o.value()]
+    try:
+        return list(o.sweep_string_iterator())
+    except Exception:  # noqa: BLE001 - glob(...) needs Hydra's config loader: Hydra checks those itself
+        return []
 
 
 def run_dir_override(run_dir) -> str:
