@@ -78,6 +78,20 @@ def test_an_optuna_study_counts_a_diverged_trial_failed_and_goes_on(tmp_path):
     assert best["best_value"] == read_metrics(sweep / good / "metrics.jsonl")[-1]["val/accuracy"]
 
 
+def test_check_of_a_sweep_checks_each_job_and_a_glob_sweep_is_listed(tmp_path):
+    """--check --multirun over lists checks every job as the run it will be (a list had been read as one ambiguous
+    value: "add --multirun", given already), each mesh said once; glob(...) lists a group's options as Hydra's
+    sweeper does (it was "ConfigLoader is not set"). Nothing is written."""
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--check", "--multirun", "optim=glob(*)",
+                          "model.dims=[64,32,10],[64,32,32,10]"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mesh = "ok: mesh: 1 rank = parallel.data 1 x parallel.layer 1 (parallel.layer = 1 process / parallel.data), "
+    assert out.stdout.splitlines() == [f"{mesh}2 layers split into 1 slice", f"{mesh}3 layers split into 1 slice "
+                                                                              f"(4 jobs)"], out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_multirun_still_names_a_mistyped_key_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "optim.lrr=1e-3,2e-3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

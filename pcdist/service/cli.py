@@ -120,12 +120,12 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    composed = None
+    composed, jobs = None, [list(args.overrides)]
     try:  # a value of the wrong type for its key, an interpolation that does not resolve: one line, not a report
         if args.multirun:  # every job's config and directory, before the first job starts
             from .sweep import check_sweep  # (torch)
 
-            check_sweep(lambda overrides: _compose(conf_dir, overrides), args.overrides, claim=not check)
+            jobs = check_sweep(lambda overrides: _compose(conf_dir, overrides), args.overrides, claim=not check)
         else:
             composed = _compose(conf_dir, args.overrides)
             for key in composed:  # every key resolves (the hydra node's own are Hydra's run's to resolve)
@@ -159,14 +159,15 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         world = os.environ.get("WORLD_SIZE", "1")
         if not world.isdigit() or int(world) < 1:
             fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
-        if composed is None:  # --check --multirun: the command line as one run
-            composed = _compose(conf_dir, args.overrides)
-            run_dir = _named_run_dir(composed, args.overrides)
-        with open_dict(composed):
-            composed.pop("hydra")
-        passed = passed_settings(list(args.overrides))
-        mesh = check_as_launched(load_config(composed), passed, int(world), run_dir)
-        print(f"ok: {mesh}")
+        meshes = []
+        for job in jobs:  # (--check --multirun: each job as one run; a list had been read as one ambiguous value)
+            if composed is None or args.multirun:
+                composed = _compose(conf_dir, job)
+                run_dir = _named_run_dir(composed, job)
+            with open_dict(composed):
+                composed.pop("hydra")
+            meshes.append(check_as_launched(load_config(composed), passed_settings(job), int(world), run_dir))
+        print("\n".join(f"ok: {m}" for m in dict.fromkeys(meshes)) + (f" ({len(jobs)} jobs)" if len(jobs) > 1 else ""))
     except HydraException as e:
         fail(" ".join(str(e).split()))
     except USER_ERRORS as e:  # (a run directory's damaged checkpoint among them)

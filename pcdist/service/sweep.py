@@ -24,20 +24,32 @@ import socket
 from pathlib import Path
 
 from ..errors import USER_ERRORS, ConfigError, printable
-from .config import load_config, passed_settings
+from .config import CONF_DIR, load_config, passed_settings
 from .rundir import run_files
 
 __all__ = ["check_sweep"]
 
 
-def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
+def _config_loader():
+    """Hydra's config loader over conf/, as its sweepers have one (a glob sweep lists a group's options with it)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+
+    return ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
+
+
+def check_sweep(compose, overrides: list[str], claim: bool = True) -> list[list[str]]:
     """Check every job of the sweep ``overrides`` describe before any starts; ``compose(overrides)`` gives the
     config Hydra composes (with its ``hydra`` section). Raises ConfigError (one line, naming the job). Then, where
-    the sweep will run (``claim``; not for ``--check``), claim its directory (``claim_sweep_dir``)."""
+    the sweep will run (``claim``; not for ``--check``), claim its directory (``claim_sweep_dir``). Returns each
+    job's overrides (a sweeper that draws its jobs as it goes, Optuna's: the fixed ones alone)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
+    loader = _config_loader()
+    for o in parsed:  # what glob(...) lists the group's options with (without it: "ConfigLoader is not set")
+        o.config_loader = loader
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     head = compose(fixed)
     sweep_dir = Path(head.hydra.sweep.dir)
@@ -46,6 +58,7 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
         raise ConfigError(f"sweep directory {sweep_dir} holds a run ({', '.join(held)}), whose files "
                           f"this sweep's jobs would mix with; give the sweep a new hydra.sweep.dir (no job was "
                           f"started)")
+    jobs = [fixed]
     if not str(head.hydra.sweeper._target_).endswith(".BasicSweeper"):
         _refuse_earlier_runs(sweep_dir, set(), "it holds the runs of an earlier sweep")
     else:
@@ -65,6 +78,7 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> None:
             _refuse_earlier_runs(sweep_dir, set(dirs), "it holds runs that are no job of this sweep")
     if claim:
         claim_sweep_dir(sweep_dir, overrides)
+    return jobs
 
 
 CLAIM = ".pcdist-sweep.json"
