@@ -147,6 +147,14 @@ def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_with
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{ends[0][1]:08d}'} at step {ends[0][1]}" in ends[1][0]
 
 
+def _runs(pid: int, what: bytes) -> bool:
+    """Process ``pid``'s command line holds ``what`` (False where it has ended)."""
+    try:
+        return what in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -170,7 +178,8 @@ def test_sigterm_to_local_sh_while_its_workers_start_stops_them_after_a_checkpoi
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=dict(os.environ, NPROC="1", PYTHON=sys.executable, OMP_NUM_THREADS="1"))
     try:
-        while not [w for agent in _children(proc.pid) for w in _children(agent)]:  # the agent's worker
+        while not [w for agent in _children(proc.pid) if _runs(agent, b"torchrun_agent.py")  # the agent's worker
+                   for w in _children(agent)]:  # (not the script's first $(dirname ...), before its traps)
             assert proc.poll() is None, proc.communicate()[0][-3000:]
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=300)[0]
