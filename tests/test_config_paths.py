@@ -51,6 +51,13 @@ def test_python_dicts_are_checked_like_the_command_line():
         make_config({"trainer": {"foo": 1}})
     with pytest.raises(pcdist.ConfigError, match="config pc.T=0 is invalid"):
         make_config({"pc": {"T": 0}})
+    # a section given something else than its keys or an option's name ("invalid config key ?", or omegaconf's
+    # own ConfigTypeError, which is no ConfigError)
+    with pytest.raises(pcdist.ConfigError, match=r"^pcdist.train's config: trainer takes a dict of its keys, or the "
+                                                 r"name of an option of conf/trainer/, not the int 5$"):
+        make_config({"trainer": 5})
+    with pytest.raises(pcdist.ConfigError, match=r"model takes a dict of its keys, .* not the list \['mlp'\]$"):
+        make_config({"model": ["mlp"]})
 
 
 SECTION_CHOICES = [f"{group}={option}" for group, options in groups().items() if group in GROUPS and

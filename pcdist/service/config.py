@@ -133,6 +133,12 @@ def make_config(cfg: Any = None) -> Config:
             raise ConfigError(f"{key} and run_dir name two directories for one run; give run_dir alone")
         cfg["run_dir"] = run_dir
     fields = {f.name for f in dataclasses.fields(Config)}
+    sections = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type) or
+                (isinstance(f.type, str) and f.type.endswith("Config"))}
+    for k, v in cfg.items():  # ({"trainer": 5}: "invalid config key ?"; {"model": ["mlp"]}: omegaconf's type error)
+        if k in sections and not isinstance(v, (dict, DictConfig)) and not (k in GROUPS and isinstance(v, str)):
+            what = "a dict of its keys" + (f", or the name of an option of conf/{k}/" if k in GROUPS else "")
+            raise ConfigError(f"pcdist.train's config: {k} takes {what}, not the {type(v).__name__} {v!r}")
     unknown = [f"{k}={v}" for k, v in cfg.items() if "." not in k and k not in fields and k not in GROUPS
                and isinstance(v, str)]
     problem = unknown and check_overrides(CONF_DIR, unknown)  # a mistyped group: the command line's own hint
