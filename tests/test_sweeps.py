@@ -134,6 +134,11 @@ def test_a_sweep_into_an_earlier_sweeps_folder_refuses_and_changes_nothing(tmp_p
     said = refused("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "pc.T=range(4, 12, step=4)",
                    *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert said.startswith(f"error: sweep directory {sweep}: it holds the runs of an earlier sweep (0, 1)"), said
+    said = refused("--multirun", "pc.T=4,8,12", *QUICK, "resume=require", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    # (found only after jobs 0 and 1 had run, leaving an empty 2/)
+    assert said == (f"error: sweep job 2 (pc.T=12): resume=require but {sweep}/2 holds no checkpoint to resume; "
+                    f"check the directory (hydra.run.dir, or the config key run_dir) or drop resume=require to start "
+                    f"a new run; no job was started\n"), said
     assert snapshot(sweep) == before, "a refused sweep changes nothing in the folder"
     again = train_py("--multirun", "pc.T=4,8", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert again.stdout.count("is already finished") == 2 and "new run in" not in again.stdout, again.stdout

@@ -59,7 +59,8 @@ def check_as_launched(c: Config, passed: dict[str, str] | None, world: int, run_
         c.run_dir = str(run_dir)
         if run_dir.is_dir():
             check_not_in_use(run_dir)
-            c = find_resume(c, run_dir, passed, sweep).config
+        if run_dir.is_dir() or c.resume == "require":  # (resume=require of a job not run yet: refused now, not
+            c = find_resume(c, run_dir, passed, sweep).config  # after the jobs before it, leaving its folder)
     check_combination(c)
     check_length(c, passed)
     check_model_keys(c, passed)
