@@ -92,6 +92,16 @@ def test_check_of_a_sweep_checks_each_job_and_a_glob_sweep_is_listed(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_optuna_search_space_is_checked_before_the_first_trial(tmp_path):
+    """pc.T=choice(0,4) under Optuna: a trial that drew 4 trained, the one that drew 0 failed after it, leaving
+    folders that refused the corrected relaunch; each listed value is checked first, one line, nothing written."""
+    said = refused("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "pc.T=choice(4,0)", *QUICK,
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert said == "error: the search space's pc.T=0: config pc.T=0 is invalid: allowed an integer >= 1; no trial " \
+                   "was started\n", said
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_multirun_still_names_a_mistyped_key_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "optim.lrr=1e-3,2e-3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

@@ -23,6 +23,9 @@ import os
 import socket
 from pathlib import Path
 
+from hydra.errors import HydraException
+from omegaconf import open_dict
+
 from ..errors import USER_ERRORS, ConfigError, printable
 from .config import CONF_DIR, load_config, passed_settings
 from .rundir import run_files
@@ -61,6 +64,7 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> list[list[
     jobs = [fixed]
     if not str(head.hydra.sweeper._target_).endswith(".BasicSweeper"):
         _refuse_earlier_runs(sweep_dir, set(), "it holds the runs of an earlier sweep")
+        _check_search_space(compose, parsed, fixed)
     else:
         swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
         jobs, loaded = BasicSweeper.split_arguments(parsed, None)[0], {}
@@ -138,8 +142,6 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     it only as it launches the job)."""
     from .checks import check_as_launched
 
-    from omegaconf import open_dict
-
     composed = compose([*job, f"hydra.job.num={num}"])
     try:
         job_dir = Path(composed.hydra.sweep.dir) / str(composed.hydra.sweep.subdir)
@@ -154,6 +156,29 @@ def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict)
     except USER_ERRORS as e:
         raise ConfigError(f"sweep job {num} ({values}): {e}; no job was started") from None
     return job_dir
+
+
+def _check_search_space(compose, parsed, fixed: list[str]) -> None:
+    """A search space's values that can be listed (choice, range), each with the fixed settings: a bad one is one
+    line before the first trial, not an error after the trials before it drew valid ones (their folders then
+    refused the corrected relaunch)."""
+    for o in parsed:
+        if not o.is_sweep_override():
+            continue
+        try:
+            values = list(o.sweep_string_iterator())
+        except Exception:  # noqa: BLE001 - an interval(...): its values are drawn, not listed
+            continue
+        for value in values:
+            setting = f"{o.get_key_element()}={value}"
+            try:
+                composed = compose([*fixed, setting])
+                with open_dict(composed):
+                    composed.pop("hydra")
+                load_config(composed)
+            except (*USER_ERRORS, HydraException) as e:
+                raise ConfigError(f"the search space's {setting}: {' '.join(str(e).split())}; no trial was "
+                                  f"started") from None
 
 
 def _values(job: list[str], swept: set[str]) -> str:
