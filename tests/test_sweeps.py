@@ -102,6 +102,18 @@ def test_an_optuna_search_space_is_checked_before_the_first_trial(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_into_no_folder_or_with_its_job_in_its_own_folder_is_refused(tmp_path):
+    """hydra.sweep.dir='' (quoted: the unquoted empty value was refused already) wrote the jobs and multirun.yaml
+    into the current folder; hydra.sweep.subdir=. with one job passed the checks, then the job was refused as a
+    sweep's folder, leaving it behind. Each is one line before anything is written."""
+    said = refused("--multirun", "pc.T=4", *QUICK, "hydra.sweep.dir=''", cwd=tmp_path)
+    assert said == "error: hydra.sweep.dir names no directory (an empty value); give the sweep a folder of its own\n"
+    said = refused("--multirun", "pc.T=4", *QUICK, f"hydra.sweep.dir={tmp_path / 'sd'}", "hydra.sweep.subdir=.",
+                   cwd=tmp_path)
+    assert said.startswith(f"error: sweep job 0 would run in the sweep's own folder {tmp_path / 'sd'} "), said
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_multirun_still_names_a_mistyped_key_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "optim.lrr=1e-3,2e-3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

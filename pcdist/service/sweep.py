@@ -55,6 +55,8 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> list[list[
         o.config_loader = loader
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     head = compose(fixed)
+    if not str(head.hydra.sweep.dir).strip():  # (a quoted '': the jobs and multirun.yaml went into this folder)
+        raise ConfigError("hydra.sweep.dir names no directory (an empty value); give the sweep a folder of its own")
     sweep_dir = Path(head.hydra.sweep.dir)
     held = run_files(sweep_dir)
     if held:  # (a run's own folder given as hydra.sweep.dir)
@@ -71,6 +73,12 @@ def check_sweep(compose, overrides: list[str], claim: bool = True) -> list[list[
         dirs: dict = {}  # a job's directory -> the first job that runs there
         for num, job in enumerate(jobs):
             job_dir = _check_job(compose, num, job, swept, loaded)
+            if job_dir is not None and job_dir.resolve() == sweep_dir.resolve():
+                shown = f" ({_values(job, swept)})" if _values(job, swept) else ""
+                raise ConfigError(f"sweep job {num}{shown} would run in the sweep's own folder "
+                                  f"{sweep_dir} (hydra.sweep.subdir={head.hydra.sweep.subdir}), beside its "
+                                  f"multirun.yaml; give the jobs folders of their own (the default "
+                                  f"${{hydra.job.num}}); no job was started")
             if job_dir is not None and job_dir in dirs:
                 raise ConfigError(f"sweep jobs {dirs[job_dir]} and {num} ({_values(job, swept)}) would both run in "
                                   f"{job_dir} (hydra.sweep.subdir={head.hydra.sweep.subdir}), the second resuming or "
