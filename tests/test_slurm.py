@@ -443,7 +443,8 @@ def test_scancel_checkpoints_without_requeue_and_a_resubmission_with_run_name_re
     fields = job.wait_finished()
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", job.log
     step = preempted_step(job)
-    assert f"resume with RUN_DIR=runs/named sbatch [its sbatch options] {SCRIPT}" in job.log
+    assert f"resume with RUN_DIR={job.run_dir} sbatch [its sbatch options] {SCRIPT}" in job.log  # (absolute, as the
+    # workers' line: it was relative to the folder the job was submitted from)
     # (the workers' own line too: it named python train.py hydra.run.dir=..., which this script refuses)
     assert f"to resume: RUN_DIR={job.run_dir} sbatch [its sbatch options] {SCRIPT}" in job.log, job.log
     again = Job(cluster, tmp_path, TWO_CPUS, RUN, run_name="named")
