@@ -61,6 +61,7 @@ if [[ -n $stopped ]]; then  # stopped during the check: nothing started
 fi
 
 export PCDIST_PREEMPTED_STATUS=0
+export PCDIST_LAUNCHER=local PCDIST_LOCAL_SCRIPT=$here/launch/local.sh  # (how the workers' lines say to resume)
 (trap '' TERM; exec "$PYTHON" "$here/launch/torchrun_agent.py" --noop INT TERM --standalone \
   --nproc_per_node="$NPROC" "$here/train.py" "$@") &
 agent=$!

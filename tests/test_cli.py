@@ -143,6 +143,8 @@ def test_ctrl_c_or_sigterm_to_local_sh_stops_the_workers_after_a_checkpoint_with
         assert len(stopped) == 1, out[-3000:]
         step = int(stopped[0][len(line):].split(";")[0])
         assert (run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+        # how to resume: this script again (it said python train.py, one process, from the caller's folder)
+        assert stopped[0].endswith(f"; to resume: {ROOT}/launch/local.sh hydra.run.dir={run_dir}"), stopped[0]
         ends.append((out, step))
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{ends[0][1]:08d}'} at step {ends[0][1]}" in ends[1][0]
 

@@ -21,8 +21,8 @@ from .rundir import Resume, position_schedule, write_attempt
 
 def resume_command(c: Config, run_dir) -> str:
     """How to continue the run in ``run_dir``: its command line (in a launch/slurm.sbatch job, which sets
-    PCDIST_LAUNCHER=slurm and refuses hydra.run.dir=, its resubmission), or for data or layers passed from Python
-    the call that passes them again."""
+    PCDIST_LAUNCHER=slurm and refuses hydra.run.dir=, its resubmission; under launch/local.sh, PCDIST_LAUNCHER=local,
+    that script), or for data or layers passed from Python the call that passes them again."""
     if c.data.name == PYTHON_DATA or c.model.name == PYTHON_MODEL:
         given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
                                           ("layers=...", c.model.name == PYTHON_MODEL)) if on)
@@ -30,6 +30,9 @@ def resume_command(c: Config, run_dir) -> str:
     if os.environ.get("PCDIST_LAUNCHER") == "slurm":  # (the script's path as the job found it)
         script = os.environ.get("PCDIST_SLURM_SCRIPT", "launch/slurm.sbatch")
         return f"RUN_DIR={shlex.quote(str(run_dir))} sbatch [its sbatch options] {shlex.quote(script)}"
+    if os.environ.get("PCDIST_LAUNCHER") == "local":  # launch/local.sh's workers: the script again, by its path
+        script = os.environ.get("PCDIST_LOCAL_SCRIPT", "launch/local.sh")  # (python train.py: none in the caller's
+        return f"{shlex.quote(script)} {shlex.quote(run_dir_override(run_dir))}"  # folder, and one process)
     return f"{command()} {shlex.quote(run_dir_override(run_dir))}"  # (a folder with spaces: one argument)
 
 
