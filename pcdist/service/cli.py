@@ -161,7 +161,7 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
             fail(f"WORLD_SIZE={world!r}: the number of processes to check for must be an integer >= 1")
         meshes = []
         for job in jobs:  # (--check --multirun: each job as one run; a list had been read as one ambiguous value)
-            if composed is None or args.multirun:
+            if args.multirun:  # (a single run's config is composed above)
                 composed = _compose(conf_dir, job)
                 run_dir = _named_run_dir(composed, job)
             with open_dict(composed):

@@ -406,7 +406,7 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
         if o.is_delete() or key.split(".")[0].split("/")[0] == "hydra" or o.package:
             continue
         if key in options:
-            for v in _values(o):  # each of a sweep's too (model=mlp,cnnn: Hydra's report of its search path)
+            for v in override_values(o):  # each of a sweep's too (model=mlp,cnnn: Hydra's report of its search path)
                 if isinstance(v, str) and v not in options[key]:
                     return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(options[key])})"
                             f"{did_you_mean(v, options[key])}")
@@ -426,13 +426,14 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
     return None
 
 
-def _values(o) -> list:
-    """An override's value, or the values it sweeps over where they can be listed without composing (not glob's)."""
+def override_values(o) -> list:
+    """An override's value, or the values it sweeps over where they can be listed (choice, range, a list; glob's
+    where the override has Hydra's config loader), else none (an interval's are drawn, not listed)."""
     if not o.is_sweep_override():
         return [o.value()]
     try:
         return list(o.sweep_string_iterator())
-    except Exception:  # noqa: BLE001 - glob(...) needs Hydra's config loader: Hydra checks those itself
+    except Exception:  # noqa: BLE001 - an interval(...), or glob(...) without a config loader
         return []
 
 

@@ -27,7 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import open_dict
 
 from ..errors import USER_ERRORS, ConfigError, printable
-from .config import CONF_DIR, load_config, passed_settings
+from .config import CONF_DIR, load_config, override_values, passed_settings
 from .rundir import run_files
 
 __all__ = ["check_sweep"]
@@ -173,11 +173,7 @@ def _check_search_space(compose, parsed, fixed: list[str]) -> None:
     for o in parsed:
         if not o.is_sweep_override():
             continue
-        try:
-            values = list(o.sweep_string_iterator())
-        except Exception:  # noqa: BLE001 - an interval(...): its values are drawn, not listed
-            continue
-        for value in values:
+        for value in override_values(o):
             setting = f"{o.get_key_element()}={value}"
             try:
                 composed = compose([*fixed, setting])
