@@ -13,8 +13,8 @@
 # stops as well.
 set -uo pipefail
 RESEND_S=${RESEND_S:-5}
-(trap '' USR1 TERM; exec "$@") &
-agent=$!
+# The traps come first: a signal that srun passes on before they are set ends this shell, and the job with it.
+agent=
 stop=
 resend_at=0
 forward() {
@@ -23,10 +23,12 @@ forward() {
   fi
   stop=$1
   resend_at=$((SECONDS + RESEND_S))
-  pkill "-$1" -P "$agent" || true
+  [[ -z $agent ]] || pkill "-$1" -P "$agent" || true
 }
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
+(trap '' USR1 TERM; exec "$@") &
+agent=$!
 while kill -0 "$agent" 2>/dev/null; do
   sleep 1 &
   wait $! || true

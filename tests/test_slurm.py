@@ -478,9 +478,11 @@ def test_a_new_job_never_continues_a_run_that_an_earlier_job_of_its_id_left(clus
 def test_usr1_while_the_job_checks_its_overrides_requeues_it_and_the_next_attempt_trains(cluster, tmp_path):
     """USR1 to the batch script (scancel --batch, and the time limit's warning: B:USR1) before srun has started
     the workers: the job was killed by it (or, sent to the steps, it was lost). The script catches it from its
-    start, lets its checks finish (they ignore it: scancel --full signals them too) and requeues the job; the next
-    attempt trains the run to its end. The checks are held until the script has said it got the signal (a PYTHON
-    that waits for a file when it is train.py --check), so that it lands there however fast the machine is."""
+    start, lets its checks finish and requeues the job; the next
+    attempt trains the run to its end. Sent with scancel --full, which signals the script's children too: the
+    checks ignore it (the check ran in a shell function's subshell, which USR1 killed, and the job failed). The
+    checks are held until the script has said it got the signal (a PYTHON that waits for a file when it is
+    train.py --check), so that it lands there however fast the machine is."""
     release = tmp_path / "release"
     python = tmp_path / "python"
     python.write_text(f"#!/usr/bin/env bash\nif [[ \" $* \" == *\" --check \"* ]]; then\n"
@@ -490,7 +492,7 @@ def test_usr1_while_the_job_checks_its_overrides_requeues_it_and_the_next_attemp
                                               "trainer.progress=off"], PYTHON=str(python))
     job.wait(lambda f: f"job {job.id} attempt 1 on" in job.log or f["JobState"] not in ("PENDING", "CONFIGURING",
                                                                                           "RUNNING"), "the checks")
-    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
+    cluster.run("scancel", "--full", "--signal=USR1", job.id)
     job.wait(lambda f: "got SIGUSR1" in job.log or f["JobState"] != "RUNNING", "the signal")
     release.touch()
     fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the job")
@@ -501,6 +503,33 @@ def test_usr1_while_the_job_checks_its_overrides_requeues_it_and_the_next_attemp
     assert [int(a) for a in re.findall(rf"job {job.id} attempt (\d+) on", job.log)] == [1, 2]
     assert sorted(p.name for p in (job.run_dir / "checkpoints").iterdir()) == ["step-00000010"], job.log
     assert f"new run in {job.run_dir}" in job.log and "resumed from" not in job.log
+    job.assert_clean_log()
+
+
+def test_usr1_as_srun_starts_reaches_the_workers_and_requeues(cluster, reference, tmp_path):
+    """USR1 to the batch script as srun starts, before srun has set its own handler (held there by an srun on
+    PATH that waits for a file, then runs the real one): it killed srun, and the job failed unrequeued; a
+    moment later srun passed it on only once its step ran, and it was lost. srun now starts with USR1 ignored
+    and the script sends it again every RESEND_S seconds until srun ends: the workers stop, the job is
+    requeued, and the run ends as an uninterrupted one."""
+    release = tmp_path / "release"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/usr/bin/env bash\necho '== srun held'\nwhile [[ ! -e {release} ]]; do "
+                                  f"sleep 0.1; done\nexec {shutil.which('srun')} \"$@\"\n")
+    (bin_dir / "srun").chmod(0o755)
+    job = Job(cluster, tmp_path / "run", TWO_CPUS, RUN, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    job.wait(lambda f: "== srun held" in job.log or f["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"),
+             "srun")
+    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
+    job.wait(lambda f: "got SIGUSR1" in job.log or f["JobState"] != "RUNNING", "the signal")
+    release.touch()
+    fields = job.wait(lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the end of the job")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job.log
+    assert "launch/slurm.sbatch: got SIGUSR1" in job.log and "passing it to the workers" in job.log
+    assert f"{cluster.node}: got SIGUSR1; the workers finish their step" in job.log
+    assert [int(a) for a in re.findall(rf"job {job.id} attempt (\d+) on", job.log)] == [1, 2]
+    assert_same_run(job.run_dir, reference)
     job.assert_clean_log()
 
 
