@@ -315,17 +315,20 @@ def test_the_script_as_shipped_trains_on_a_cpu_only_cluster(cluster, tmp_path):
 
 def test_a_checkout_whose_path_has_a_space_is_found_from_the_submitted_script(cluster, tmp_path):
     """The checkout is found from the submitted script's path (scontrol's Command=, the path then the
-    arguments) also where that path holds spaces (it was cut at the first one: no checkout found). A RUN_DIR that
-    Hydra would take apart (a,b: a sweep; [1]: a list) is that directory."""
+    arguments) also where that path holds spaces (it was cut at the first one: no checkout found), and where it
+    is relative and the job runs in another folder (--chdir): it is relative to where sbatch ran (it was taken
+    from the job's folder: no checkout found there, or another one). A RUN_DIR that Hydra would take apart
+    (a,b: a sweep; [1]: a list) is that directory."""
     spaced = tmp_path / "my code" / "pcdist"
     spaced.parent.mkdir()
     spaced.symlink_to(ROOT)
-    job = Job(cluster, tmp_path / "elsewhere", [], ["trainer.max_steps=2", "trainer.eval_every=2", "logger=none",
-                                                    "trainer.progress=off"], script=spaced / "launch/slurm.sbatch",
-              RUN_DIR="runs/a,b[1]")
+    (workdir := tmp_path / "elsewhere" / "deeper" / "still").mkdir(parents=True)
+    job = Job(cluster, tmp_path / "elsewhere", [f"--chdir={workdir}", f"--output={tmp_path}/elsewhere/slurm-%j.out"],
+              ["trainer.max_steps=2", "trainer.eval_every=2", "logger=none", "trainer.progress=off"],
+              script=Path("../my code/pcdist/launch/slurm.sbatch"), RUN_DIR="runs/a,b[1]")
     fields = job.wait_finished()
     assert fields["JobState"] == "COMPLETED", job.log
-    assert (tmp_path / "elsewhere/runs/a,b[1]/checkpoints/step-00000002/manifest.json").is_file(), job.log
+    assert (workdir / "runs/a,b[1]/checkpoints/step-00000002/manifest.json").is_file(), job.log
     assert job.log.splitlines()[0].endswith(f"; checkout {spaced}"), job.log
 
 
