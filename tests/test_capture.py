@@ -375,6 +375,32 @@ def test_copies_from_the_host_to_the_device_are_found_as_on_a_gpu():
                      "device to": [], "scalars": [], "made there": [], "host only": []}
 
 
+def test_the_rates_copied_in_before_the_core_and_a_cpu_optimizers_own_read_are_not_host_reads():
+    """The learning rates that a captured step's update copies in before its core runs (WeightUpdate.prepare) are
+    host work, not a read: HostReads(strict=False) around a whole replayed step (as tests/test_cuda.py wraps one;
+    "meta" stands for the device) counted it as a copy from the host. And on a CPU, compile="graph" with a foreach
+    Adam (whose planned rate the update reads on the host on purpose: a CPU runs eagerly) said that the step reads a
+    device value and runs eagerly."""
+    from pcdist.engine.update import WeightUpdate
+
+    p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    update = WeightUpdate(opt, pcdist.warmup_cosine(opt, 5, 100), None, None, planned=True, steps=3,
+                          device=torch.device("meta"))
+    with HostReads(strict=False) as reads:
+        update.prepare()
+    assert reads.reads == [] and reads.by_op["copy_"] >= 1, (reads.reads, reads.by_op)
+
+    net = network("mlp")
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, foreach=True)
+    notes = []
+    tr = pcdist.PCTrainer(net, opt, T=4, x_lr=0.1, scheduler=pcdist.warmup_cosine(opt, 2, 8), compile="graph",
+                          say=notes.append)
+    for s in range(4):
+        tr.step(*batch(net, "xy", 6, s), log=False)
+    assert notes == [] and tr.runner.eager == {}
+
+
 def test_a_module_that_branches_on_its_input_runs_eagerly_with_one_line():
     """A layer that reads a value of its input on the host cannot be captured: the stage says so once, in one
     line that names the stage and the read, and then trains exactly as compile="none"."""

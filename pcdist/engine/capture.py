@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, OrderedDict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COMPILE", "HostReads", "Program", "Runner", "on_host", "compile_mode"]
+__all__ = ["COMPILE", "HostReads", "Program", "Runner", "on_host", "compile_mode", "host_work"]
 
 COMPILE = ("auto", "none", "graph")
 WARMUP = 2  # calls after the first before a stage is captured: the checked one, then one on the capture stream
@@ -46,6 +46,20 @@ changed at every step, say), after which the runner says once that it runs eager
 no count for those that went by."""
 
 _recording: "Program | None" = None
+_host_work = 0  # > 0 inside host_work()
+
+
+@contextmanager
+def host_work():
+    """Host work that reads or writes device values on purpose, never inside a captured core: the learning rates of
+    a step copied in before it runs, a CPU optimizer's own scalar read (a CPU runs eagerly). ``HostReads`` counts
+    its ops but no read."""
+    global _host_work
+    _host_work += 1
+    try:
+        yield
+    finally:
+        _host_work -= 1
 
 
 def on_host(fn: Callable[[], None]) -> None:
@@ -125,6 +139,8 @@ class _Ops(TorchDispatchMode):
         o.ops += 1
         o.views += name in _VIEWS
         o.by_op[name] += 1
+        if _host_work:
+            return func(*args, **kwargs)
         sized = name in _SHAPE_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None)
         if (name in _READ_OPS or sized or _bool_index(name, args)) and (o.strict or _on_device(args)):
             o.read(f"aten.{name}" + ("" if name in _READ_OPS else " (its output's size depends on the values)"
@@ -150,6 +166,8 @@ class _Methods(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if _host_work:
+            return func(*args, **kwargs)
         on_device = _on_device(args[:1])
         if (name in _READ_METHODS and (self.owner.strict or on_device)) or (name == "to" and on_device
                                                                             and _to_host(args, kwargs)):

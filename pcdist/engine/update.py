@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from .capture import host_work
+
 __all__ = ["WeightUpdate"]
 
 _FOUND_INF = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -84,12 +86,13 @@ class WeightUpdate:
                 with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
                     warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
                     self.scheduler.step()
-        host = torch.tensor(rows, dtype=torch.float64, device="cpu").to(self.plan.dtype)  # host work, copied in
-        if self.plan.device.type == "cuda":
-            host = host.pin_memory()
-        self.plan.copy_(host, non_blocking=True)
-        for i, j, lr in tensors:
-            self.plan[i, j].copy_(lr)
+        with host_work():  # (copied in before the core runs: no read, whatever HostReads around the step sees)
+            host = torch.tensor(rows, dtype=torch.float64, device="cpu").to(self.plan.dtype)
+            if self.plan.device.type == "cuda":
+                host = host.pin_memory()
+            self.plan.copy_(host, non_blocking=True)
+            for i, j, lr in tensors:
+                self.plan[i, j].copy_(lr)
         self._before = schedule, rates, {j: lr for i, j, lr in tensors if i == 0}  # (tensor rates: their values)
 
     def unprepare(self) -> None:
@@ -189,7 +192,11 @@ class WeightUpdate:
             # (a CPU's Adam with foreach=True refuses a tensor rate, and capturable=True: the plan's value, read
             # on the host, which on a CPU waits for nothing)
             eager_only = self.plan.device.type != "cuda" and g.get("foreach") and not g.get("capturable")
-            g["lr"] = self.plan[i, j].item() if eager_only else self.plan[i, j]
+            if eager_only:
+                with host_work():
+                    g["lr"] = self.plan[i, j].item()
+            else:
+                g["lr"] = self.plan[i, j]
         try:
             opt.step()
         finally:
