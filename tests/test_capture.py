@@ -458,7 +458,8 @@ def test_a_value_step_changed_at_every_step_is_said_once_and_its_counts_stay_bou
     assert len([k for k in tr.runner.calls if k[0] == "step"]) <= CHURN
     for _ in range(3):
         tr.step(x, y, log=False)
-    assert tr.runner.calls[("step", tr._stage, tr.x_lr, None, 4, tr.solver, ())] == 4 and len(notes) == 1
+    assert tr.runner.calls[("step", tr._stage, tr.x_lr, None, 4, tr.solver, tr.update.settings(), ())] == 4
+    assert len(notes) == 1
 
 
 def test_a_parameter_frozen_between_steps_is_a_captured_step_of_its_own():
@@ -482,6 +483,44 @@ def test_a_parameter_frozen_between_steps_is_a_captured_step_of_its_own():
     at = [p is weight for p in net.parameters()].index(True)  # (the optimizer's order)
     steps = sorted((k[-1], n) for k, n in tr.runner.calls.items() if k[0] == "step")
     assert steps == [((), 3), ((at,), 2)], steps
+
+
+def test_optimizer_settings_written_between_steps_are_a_captured_step_of_their_own():
+    """weight_decay, betas (any key of the optimizer's defaults but lr) written on a live trainer: a captured step
+    replays them as they were at its capture (they reach the fused kernel as numbers), so each new value is in the
+    step's key, a capture of its own (it kept the first one's, silently); the rate is not (the plan carries it)."""
+    net = network("mlp", dtype=DT)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    tr = pcdist.PCTrainer(net, opt, T=4, compile="graph")
+    x, y = batch(net, "xy", 6, 0)
+    for s in range(6):
+        opt.param_groups[0]["weight_decay"] = 0.01 if s < 2 else 0.02
+        opt.param_groups[0]["betas"] = (0.9, 0.999) if s < 4 else (0.8, 0.999)
+        opt.param_groups[0]["lr"] = 0.01 / (s + 1)
+        tr.step(x, y, log=False)
+    keys = sorted(((g := dict(k[-2][0]))["betas"], g["weight_decay"], n) for k, n in tr.runner.calls.items()
+                  if k[0] == "step")
+    assert keys == [((0.8, 0.999), 0.02, 2), ((0.9, 0.999), 0.01, 2), ((0.9, 0.999), 0.02, 2)], keys
+
+
+def test_optimizer_state_dropped_on_a_live_trainer_drops_the_captured_steps():
+    """optimizer.state.clear() (or a del of one parameter's): the captured steps update the old state tensors by
+    address (on a GPU freed, a replay would write into other tensors' memory), so the trainer takes the optimizer
+    anew, as after load_state_dict: the stage's captures and counts go, the next step makes fresh state, as an
+    eager step does."""
+    net = network("mlp", dtype=DT)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    tr = pcdist.PCTrainer(net, opt, T=4, compile="graph")
+    x, y = batch(net, "xy", 6, 0)
+    for _ in range(3):
+        tr.step(x, y, log=False)
+    update = tr.update
+    assert sum(n for k, n in tr.runner.calls.items() if k[0] == "step") == 3
+    opt.state.clear()
+    tr.step(x, y, log=False)
+    assert tr.update is not update and len(opt.state) == len(list(net.parameters()))
+    assert sum(n for k, n in tr.runner.calls.items() if k[0] == "step") == 1, "counted afresh"
+    assert all(int(st["step"]) == 1 for st in opt.state.values())
 
 
 def test_an_optimizer_is_capturable_only_while_pcdist_steps_it_and_keeps_its_own_setting():

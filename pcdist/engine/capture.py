@@ -389,8 +389,8 @@ class Runner:
         if stage not in self._said:
             self._said.add(stage)
             self.say(f"compile=graph: {describe(key)} runs eagerly while what it is captured with (x_lr, T, the "
-                     f"solver, value noise, the frozen parameters) changes at every call: kept for {2 + WARMUP} "
-                     f"calls, it is captured")
+                     f"solver, value noise, the optimizer's settings, the frozen parameters) changes at every call: "
+                     f"kept for {2 + WARMUP} calls, it is captured")
 
     def _checked(self, key, fn) -> None:
         with HostReads(strict=self.device.type == "cpu") as reads:

@@ -55,14 +55,30 @@ class WeightUpdate:
         self._settled = False  # a fused optimizer has made all its state
         self._layout = self._optimizer_layout()
 
+        self._entries = 0  # parameters with optimizer state, the most seen
+
     def _optimizer_layout(self) -> tuple:  # (per step: O(1), add_param_group appends a group)
         return id(self.optimizer.state), len(self.optimizer.param_groups)
 
     def outdated(self) -> bool:
         """The optimizer changed under this update: a parameter group added (``add_param_group``), its state
-        loaded (``load_state_dict`` makes every state tensor anew). Its rates table and the steps captured
-        with it (which update the state tensors they were captured with) are then the old optimizer's."""
+        loaded (``load_state_dict`` makes every state tensor anew) or dropped (``optimizer.state.clear()``, a
+        ``del`` of a parameter's). Its rates table and the steps captured with it (which update the state tensors
+        they were captured with, by address) are then the old optimizer's."""
+        entries = len(self.optimizer.state)
+        if entries < self._entries:
+            return True
+        self._entries = entries
         return self._optimizer_layout() != self._layout
+
+    def settings(self) -> tuple:
+        """The optimizer's settings other than the learning rate, per group (``weight_decay``, ``betas``,
+        ``momentum``, ``eps``, ...: the keys of its ``defaults``), which a captured step replays as they were at
+        its capture (the rates come from the plan): written between steps, they make a capture of their own (a
+        tensor setting by identity: the graph reads its value)."""
+        keys = [k for k in self.optimizer.defaults if k != "lr"]
+        return tuple(tuple((k, ("tensor", id(g[k])) if isinstance(g.get(k), Tensor) else g.get(k)) for k in keys)
+                     for g in self.optimizer.param_groups)
 
     # -- host work, around a step's core --------------------------------------------------
     def prepare(self) -> None:
