@@ -166,6 +166,13 @@ def test_a_run_copied_without_its_x_lr_json_keeps_the_value_step_it_chose(digits
     assert pcdist.load(numbered).config.pc.x_lr == record["x_lr"] != 0.003 and record["step"] == 4
     assert "(at the weights of step 4, this run's now)" in (numbered / "train.log").read_text(), \
         "chosen at trained weights, not at the initial ones the docs describe: said"
+    # trained on with a number, then auto again: chosen at the weights of then (it took x_lr.json's of step 4)
+    pcdist.train({**SHORT, "run_dir": str(numbered), "pc": {"x_lr": 0.003}, "trainer": {**SHORT["trainer"],
+                                                                                        "max_steps": 12}})
+    pcdist.train({**SHORT, "run_dir": str(numbered), "pc": {"x_lr": "auto"}, "trainer": {**SHORT["trainer"],
+                                                                                         "max_steps": 16}})
+    assert json.loads((numbered / "x_lr.json").read_text())["step"] == 12
+    assert "(at the weights of step 12, this run's now)" in (numbered / "train.log").read_text()
 
 
 def test_evaluate_on_other_data_than_the_runs_is_refused(tmp_path):

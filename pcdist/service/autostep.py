@@ -118,11 +118,12 @@ CHOSEN_FOR = ("T", "solver", "init", "value_optimizer", "x_momentum", "algorithm
 
 
 def saved_x_lr(run_dir: str | Path, meta: dict | None = None) -> float | None:
-    """The step a run with pc.x_lr=auto chose: its checkpoint's record (``meta``, from 2026-11-29 on), else its
-    x_lr.json; None if neither has it (a run not yet started; a checkpoint of before the record whose
-    x_lr.json was not copied with it)."""
-    if meta and meta.get("x_lr") is not None:
-        return float(meta["x_lr"])
+    """The step a run with pc.x_lr=auto chose: its checkpoint's record (``meta``, from 2026-11-29 on: None where
+    that checkpoint was trained with a number, whatever x_lr.json holds from an earlier auto), else its x_lr.json;
+    None if neither has it (a run not yet started; a checkpoint of before the record whose x_lr.json was not
+    copied with it)."""
+    if meta and "x_lr" in meta:
+        return None if meta["x_lr"] is None else float(meta["x_lr"])
     path = Path(run_dir) / FILE
     if not path.is_file():
         return None
