@@ -92,8 +92,16 @@ def test_non_convergence_is_reported_not_hidden():
 
 
 def test_bad_chains_are_rejected():
+    """Chains DeepPCR does not solve are refused in one line: widths that change, and Linears and activations out of
+    order (Tanh, Linear or Linear, Linear, Tanh, Tanh were solved as Linear, Tanh, ...: converged, and 0.1-0.5 off
+    the chain's own output)."""
     with pytest.raises(ValueError, match="must map 4 -> 4 features"):
         deeppcr.solve(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 5), nn.Tanh()), torch.randn(2, 4))
+    for mods in ((nn.Tanh(), nn.Linear(4, 4)), (nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh(), nn.Tanh()),
+                 (nn.Linear(4, 4), nn.Tanh(), nn.Tanh(), nn.Linear(4, 4))):
+        with pytest.raises(ValueError, match="Linear, activation, Linear, activation, ... with one activation, in "
+                                             "that order"):
+            deeppcr.solve(nn.Sequential(*mods), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"expected M \[L, B, I, O\] and r \[L, B, O\]"):
         deeppcr.solve_linear(torch.randn(3, 4, 4), torch.randn(3, 2, 4))
 

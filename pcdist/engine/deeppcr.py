@@ -69,8 +69,11 @@ def stack_chain(layers) -> tuple[Tensor, Tensor, Activation]:
     mods = list(layers)
     linears = [m for m in mods if isinstance(m, nn.Linear)]
     acts = [activation_from_module(m) for m in mods if not isinstance(m, nn.Linear)]
-    if not linears or len(acts) not in (len(linears), 0) or len(set(acts)) > 1:
-        raise ValueError("a DeepPCR chain is Linear, activation, Linear, activation, ... with one activation")
+    order = mods[::2] if acts else mods  # (Tanh, Linear or Linear, Linear, Tanh, Tanh was solved as Linear, Tanh, ...)
+    if not linears or len(acts) not in (len(linears), 0) or len(set(acts)) > 1 or \
+            not all(isinstance(m, nn.Linear) for m in order):
+        raise ValueError("a DeepPCR chain is Linear, activation, Linear, activation, ... with one activation, in "
+                         "that order")
     D = linears[0].in_features
     if any(l.in_features != D or l.out_features != D or l.bias is None for l in linears):
         raise ValueError(f"every Linear of a DeepPCR chain must map {D} -> {D} features with a bias")
