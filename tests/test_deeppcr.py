@@ -1,5 +1,7 @@
 """DeepPCR: the chain's states and its backward pass equal the sequential loop / autograd."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -133,6 +135,30 @@ def test_pc_init_deeppcr_trains_like_the_feedforward_init(algorithm):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     for k in out["ff"][2]:
         torch.testing.assert_close(out["ff"][2][k], out["deeppcr"][2][k], atol=1e-10, rtol=0)
+
+
+def test_pc_init_deeppcr_where_no_group_is_a_chain_says_it_changes_nothing(tmp_path):
+    """init="deeppcr" solves groups of several equal dense or residual hidden layers; a network with none (the
+    service's default MLP: 64-128-128-10, three groups of one layer; a conv net) runs the feed-forward pass, which
+    was silent. The engine warns, the service says it as a note line; a network with a chain says nothing."""
+    import pcdist
+
+    def warned(net) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), init="deeppcr")
+        return [str(w.message) for w in caught if "changes nothing here" in str(w.message)]
+
+    assert len(warned(pcdist.PCNetwork.from_dims([64, 128, 128, 10], "relu"))) == 1
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+    assert len(warned(pcdist.PCNetwork.from_sequential(conv, input_shape=(1, 4, 4)))) == 1
+    assert warned(pcdist.PCNetwork.from_dims([6, 8, 8, 8, 4], "tanh")) == []
+    assert warned(pcdist.PCNetwork(pcdist.mupc_specs(6, 8, 4, 4, "relu"))) == []
+    pcdist.train({"run_dir": str(tmp_path / "run"), "pc": {"init": "deeppcr"}, "logger": "none",
+                  "trainer": {"max_steps": 1, "eval_every": 1, "progress": "off"}})
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "note: init='deeppcr' changes nothing here: it solves groups of several equal dense or residual" in log
 
 
 def test_generic_blocks_through_torch_func():

@@ -101,6 +101,7 @@ class ServiceTrainer:
         self.is_rank0 = not distributed or dist.get_rank() == 0
         self.finished = self.resume.checkpoint is not None and self.step >= self.end  # nothing left to train
         self.optimizer = self.scheduler = self.engine = self.logger = None
+        self._engine_notes: list[str] = []  # the engine's notes on settings that change nothing here (start says them)
         self.dropped = 0  # metrics.jsonl rows of the steps trained again, dropped (never a step twice)
         self.result: dict = {"step": self.step}
         self._started = False
@@ -177,12 +178,19 @@ class ServiceTrainer:
                               f"on one layer slice, but parallel.layer={par.layer_size}; use parallel.layer=1 (a data "
                               "axis is fine) or pc.init=ff")
         resumed_dir = self.run_dir if self.resume.checkpoint is not None else None
-        engine = PCTrainer(self.network, self.optimizer, T=c.pc.T, algorithm=c.pc.algorithm,
-                           scheduler=self.scheduler, parallel=par, skip_above=skip,
-                           **method_options(c, resolve_x_lr(c, resumed_dir, self.resume.meta)),
-                           precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
-                           value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
-                           precision=c.trainer.precision)
+        with warnings.catch_warnings(record=True) as caught:  # a setting that changes nothing: said as a note line
+            warnings.simplefilter("always", UserWarning)
+            engine = PCTrainer(self.network, self.optimizer, T=c.pc.T, algorithm=c.pc.algorithm,
+                               scheduler=self.scheduler, parallel=par, skip_above=skip,
+                               **method_options(c, resolve_x_lr(c, resumed_dir, self.resume.meta)),
+                               precision_schedule=precision_schedule(c.pc.precision_schedule, c.pc.precision_decay),
+                               value_noise=c.pc.value_noise, noise_seed=c.trainer.seed, compile=c.trainer.compile,
+                               precision=c.trainer.precision)
+        for w in caught:
+            if w.category is UserWarning and "changes nothing here" in str(w.message):
+                self._engine_notes.append(f"note: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         engine.steps_done = self.step  # the value noise of step s is drawn from s, resumed or not
         engine.skipped_updates = skipped
         return engine
@@ -217,7 +225,8 @@ class ServiceTrainer:
             announce(c, self.resume, self.run_dir, self.step, self.optimizer, self.logger, self.dropped)
             for hint in (signals_hint(c, self.inputs.sample_shape) if self.user is None else None,
                          unread_keys_note(c, isinstance(self.data, StreamedData)), unread_pc_note(c),
-                         warmup_note(c, self.resume.overrides), backprop_note(c, self.resume.overrides)):
+                         warmup_note(c, self.resume.overrides), backprop_note(c, self.resume.overrides),
+                         *self._engine_notes):
                 if hint:
                     self.logger.say(hint)
         if self.is_rank0:  # the stop that PREEMPTED recorded is over: this attempt trains on
