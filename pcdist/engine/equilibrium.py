@@ -4,7 +4,7 @@ Shape letters: B batch, O output width (the output node read flattened), S a nod
 D a hidden node's size (its entries).
 
 From the feed-forward init an error moves one layer per inference step, so at T < L the lowest
-L - T layers never see one. With both ends clamped (supervised PC) the only source of error is
+L - T - 1 layers never see one. With both ends clamped (supervised PC) the only source of error is
 the output, and the equilibrium of the energy linearised at the feed-forward state is low-rank.
 With J_l = du_l/dh_{l-1} at that state, A_l = J_L ... J_{l+1} [O x D_l] (A_{L-1} = J_L), the
 output signal d = -pi_L dE_out/du_L (r = d at the feed-forward state) and H = pi_L d^2E_out/du_L^2:
@@ -19,7 +19,8 @@ layer: for dense and residual layers one GEMM of O x B rows each, for other kind
 vmapped over the O rows), the [O x O] solve per sample, then a feed-forward pass with the errors
 injected, h_l = u_l(h_{l-1}) + e_l / pi_l. It is exactly Newton's step on the energy from the
 feed-forward state (there every hidden error is zero, so the Hessian is the Gauss-Newton one; the
-output energy's own curvature is H).
+output energy's own curvature is H), where u_L is linear in h_{L-1}; an output layer with an activation
+of its own adds r . d2u_L/dh2, which the step leaves out (Gauss-Newton in that layer).
 
 ``newton_cr`` takes the same step the way DeepPCR solves a chain (pcdist/engine/deeppcr.py): the
 Hessian in the hidden nodes is block-tridiagonal (diagonal pi_l I + pi_{l+1} J_{l+1}^T J_{l+1},
