@@ -201,6 +201,8 @@ def test_bad_batches_name_the_expected_shape():
     for args, kw, error, message in [
             ((torch.randn(4, 5).numpy(), torch.zeros(4, 3)), {}, TypeError, "x must be a tensor .* got ndarray"),
             ((torch.ones(4, 5, dtype=torch.int64), torch.zeros(4, 3)), {}, ValueError, "x must hold floats"),
+            ((torch.ones(4, 5), torch.zeros(4, 3, dtype=torch.complex64)), {}, ValueError,  # (trained on y.real)
+             "^y must hold real numbers, got torch.complex64$"),
             ((torch.randn(0, 5), torch.zeros(0, 3)), {}, ValueError, "the batch is empty: x has no rows"),
             ((None, None), {"batch_size": 2.5}, ValueError, "batch_size must be an integer >= 1, got 2.5"),
             ((torch.randn(4, 5), None), {"batch_size": 7}, ValueError, "batch_size=7, but x has 4 rows")]:
@@ -508,6 +510,28 @@ def test_unchecked_arguments_are_named_where_they_are_passed():
     x, y = _xy()
     with pytest.raises(ValueError, match=r"^the energy callable <lambda> returned energies without a gradient"):
         tr.step(x.float(), y.float())
+    # one that does not read the target is fine under a free top: dE/dh_L is zero (it blamed a .detach()), so h_L
+    # stays at its feed-forward value while the penalty moves the hidden node below it
+    net = pcdist.PCNetwork.from_dims([4, 8, 3], energy=lambda u, y: 0.5 * (u ** 2).sum(1), seed=0)
+    tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=3, x_lr=0.1)
+    h = tr.infer(x.float(), None)
+    with torch.no_grad():
+        ff = nn.Sequential(*net.to_layers())(x.float())
+    torch.testing.assert_close(h[-1], ff)
+    assert not torch.allclose(h[1], net.to_layers()[0](x.float()))
+
+
+def test_from_layers_with_layers_of_several_dtypes_or_devices_is_refused():
+    """A float32 layer then a float64 one: the network took the first's dtype and rounded the second's weights
+    (0.1 + 1e-12 came back from to_layers as 0.1000000015), silently; now one line, unless dtype= says which."""
+    layers = [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 3).double()]
+    with pytest.raises(ValueError, match=re.escape("the layers' parameters have several dtypes: float32 (layer 1), "
+                                                   "float64 (layer 2); a network has one: pass dtype=")):
+        pcdist.PCNetwork.from_layers(layers)
+    assert {p.dtype for p in pcdist.PCNetwork.from_layers(layers, dtype=torch.float64).parameters()} == {
+        torch.float64}
+    with pytest.raises(ValueError, match=re.escape("several devices: cpu (layer 1), meta (layer 2)")):
+        pcdist.PCNetwork.from_layers([layers[0], nn.Linear(6, 3, device="meta")])
 
 
 def test_compile_graph_on_a_cpu_says_nothing_of_the_optimizer():

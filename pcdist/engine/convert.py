@@ -47,6 +47,16 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
         picked.append((kind, params))  # shapes that do not chain are named by the constructor
         shape = tuple(kind.out_shape)
     p = next((t for _, params in picked for t in params.values()), None)  # a first layer may have none (a pooling)
+    for what, given, of in (("dtype", dtype, lambda t: t.dtype), ("device", device, lambda t: t.device)):
+        found = {}  # (a network has one of each: the others were cast or moved to the first layer's, silently)
+        for l, (_, params) in enumerate(picked, start=1):
+            for t in params.values():
+                found.setdefault(of(t) if t.is_floating_point() or what == "device" else None, l)
+        found.pop(None, None)
+        if given is None and len(found) > 1:
+            said = ", ".join(f"{str(k).replace('torch.', '')} (layer {l})" for k, l in found.items())
+            raise ValueError(f"the layers' parameters have several {what}s: {said}; a network has one: pass "
+                             f"{what}= to from_layers, or convert the modules first")
     net = cls([k for k, _ in picked], energy=energy, layers=layers_owned,
               dtype=p.dtype if p is not None else torch.get_default_dtype(), device=p.device if p is not None else None,
               init=False, **kw)

@@ -167,10 +167,10 @@ class FromCallable(Energy):
         return e
 
     def _autograd(self, u_BO: Tensor, y_BO: Tensor, which: int) -> Tensor:
-        """dE/du (which 0) or dE/dtarget (which 1) of the callable, summed over the batch."""
+        """dE/du (which 0) or dE/dtarget (which 1) of the callable, summed over the batch: zeros where it does not
+        read that argument (a penalty on u alone, under a free top), an error where it reads neither (detached)."""
         with torch.enable_grad():
-            args = [u_BO.detach(), y_BO.detach()]
-            args[which].requires_grad_(True)
+            args = [u_BO.detach().requires_grad_(True), y_BO.detach().requires_grad_(True)]
             e = self._call(*args).sum()
             if not e.requires_grad:
                 raise ValueError(f"the energy callable {energy_name(self.fn)} returned energies without a gradient "

@@ -500,6 +500,8 @@ def check_batch(net: PCNetwork, x: Tensor | None, y: Tensor | None, batch_size: 
             raise TypeError(f"{name} must be a tensor (or None: a free end), got {type(t).__name__}")
     if x is not None and not x.is_floating_point():
         raise ValueError(f"x must hold floats, got {x.dtype}: scale it as in training (uint8 images: x / 255)")
+    if y is not None and y.is_complex():  # (integers and bools, a one-hot, are taken as they are)
+        raise ValueError(f"y must hold real numbers, got {y.dtype}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     B = x.shape[0] if x is not None else y.shape[0] if y is not None else batch_size
