@@ -78,6 +78,21 @@ def test_an_optuna_study_counts_a_diverged_trial_failed_and_goes_on(tmp_path):
     assert best["best_value"] == read_metrics(sweep / good / "metrics.jsonl")[-1]["val/accuracy"]
 
 
+def test_an_optuna_study_whose_every_trial_diverged_ends_in_one_line(tmp_path):
+    """No trial completed (the only one diverged): the study has no best trial, which was Optuna's ValueError as a
+    traceback through Hydra's; now one line naming the trials, status 1, and no optimization_results.yaml."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--multirun", "hydra/sweeper=optuna",
+                          "hydra.sweeper.n_trials=1", "pc.x_lr=choice(1000,2000)", *QUICK, f"hydra.sweep.dir={sweep}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (f"error: no trial of the Optuna study completed (1 diverged: "
+                                                   f"{sweep / '0'}): it has no best trial, and wrote no "
+                                                   f"optimization_results.yaml")
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
 def test_check_of_a_sweep_checks_each_job_and_a_glob_sweep_is_listed(tmp_path):
     """--check --multirun over lists checks every job as the run it will be (a list had been read as one ambiguous
     value: "add --multirun", given already), each mesh said once; glob(...) lists a group's options as Hydra's

@@ -301,6 +301,37 @@ def _train(cfg) -> float | None:
 _diverged: list[str] = []
 """The run directories of this sweep's jobs that diverged."""
 
+
+@contextlib.contextmanager
+def _study_without_a_best_trial(argv: list[str]):
+    """Hydra's Optuna sweeper reads its study's best trial at the end: where no trial completed (each diverged or
+    failed) Optuna's "No trials are completed yet" came as a traceback through Hydra's. One line instead, status 1."""
+    impl = None
+    if any("sweeper=optuna" in a for a in argv):
+        with contextlib.suppress(ImportError):  # (the sweep extra; without it Hydra names the missing sweeper)
+            from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl as impl
+    if impl is None or not hasattr(impl, "sweep"):
+        yield
+        return
+    own = impl.sweep
+
+    def sweep(self, arguments):
+        try:
+            return own(self, arguments)
+        except ValueError as e:
+            if "No trials are completed yet" not in str(e):
+                raise
+            why = f" ({len(_diverged)} diverged: {', '.join(_diverged)})" if _diverged else \
+                " (each failed, as said above)"
+            fail(f"no trial of the Optuna study completed{why}: it has no best trial, and wrote no "
+                 f"optimization_results.yaml", status=1)
+
+    impl.sweep = sweep
+    try:
+        yield
+    finally:
+        impl.sweep = own
+
 _new_dirs: list[Path] = []
 """The run directory and those of its parents that did not exist before this launch, deepest first."""
 
@@ -508,7 +539,7 @@ def _main() -> None:
             why = "a file is there" if path.is_file() else e.strerror or e
             fail(f"cannot make the run directory {path}: {why} (choose another: hydra.run.dir=...)")
     try:
-        with _composed_once():
+        with _composed_once(), _study_without_a_best_trial(sys.argv[1:]):
             hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(_train)()
     finally:  # a launch that failed before training leaves no empty run directory behind
         _remove_new_dirs()
