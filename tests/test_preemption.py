@@ -62,6 +62,30 @@ def test_sigterm_checkpoints_exits_3_and_the_rerun_resumes(tmp_path, capsys):
     assert not (run_dir / "PREEMPTED").exists(), "the resumed run removed the stop's record"
 
 
+def test_sigterm_to_the_process_group_of_a_streamed_run_checkpoints(tmp_path):
+    """SIGTERM to the whole process group (GNU timeout, kill -- -PGID, a bare torchrun's agent, a SLURM step) of a
+    run streaming its data with a DataLoader worker: the worker died of it, and torch's SIGCHLD handler raised in
+    the training process mid-step (three tracebacks, no pre-emption checkpoint, no PREEMPTED). The workers now
+    ignore the stop signals; the run checkpoints and exits 3 as with no workers."""
+    import numpy as np
+
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 320), ("val", 40)):
+        np.save(arrays / f"x_{split}.npy", rng.standard_normal((n, 12)).astype("float32"))
+        np.save(arrays / f"y_{split}.npy", rng.integers(0, 4, n))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *LONG, "data=arrays", f"data.path={arrays}/", "data.num_workers=1",
+           "model.dims=[12,8,8,4]", "pc.x_lr=0.1", f"hydra.run.dir={run_dir}"]
+    proc = start(cmd, run_dir, session=True)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 3 and "Traceback" not in out, out[-3000:]
+    step = int((run_dir / "PREEMPTED").read_text())
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"step-{step:08d}"
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """SIGUSR1 (SLURM's warning) to one torchrun worker only: both ranks checkpoint the same step and stop."""
     run_dir = tmp_path / "run"

@@ -14,6 +14,7 @@ neither (the engine takes only the batch size from them), so it reads nothing.
 
 from __future__ import annotations
 
+import signal
 from typing import Callable, Iterator
 
 import torch
@@ -85,6 +86,15 @@ class _Checked(torch.utils.data.Dataset):
         return x, labels.long()
 
 
+def _calm_worker(_: int) -> None:
+    """A DataLoader worker ignores the stop signals (SIGTERM, SIGUSR1). Sent to a whole process group (``timeout``,
+    ``kill -- -PGID``, torchrun's agent, a SLURM step), one killed it, and torch's SIGCHLD handler then raised in
+    the training process mid-step: no pre-emption checkpoint, tracebacks in place of a peer's one line. The
+    training process stops its workers itself (and they end with it if it dies)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _batch(b):
     return b
 
@@ -128,7 +138,7 @@ class Streamed:
         self.reads = par.is_first or par.is_last
         self.options = dict(num_workers=num_workers, collate_fn=_batch, pin_memory=device.type == "cuda")
         if num_workers > 0:
-            self.options["prefetch_factor"] = prefetch_factor
+            self.options.update(prefetch_factor=prefetch_factor, worker_init_fn=_calm_worker)
         self.train_set = _Checked(data.train, "train", data.num_classes, data.sample_shape)
         self.val_set = _Checked(data.val, "val", data.num_classes, data.sample_shape)
         self._val_loader = None
