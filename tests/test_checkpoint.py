@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pcdist
-from pcdist.service.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from pcdist.service.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from pcdist.service.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,6 +276,13 @@ def test_a_failed_write_never_damages_the_previous_checkpoint(two_checkpoints, t
     assert {p.name: p.read_bytes() for p in (run / "checkpoints/step-00000008").iterdir()} == before
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
     assert load_checkpoint(run / "checkpoints/step-00000008", net, None)["step"] == 8
+    # its step-00000099.tmp stayed for good where step 99 was not written again (a resume on another split):
+    # the next checkpoint written removes it
+    assert (run / "checkpoints/step-00000099.tmp").is_dir()
+    meta = torch.load(run / "checkpoints/step-00000008/meta.pt", weights_only=True)
+    save_checkpoint(run, 9, net, torch.optim.AdamW(net.parameters()), {**meta, "step": 9}, keep=2, writer=True,
+                    leader=True)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000008", "step-00000009"]
 
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):

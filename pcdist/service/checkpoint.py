@@ -145,6 +145,10 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         # the run writes their steps again: pruning never removes what it has just written
         for old in [k for k in _checkpoints(ckdir) if _step_of(k) <= step][:-keep]:
             _remove(old)
+        # the leftovers of writes that failed or were killed (a step not written again, after a resume on another
+        # split, say, stayed for good): the run directory is this launch's alone, and every writer is done
+        for stale in [*ckdir.glob("step-*.tmp"), *ckdir.glob(".step-*.removed-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
     if distributed:
         barrier("the checkpoint barrier", group)
     return final
