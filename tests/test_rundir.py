@@ -166,7 +166,7 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
     """Stop at 12, resume with a new LR, T and length: each change is one line with its decision; from step 12
     on the LR follows the new schedule (what a straight run with the new settings logs); every attempt's
     config is kept and config.yaml is the latest."""
-    new = {"optim": {"lr": 0.01}, "pc": {"T": 3}, "trainer": {"max_steps": 36}}
+    new = {"optim": {"lr": 0.01}, "pc": {"T": 3}, "trainer": {"max_steps": 36, "stop_at": 36}}
     copy_of(stopped_at_12, tmp_path / "run")
     capsys.readouterr()
     pcdist.train(cfg(tmp_path / "run", **new))
@@ -178,6 +178,8 @@ def test_changed_settings_on_resume_are_applied_said_and_kept(stopped_at_12, tmp
         in lines
     assert "resume: trainer.max_steps changed 24 -> 36: applied (the LR schedule is recomputed at the resumed step)" \
         in lines
+    # trainer.stop_at (12 then, given now) is this launch's, not a setting of the run that changed: no line
+    assert not [line for line in lines if line.startswith("resume: trainer.stop_at")], lines
     # The LR each step trains with after the resume is the new schedule's: an independent LambdaLR at each logged
     # step.
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)

@@ -167,7 +167,6 @@ ON_RESUME: dict[str, tuple[str, str]] = {
 SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.schedule", "optim.final_lr_ratio", "trainer.max_steps",
                  "trainer.epochs")
 """Keys whose change rebuilds the LR schedule at the resumed step (instead of loading the saved one)."""
-_NOT_SETTINGS = ("run_dir", "resume")
 
 
 LAUNCH_KEYS = ("run_dir", "resume", "parallel", "trainer.stop_at")
@@ -569,9 +568,8 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
         kept = {k: before[k] for k in after if k in before and k not in passed and not _of_launch(k)}
         r.config = c = load_config(literal(_nested({**after, **kept})))  # the run's text is data: no ${...}
         after = flat(asdict(c))
-    for key, new in after.items():
-        shown = passed is None or key in passed or not _of_launch(key)
-        if key in before and key not in _NOT_SETTINGS and before[key] != new and shown:
+    for key, new in after.items():  # (the launch's own keys change with every launch: the mesh line says it)
+        if key in before and before[key] != new and not _of_launch(key):
             r.changes.append((key, before[key], new, *_policy(key, before[key], new, c.data.name)))
     refused = [(k, o, n, why) for k, o, n, decision, why in r.changes if decision == REFUSE]
     if refused:
@@ -660,8 +658,7 @@ def _refuse_other_settings(old: dict, c: Config, run_dir: Path) -> None:
     for key in DATA_PATHS:  # a run of an earlier pcdist recorded them as given (relative to the folder it ran in)
         if isinstance(before.get(key), str):
             before[key] = absolute_path(before[key])
-    other = [k for k, v in after.items() if k in before and before[k] != v and not _of_launch(k)
-             and k not in _NOT_SETTINGS]
+    other = [k for k, v in after.items() if k in before and before[k] != v and not _of_launch(k)]
     if other:
         named = ", ".join(f"{k}={_shown(before[k])} (this job: {_shown(after[k])})" for k in other[:4])
         more = f" and {len(other) - 4} more" if len(other) > 4 else ""
