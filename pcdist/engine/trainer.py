@@ -77,13 +77,17 @@ def _drop_precision_rows(tr, schedule) -> None:
     _warn_if_inert(schedule, tr.init, tr.value_noise, tr.rule, stacklevel=4)  # (the user's line setting it)
 
 
-def _chains(net: PCNetwork) -> bool:
-    """Whether ``net`` has a group that init="deeppcr" solves as one chain: K > 1 equal dense or residual hidden
-    layers (layers/dense.py, residual.py; the output group and conv and module groups run the feed-forward pass)."""
+def _warn_if_no_chain(net: PCNetwork, init: str, parallel) -> None:
+    """init="deeppcr" on a whole network with no group it solves as one chain (K > 1 equal dense or residual hidden
+    layers: layers/dense.py, residual.py; the output group and conv and module groups run the feed-forward pass)."""
     from .layers.dense import DenseGroup
     from .layers.residual import ResidualGroup
 
-    return any(isinstance(g, (DenseGroup, ResidualGroup)) and g.K > 1 for g in net.groups[:-1])
+    if init == "deeppcr" and parallel.layer_size == 1 and not any(
+            isinstance(g, (DenseGroup, ResidualGroup)) and g.K > 1 for g in net.groups[:-1]):
+        warnings.warn("init='deeppcr' changes nothing here: it solves groups of several equal dense or residual "
+                      "hidden layers as one chain, and this network has none (its value nodes start from the "
+                      "feed-forward pass, as with init='ff')", stacklevel=3)
 
 
 def _warn_if_inert(schedule, init: str, value_noise: float, rule: ValueRule, stacklevel: int) -> None:
@@ -225,10 +229,7 @@ class PCTrainer(LiveSettings):
         self._init, self._skip_above, self._precision_schedule = init, skip_above, precision_schedule
         self._value_noise, self._noise_seed = float(value_noise), operator.index(noise_seed)
         _warn_if_inert(precision_schedule, init, self._value_noise, self._rule, stacklevel=3)
-        if init == "deeppcr" and parallel.layer_size == 1 and not _chains(net):
-            warnings.warn("init='deeppcr' changes nothing here: it solves groups of several equal dense or residual "
-                          "hidden layers as one chain, and this network has none (its value nodes start from the "
-                          "feed-forward pass, as with init='ff')", stacklevel=2)
+        _warn_if_no_chain(net, init, parallel)
         self.steps_done = 0  # training steps taken (the noise of step s is drawn from s; set it on resume)
         self._inferred = 0  # infer calls made (their noise is drawn from their own count)
         self._stages: dict[tuple, tuple[tuple, Stage]] = {}  # (B, free ends, ...) -> (weights' addresses, Stage)
