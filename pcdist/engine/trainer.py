@@ -271,9 +271,10 @@ class PCTrainer(LiveSettings):
             self._new_update(self.optimizer, self.scheduler, self.update.steps)
         self.update.prepare()
         clock = [time.perf_counter()]
-        graph = self.runner.mode == "graph" and self._eager is None  # (a capture skips the parameters frozen then,
-        frozen, settings = (self.update.frozen(), self.update.settings()) if graph else ((), ())  # holds settings)
-        key = ("step", st, self.x_lr, noise, self.T, self.solver, settings, frozen)  # a replay's constants
+        # a replay's constants: a capture holds the optimizer's settings and skips the parameters frozen then
+        graph = self.runner.mode == "graph" and self._eager is None
+        frozen, settings = (self.update.frozen(), self.update.settings()) if graph else ((), ())
+        key = ("step", st, self.x_lr, noise, self.T, self.solver, settings, frozen)
         if self._eager is not None and key not in self.runner.eager:
             self.runner.fallback(key, self._eager)
         try:

@@ -54,7 +54,6 @@ class WeightUpdate:
         self._bad = torch.zeros((), dtype=torch.bool, device=device)
         self._settled = False  # a fused optimizer has made all its state
         self._layout = self._optimizer_layout()
-
         self._entries = 0  # parameters with optimizer state, the most seen
 
     def _optimizer_layout(self) -> tuple:  # (per step: O(1), add_param_group appends a group)

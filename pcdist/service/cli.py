@@ -332,6 +332,7 @@ def _study_without_a_best_trial(argv: list[str]):
     finally:
         impl.sweep = own
 
+
 _new_dirs: list[Path] = []
 """The run directory and those of its parents that did not exist before this launch, deepest first."""
 
