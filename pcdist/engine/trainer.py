@@ -271,10 +271,8 @@ class PCTrainer(LiveSettings):
             self._new_update(self.optimizer, self.scheduler, self.update.steps)
         self.update.prepare()
         clock = [time.perf_counter()]
-        # a replay's constants: a capture holds the optimizer's settings and skips the parameters frozen then
-        graph = self.runner.mode == "graph" and self._eager is None
-        frozen, settings = (self.update.frozen(), self.update.settings()) if graph else ((), ())
-        key = ("step", st, self.x_lr, noise, self.T, self.solver, settings, frozen)
+        held = self.update.held() if self.runner.mode == "graph" and self._eager is None else ((), ())
+        key = ("step", st, self.x_lr, noise, self.T, self.solver, *held)  # a replay's constants
         if self._eager is not None and key not in self.runner.eager:
             self.runner.fallback(key, self._eager)
         try:

@@ -70,6 +70,10 @@ class WeightUpdate:
         self._entries = entries
         return self._optimizer_layout() != self._layout
 
+    def held(self) -> tuple[tuple, tuple]:
+        """What a captured step holds as it was at its capture: (``settings()``, ``frozen()``)."""
+        return self.settings(), self.frozen()
+
     def settings(self) -> tuple:
         """The optimizer's settings other than the learning rate, per group (``weight_decay``, ``betas``,
         ``momentum``, ``eps``, ...: the keys of its ``defaults``), which a captured step replays as they were at
