@@ -713,6 +713,7 @@ def test_a_run_folder_that_is_itself_a_link_is_never_written_through(digits_run,
     """A folder given as the run (or a sweep's job folder one was sent) that is a link would take a run, eval.json
     and the pictures into the folder it leads to: refused in one line naming the link, nothing changed there."""
     elsewhere = _sent(digits_run[0], tmp_path / "elsewhere")
+    (elsewhere / ".lock").write_text("pid 1 on a host since 2026-01-01 00:00:00\n")  # (its lock was removed)
     link = tmp_path / "sent"
     link.symlink_to(elsewhere)
     before = snapshot(elsewhere)
@@ -722,6 +723,28 @@ def test_a_run_folder_that_is_itself_a_link_is_never_written_through(digits_run,
     with pytest.raises(pcdist.RunError, match="the directory itself -> "):
         pcdist.evaluate(link)
     assert snapshot(elsewhere) == before
+
+
+def test_a_lock_file_that_is_not_pcdists_is_never_written_or_removed(tmp_path):
+    """The run's .lock was opened, truncated and written before the link check, and removed on a refusal: a .lock
+    hard-linked to a file elsewhere lost that file's text, and a project folder's own .lock (another tool's) was
+    removed by a refusal saying "nothing was changed". Now each is refused in one line before anything is written."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious data\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(precious, linked / ".lock")
+    tool = tmp_path / "tool"
+    tool.mkdir()
+    (tool / ".lock").write_text("held by my-tool\n")
+    for run, why in ((linked, "which is a hard link to another file"), (tool, "which pcdist did not write ('held by "
+                                                                              "my-tool')")):
+        with pytest.raises(pcdist.ConfigError, match=re.escape(f"{run} holds .lock, {why}: pcdist writes its lock "
+                                                               f"there, so it uses no such directory; nothing was "
+                                                               f"changed")):
+            pcdist.train({"run_dir": str(run), **SHORT})
+    assert precious.read_text() == "precious data\n" and (tool / ".lock").read_text() == "held by my-tool\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["linked", "precious.txt", "tool"]
 
 
 def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path):

@@ -378,6 +378,8 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
                           f"({printable(refused.read_text(errors='replace').strip())}); torchrun restarted it, but a "
                           f"launch that found another run there does not take the directory over when that run "
                           f"ends: launch again to resume it")
+    if run_dir.is_symlink():  # (before anything is written: the lock would be the link's target's)
+        raise ConfigError(links_refusal(run_dir, links_in(run_dir), "a run continued there"))
     made = not run_dir.exists()
     path = run_dir / LOCK
     deadline = time.monotonic() + (wait_s if wait_s is not None else 5.0 if _restarted() else 0.0)
@@ -385,9 +387,15 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:  # read-only, a file in its place, a full disk
+        except OSError as e:  # read-only, a file in its place (a symbolic link), a full disk
             raise ConfigError(f"cannot write in the run directory {run_dir} ({e.strerror or e}: {e.filename}); "
                               f"choose another (hydra.run.dir=..., or the config key run_dir)") from None
+        not_ours = _not_a_lock_of_ours(fd)
+        if not_ours:  # a hard link to a file elsewhere, another tool's .lock: never written, never removed
+            os.close(fd)
+            raise ConfigError(f"{run_dir} holds {LOCK}, {not_ours}: pcdist writes its lock there, so it uses no "
+                              f"such directory; nothing was changed: choose another (hydra.run.dir=..., or the "
+                              f"config key run_dir)")
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
@@ -416,6 +424,26 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}"
                   f"{'' if launch is None else f' (launch {launch})'}\n".encode(), 0)
     _held[:] = [fd, path, run_dir if made else None]
+
+
+_LOCK_TEXT = re.compile(r"pid \d+ on ")
+"""How a lock file of pcdist's begins (``lock_run_dir``; empty between its making and its writing)."""
+
+
+def _not_a_lock_of_ours(fd: int) -> str | None:
+    """Why the open file ``fd`` (a run directory's .lock) is not one pcdist may write and remove, or None: another
+    name for a file elsewhere (a hard link), not a regular file, or what another tool wrote."""
+    import stat
+
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "which is not a regular file"
+    if st.st_nlink > 1:
+        return "which is a hard link to another file"
+    text = os.pread(fd, 300, 0)
+    if text and not _LOCK_TEXT.match(text.decode(errors="replace")):
+        return f"which pcdist did not write ({printable(text[:60].decode(errors='replace').strip())!r})"
+    return None
 
 
 REFUSED = ".refused"
@@ -447,9 +475,13 @@ def _remember_refusal(record: Path | None, holder: str) -> None:
     the launch that holds it)."""
     if record is None or f"(launch {record.name})" in holder:
         return
-    try:
+    try:  # (never through a link: a .refused leading elsewhere, or a record that is one)
         record.parent.mkdir(exist_ok=True)
-        record.write_text(f"held by {holder}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        if record.parent.is_symlink():
+            return
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"held by {holder}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     except OSError:  # (the refusal itself still stands)
         pass
 
