@@ -783,6 +783,12 @@ def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_
     logger = pcdist.load(run).config.logger
     assert {"project": logger.project, "run_name": logger.run_name} == asked
     assert pcdist.evaluate(run, ["pc.T=5"], write=False)["step"] == 40
+    from pcdist.service.evaluate import _with_overrides  # the config evaluate runs with (it resolved them)
+
+    with monkeypatch.context() as inside:
+        inside.setenv("TORCHELASTIC_RUN_ID", "abc")  # (as in a torchrun job, where new_run_dir makes its record)
+        evaluated = _with_overrides(pcdist.load(run).config, ["pc.T=5"]).logger
+    assert {"project": evaluated.project, "run_name": evaluated.run_name} == asked and not made.exists()
     pcdist.train({"run_dir": str(run), "trainer.max_steps": 60, "logger.plots": False})  # resumed with its own
     resumed = pcdist.load(run)
     assert resumed.step == 60 and resumed.config.logger.project == asked["project"]

@@ -73,7 +73,7 @@ def _with_overrides(c: Config, overrides) -> Config:
                            f"{key}={own}); an evaluation takes the inference's pc.* keys "
                            f"(pc.T, pc.x_lr, pc.solver, ...)")
         OmegaConf.update(base, key, yaml_value(value), merge=True)
-    c = load_config(base)
+    c = load_config(literal(OmegaConf.to_container(base, resolve=True)))  # (the escapes undone: escaped again)
     check_combination(c)
     return c
 
