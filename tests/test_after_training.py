@@ -747,6 +747,23 @@ def test_a_lock_file_that_is_not_pcdists_is_never_written_or_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["linked", "precious.txt", "tool"]
 
 
+def test_a_run_folder_holding_a_named_pipe_is_refused_not_waited_on(digits_run, tmp_path):
+    """A train.log that is a named pipe (mkfifo needs no privilege; tar keeps them): a resume opened it to append
+    and waited forever, silently, holding the directory. Refused in one line naming it; nothing changed."""
+    run = _sent(digits_run[0], tmp_path / "run")
+    (run / "train.log").unlink()
+    os.mkfifo(run / "train.log")
+    before = sorted(p.name for p in run.iterdir())
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=60",
+                          "logger.plots=false"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))  # (an open that waits: a process with a deadline)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"error: {run} holds train.log, which is not a regular file (a named pipe, a socket, a device): a run "
+        f"continued there would write into it; nothing was changed: remove it, or choose another directory"), \
+        out.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
 def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path):
     """A file name in a folder one was sent is data: a control sequence in it (a window title set, the line
     erased, fake text) is printed escaped, in a refusal (a link's name) and in the warning about a damaged

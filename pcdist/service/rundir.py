@@ -559,6 +559,13 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     found = links_in(run_dir)
     if found:
         raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
+    special = [n for n in (*RUN_FILES, LOCK) if (Path(run_dir) / n).exists() and not (Path(run_dir) / n).is_file()
+               and not (Path(run_dir) / n).is_dir()]
+    if special:  # (a named pipe: its open for appending waited forever, silently, with the directory held)
+        raise ConfigError(f"{run_dir} holds {', '.join(special)}, which {'is' if len(special) == 1 else 'are'} not "
+                          f"a regular file (a named pipe, a socket, a device): a run continued there would write "
+                          f"into {'it' if len(special) == 1 else 'them'}; nothing was changed: remove "
+                          f"{'it' if len(special) == 1 else 'them'}, or choose another directory")
     held = sweep_in(run_dir)
     if held:  # (hydra.run.dir=<a sweep's folder>: its job's /<n> left out)
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
