@@ -81,7 +81,9 @@ FEATURES = {
     "unsupervised-learned-prior-bce": dict(bottom="free", prior=Prior(0.5, "learned"), energy="bce"),
     "generative-uniform-prior-free-bottom": dict(bottom="free", prior=Prior(2.0, "uniform"), energy="se"),
     "generative-precision": dict(bottom="onehot", precision=2.0),
-    "free-top-callable": dict(top="free", energy=quartic, precision=[0.5, 1.5, 2.0, 1.0, 0.7]),
+    # (noise: from the feed-forward init a free top sits at u_L, where its gradient is zero and any is right)
+    "free-top-callable": dict(top="free", energy=quartic, precision=[0.5, 1.5, 2.0, 1.0, 0.7], noise=0.02),
+    "se-top-precision": dict(precision=[2.0] * 5),  # (se's logged energy divides its pi-scaled signal back)
     "precision-per-layer-ce": dict(precision=[0.5, 1.5, 2.0, 1.0, 3.0], energy="ce"),
     "top-down-schedule-zero-energy-noise": dict(schedule=top_down(0.3), energy="zero", noise=0.05),
     "noise-unsupervised": dict(bottom="free", noise=0.05, prior=Prior(1.0, "learned")),
