@@ -221,6 +221,40 @@ def test_a_checkpoint_whose_files_leave_out_a_layer_is_damaged(tmp_path, manifes
     assert pcdist.train({"run_dir": str(run), "logger.plots": False})["step"] == 8  # resumed from step 4
 
 
+@pytest.mark.parametrize("edit,said", [("the last layer left out", "layers 3..3 have no file"),
+                                       ("a layer in two files", "layers 2..3 are in two files")])
+def test_a_checkpoint_whose_files_end_short_or_overlap_is_damaged(tmp_path, edit, said):
+    """The other ends of the same check: layer files that stop before the last layer (a slice's file missing from
+    the listing) or that hold a layer twice (one would win silently): skipped as damaged, saying so."""
+    import hashlib
+    import json
+
+    run = tmp_path / "run"
+    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": TANH,
+                  "parallel": {"layer": 1}, "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8,
+                                                         "progress": "off"}})
+    newest = run / "checkpoints" / "step-00000008"
+    (layers,) = newest.glob("layers-*.pt")
+    body = json.loads((newest / "manifest.json").read_text())
+    part = torch.load(layers, weights_only=True)
+    if edit == "the last layer left out":
+        part["layers"] = {k: v for k, v in part["layers"].items() if not k.startswith("layers.3.")}
+        layers.unlink()
+        del body["files"][layers.name]
+        name = "layers-0001-0003.pt"
+    else:
+        part["layers"] = {k: v for k, v in part["layers"].items() if not k.startswith("layers.1.")}
+        name = "layers-0002-0004.pt"
+    torch.save(part, newest / name)
+    body["files"][name] = hashlib.sha256((newest / name).read_bytes()).hexdigest()
+    (newest / "manifest.json").write_text(json.dumps(body))
+    found, = [w for w in _warned(lambda: latest_checkpoint(run))]
+    assert f"skipping damaged checkpoint {newest}: manifest.json: {said}" in found
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (said again)
+        assert latest_checkpoint(run) == run / "checkpoints" / "step-00000004"
+
+
 def _warned(fn) -> list[str]:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
