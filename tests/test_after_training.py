@@ -781,6 +781,12 @@ def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path
     out = cli("evaluate", run, check=False)
     assert out.returncode == 2 and "\x1b" not in out.stderr and "\r" not in out.stderr, repr(out.stderr)
     assert "holds links (\\x1b]0;owned\\x07\\x1b[2K\\rok: evaluation passed -> " in out.stderr, out.stderr
+    (run / evil).unlink()  # an unlisted layer file's name, in an error line of the command (it came raw)
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    (newest / f"layers-{evil}.pt").write_bytes(b"x")
+    out = cli("evaluate", run, "--checkpoint", str(int(newest.name[5:])), check=False)
+    assert out.returncode == 2 and "\x1b" not in out.stderr and "\r" not in out.stderr, repr(out.stderr)
+    assert "layers-\\x1b]0;owned\\x07" in out.stderr, out.stderr
 
 
 def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_path, monkeypatch):

@@ -109,13 +109,13 @@ def _run(args) -> None:
 
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
-    from ..errors import USER_ERRORS  # (no torch: compare needs none)
+    from ..errors import USER_ERRORS, printable  # (no torch: compare needs none)
 
     args = _parser().parse_args(argv)
     try:
         _run(args)
-    except USER_ERRORS as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except USER_ERRORS as e:  # (a name from a run folder in it reaches the terminal escaped)
+        print(f"error: {printable(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
     return 0
 
