@@ -789,6 +789,23 @@ def test_names_from_a_run_folder_reach_the_terminal_escaped(digits_run, tmp_path
     assert "layers-\\x1b]0;owned\\x07" in out.stderr, out.stderr
 
 
+def test_a_dollar_in_a_run_folders_names_is_drawn_as_written(digits_run, tmp_path):
+    """Matplotlib reads $...$ as math: a run folder named math$\\bad{$ ended evaluate's confusion picture (after
+    eval.json was written), and a setting of one job of a sweep ended compare's picture, in the parser's
+    traceback. Drawn as written now."""
+    run = _sent(digits_run[0], tmp_path / "math$\\bad{$")
+    out = cli("evaluate", run, check=False)
+    assert out.returncode == 0 and (run / "confusion.png").is_file(), out.stderr
+    sweep = tmp_path / "sweep"
+    for job, project in (("0", "pcdist"), ("1", "$\\undefinedmacro{$")):
+        copy = _sent(digits_run[0], sweep / job)
+        text = (copy / "config.yaml").read_text()
+        (copy / "config.yaml").write_text(re.sub(r"(?m)^  project: .*$", lambda m: f"  project: '{project}'", text))
+    out = cli("compare", sweep, check=False)
+    assert out.returncode == 0 and (sweep / "compare.png").is_file(), out.stderr
+    assert "$\\undefinedmacro{$" in out.stdout
+
+
 def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_path, monkeypatch):
     """A ${oc.env:...} or ${pcdist.new_run_dir:...} in a run's config is that string to pcdist.load, to evaluate
     with overrides and to a resume: nothing is read from the environment, no folder is made. A folder in

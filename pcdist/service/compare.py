@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from ..errors import RunError, printable
-from .metrics import _save, replace_file, subplots, read_metrics
+from .metrics import _save, read_metrics, replace_file, subplots, tight_layout
 from .config import flat, read_settings
 
 __all__ = ["compare", "find_runs", "format_table", "format_groups", "write_csv", "write_json", "SEED", "METRICS"]
@@ -141,7 +141,7 @@ def _plot(runs, histories, rows, differing, path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7)
-    fig.tight_layout()
+    tight_layout(fig)
     path.parent.mkdir(parents=True, exist_ok=True)
     _save(fig, path)
 

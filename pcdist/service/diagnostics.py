@@ -115,7 +115,7 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
     """diagnostics_energy.png (energy per layer over the inference steps: the first and the last diagnosed
     batch) and diagnostics_cosine.png (cos of PC's update and backprop's gradient per layer, and the norm
     ratio, over training); returns {name: path}."""
-    from .metrics import _save, subplots
+    from .metrics import _save, subplots, tight_layout
 
     import matplotlib as mpl
 
@@ -140,7 +140,7 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
         ax.set_title(f"step {r['step']}: inference {r['inference']} (x_lr {r['x_lr']:g}, T {r['T']})", fontsize=9)
         if L <= 10:
             ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    tight_layout(fig)
     out["diagnostics_energy"] = run_dir / "diagnostics_energy.png"
     _save(fig, out["diagnostics_energy"])
     fig, (ax, ax2) = subplots(1, 2, figsize=(10.4, 4.0))
@@ -165,7 +165,7 @@ def plot_diagnostics(records: list[dict], run_dir: Path) -> dict[str, Path]:
     else:
         fig.colorbar(mpl.cm.ScalarMappable(mpl.colors.Normalize(1, L), mpl.colormaps["viridis"]), ax=ax2,
                      label="layer")
-    fig.tight_layout()
+    tight_layout(fig)
     out["diagnostics_cosine"] = run_dir / "diagnostics_cosine.png"
     _save(fig, out["diagnostics_cosine"])
     return out

@@ -295,8 +295,25 @@ def replace_file(path: str | Path, content) -> Path:
     return path
 
 
+def tight_layout(fig) -> None:
+    """``fig.tight_layout()`` of a figure whose texts are final (it draws them: ``literal_texts`` first)."""
+    literal_texts(fig)
+    fig.tight_layout()
+
+
+def literal_texts(fig) -> None:
+    """Every text of ``fig`` drawn as it is written, never read as mathtext: a $ in a name from a run folder (a
+    setting, a job's folder) ended the drawing in the parser's traceback, or was drawn as math."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+
+
 def _save(fig, path: Path) -> None:
-    """The figure as a PNG, its axes' titles also kept as the file's Title (readable without looking)."""
+    """The figure as a PNG (its texts literal), its axes' titles also kept as the file's Title (readable without
+    looking)."""
+    literal_texts(fig)
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     replace_file(path, lambda f: fig.savefig(f, format="png", dpi=110,
                                              metadata={"Title": " | ".join(titles)} if titles else None))

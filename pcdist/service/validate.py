@@ -105,7 +105,7 @@ def pictures(c, held_out: Callable[[], torch.Tensor], trainer: PCTrainer, image_
 
 def draw_grid(rows, labels, title: str, path: Path) -> Path:
     """Rows of images [n, C, H, W] (values clipped to [0, 1]) as one picture, a label per row."""
-    from .metrics import _save, subplots
+    from .metrics import _save, subplots, tight_layout
 
     n = max(len(r) for r in rows)
     fig, axes = subplots(len(rows), n, figsize=(0.9 * n + 1.4, 0.95 * len(rows) + 0.5), squeeze=False)
@@ -119,7 +119,7 @@ def draw_grid(rows, labels, title: str, path: Path) -> Path:
                 ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1)
         axes[i][0].set_ylabel(label, fontsize=7, rotation=0, ha="right", va="center")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    tight_layout(fig)
     _save(fig, path)
     return path
 
