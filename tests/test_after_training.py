@@ -806,6 +806,37 @@ def test_a_dollar_in_a_run_folders_names_is_drawn_as_written(digits_run, tmp_pat
     assert "$\\undefinedmacro{$" in out.stdout
 
 
+def test_odd_values_in_a_run_folders_files_are_one_line_not_a_traceback(digits_run, tmp_path):
+    """A checkpoint recording the auto value step as text, inputs to predict that are an array of Python objects,
+    an earlier metrics row holding text for the energy: each ended in a traceback (the last after the resumed run
+    had trained, in the end-of-run picture). One line naming the file for the first two; the third is drawn
+    without that value."""
+    run = _sent(digits_run[0], tmp_path / "run")
+    meta = torch.load(sorted((run / "checkpoints").glob("step-*"))[-1] / "meta.pt", weights_only=True)
+    meta["x_lr"] = "abc"
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    _rewrite_meta(run, buffer.getvalue())
+    out = cli("evaluate", run, check=False)
+    assert out.returncode == 2 and out.stderr == (f"error: {run}: its checkpoint records the value step "
+                                                  f"pc.x_lr=auto chose as 'abc', not a number > 0: the checkpoint is "
+                                                  f"damaged; resume from another (pcdist.load's checkpoint=), or set "
+                                                  f"pc.x_lr to a number\n"), out.stderr
+    objects = np.empty(4, dtype=object)
+    objects[:] = [1, "a", 2, 3]
+    np.savez(tmp_path / "objects.npz", x=objects)
+    out = cli("predict", digits_run[0], tmp_path / "objects.npz", "--out", tmp_path / "p.npz", check=False)
+    assert out.returncode == 2 and out.stderr == (f"error: {tmp_path / 'objects.npz'}: array 'x' cannot be read (an "
+                                                  f"array of Python objects, which would be unpickled: predict never "
+                                                  f"does)\n"), out.stderr
+    texted = _sent(digits_run[0], tmp_path / "texted")
+    rows = read_metrics(texted / "metrics.jsonl")
+    rows[0]["train/energy"] = "x"
+    (texted / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert pcdist.train({"run_dir": str(texted), "trainer": {"max_steps": 44}, "logger.plots": True})["step"] == 44
+    assert (texted / "accuracy_energy.png").is_file()
+
+
 def test_a_run_folders_text_is_data_never_an_expression_or_code(digits_run, tmp_path, monkeypatch):
     """A ${oc.env:...} or ${pcdist.new_run_dir:...} in a run's config is that string to pcdist.load, to evaluate
     with overrides and to a resume: nothing is read from the environment, no folder is made. A folder in

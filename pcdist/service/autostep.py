@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..distributed.parallel import collective
 from ..engine.arguments import NEAR_EQUILIBRIUM
 from ..engine.diagnostics import diagnose
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 
 __all__ = ["CANDIDATES", "BATCHES", "MIN_COS", "choose_x_lr", "resolve_x_lr", "saved_x_lr", "method_options",
            "OTHER_MODES"]
@@ -123,7 +123,12 @@ def saved_x_lr(run_dir: str | Path, meta: dict | None = None) -> float | None:
     None if neither has it (a run not yet started; a checkpoint of before the record whose x_lr.json was not
     copied with it)."""
     if meta and "x_lr" in meta:
-        return None if meta["x_lr"] is None else float(meta["x_lr"])
+        x_lr = meta["x_lr"]
+        if x_lr is not None and (isinstance(x_lr, bool) or not isinstance(x_lr, (int, float)) or not x_lr > 0):
+            raise ConfigError(f"{run_dir}: its checkpoint records the value step pc.x_lr=auto chose as "
+                              f"{printable(repr(x_lr)[:40])}, not a number > 0: the checkpoint is damaged; resume "
+                              f"from another (pcdist.load's checkpoint=), or set pc.x_lr to a number")
+        return None if x_lr is None else float(x_lr)
     path = Path(run_dir) / FILE
     if not path.is_file():
         return None

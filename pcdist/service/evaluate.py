@@ -226,15 +226,24 @@ def _inputs(path, key: str | None = None) -> tuple[str | None, np.ndarray]:
     if key is not None:
         if key not in keys:
             raise RunError(f"{p} holds no array {key!r} (it holds {', '.join(keys)}); --key names one of them")
-        return key, got[key]
+        return key, _member(p, got, key)
     if "x" in keys or len(keys) == 1:
         name = "x" if "x" in keys else keys[0]
-        return name, got[name]
+        return name, _member(p, got, name)
     held = [k for k in INPUT_KEYS[1:] if k in keys]
     if len(held) == 1:
-        return held[0], got[held[0]]
+        return held[0], _member(p, got, held[0])
     raise RunError(f"{p} holds arrays {', '.join(keys)}; name the inputs with --key (e.g. --key "
                    f"{held[0] if held else keys[0]}), or save them as x")
+
+
+def _member(p: Path, got, key: str) -> np.ndarray:
+    """Array ``key`` of the .npz ``got`` (read at this point: one of Python objects is a pickle, never read)."""
+    try:
+        return got[key]
+    except ValueError as e:
+        why = "an array of Python objects, which would be unpickled: predict never does" if "pickle" in str(e) else e
+        raise RunError(f"{p}: array {key!r} cannot be read ({why})") from None
 
 
 def predict(run_dir, inputs, out=None, checkpoint="last", layers=None, trust_code: bool = False,

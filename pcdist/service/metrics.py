@@ -321,10 +321,13 @@ def _save(fig, path: Path) -> None:
 
 def plot_training(rows: list[dict], what: str = ""):
     """Validation accuracy (left axis, fixed [0, 1]) and training energy (right axis, log) over training."""
-    tr = [(r["step"], r["train/energy"]) for r in rows if "train/energy" in r]
-    va = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    def points(key: str) -> list:  # (a value that is not a number, in a row of a folder one was sent: left out)
+        return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
+                and not isinstance(r[key], bool)]
+
+    tr, va = points("train/energy"), points("val/accuracy")
     key = "val/accuracy" if va or not any("val/reconstruction_mse" in r for r in rows) else "val/reconstruction_mse"
-    va = va or [(r["step"], r[key]) for r in rows if key in r]  # unsupervised: the reconstruction error
+    va = va or points(key)  # unsupervised: the reconstruction error
     name = "validation accuracy" if key == "val/accuracy" else "validation reconstruction error (per pixel)"
     fig, acc = subplots(figsize=(7, 4.2), margins=(0.75, 0.85, 0.4, 0.55))
     if va:
