@@ -3,9 +3,10 @@
 These run wherever CUDA is present and skip elsewhere (tests/test_capture.py proves on a CPU what a
 CPU can: no host reads, device-side schedules and skips equal to host ones). Here, in float64:
 
-* for every layer kind and mode of tests/test_capture.py (pc and ipc, a learning-rate schedule,
-  value noise, skip_above, momentum, free ends), 10 steps alternating two batch sizes (two stages,
-  two captured programs) with ``compile="graph"`` equal ``compile="none"``;
+* for every layer kind and mode of tests/test_capture.py (pc and ipc, a learning-rate schedule whose
+  rates keep changing after the captures, value noise, skip_above with an update skipped inside a
+  replayed step, momentum, free ends), 10 steps alternating two batch sizes (two stages, two captured
+  programs) with ``compile="graph"`` equal ``compile="none"``;
 * the replayed step dispatches a handful of host ops whatever the depth (host work O(1) per step);
 * through the service (``pcdist.train``), graph and none give the same metrics, and a run resumed
   under a captured step continues exactly;
