@@ -228,3 +228,24 @@ def test_the_unstable_warning_needs_the_energy_to_grow_beyond_round_off(tmp_path
     log.close()
     said = [line for line in (tmp_path / "train.log").read_text().splitlines() if "inference is unstable" in line]
     assert len(said) == 2 and "(2 -> 4, 2x)" in said[0] and "nan" in said[1], said
+
+
+def test_a_resumed_run_logs_each_diagnosis_once(tmp_path):
+    """A run resumed from a checkpoint it had trained past (its newest lost: a crash) diagnoses again at the resumed
+    step, before its first update: metrics.jsonl held that step's diag/* row twice (diagnostics.jsonl once), and
+    wandb with it. Every diagnosed step once, in both files alike."""
+    import json
+    import shutil
+
+    from pcdist.service.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    cfg = {"run_dir": str(run_dir), "logger": "none", "logger.plots": False,
+           "pc": {"diagnostics": True, "diagnostics_every": 4},
+           "trainer": {"max_steps": 8, "ckpt_every": 4, "log_every": 2, "eval_every": 8, "progress": "off"}}
+    pcdist.train(cfg)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000008")
+    assert pcdist.train(cfg)["step"] == 8  # resumed at step 4
+    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if any(k.startswith("diag/") for k in r)]
+    recorded = [json.loads(line)["step"] for line in (run_dir / "diagnostics.jsonl").read_text().splitlines()]
+    assert 4 in logged and logged == sorted(set(logged)) == recorded, (logged, recorded)

@@ -52,11 +52,13 @@ def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -
 
 def forget_lost_steps(run_dir: Path, start: int) -> int:
     """Drop the rows a run logged after the checkpoint it resumes at ``start`` (0: a restart before the first
-    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``) and diagnostics.jsonl (the
-    diagnoses at ``start`` and after). Returns how many metrics rows were dropped."""
+    checkpoint), which it trains again: from metrics.jsonl (steps after ``start``, and the diagnosis at
+    ``start``, which the attempt makes again before its first update) and diagnostics.jsonl (the diagnoses at
+    ``start`` and after). Returns how many metrics rows were dropped."""
     run_dir = Path(run_dir)
     truncate_jsonl(run_dir / DIAGNOSTICS_FILE, lambda r: r.get("step", 0) < start)
-    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
+    return truncate_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", 0) < start or (
+        r.get("step", 0) == start and not any(k.startswith("diag/") for k in r)))
 
 
 def announce(c: Config, resume, run_dir: Path, start: int, opt, logger, dropped: int = 0) -> None:
