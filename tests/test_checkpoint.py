@@ -340,6 +340,8 @@ def test_divergence_stops_the_run_naming_step_layer_and_value(tmp_path):
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None, "the checkpoints before the divergence must be on disk"
     assert f"the last good checkpoint is {ckpt}. Lower optim.lr or pc.x_lr" in str(e.value)
+    last = (tmp_path / "train.log").read_text().splitlines()[-1]  # the run's record says why it ended (it did not)
+    assert last.endswith(f"  error: {e.value}"), last
     net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
     assert load_checkpoint(ckpt, net, None)["step"] >= 2
     assert all(torch.isfinite(p).all() for p in net.parameters()), "a checkpoint never holds diverged weights"

@@ -196,6 +196,8 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
         out.stderr[-3000:]
     assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000004"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
+    last = (run_dir / "train.log").read_text().splitlines()[-1]  # the run's record says how it ended (it did not)
+    assert last.endswith("  " + out.stderr.strip().splitlines()[-1]), last
     import torch
     from pcdist.data import StreamedData
 

@@ -79,6 +79,9 @@ class NullLogger:
     def say(self, line: str) -> None:
         pass
 
+    def record(self, line: str) -> None:
+        pass
+
     def log_images(self, images: dict, step: int) -> None:
         pass
 
@@ -159,6 +162,14 @@ class RunLogger(NullLogger):
             self._bar.write(line)
         else:
             print(line, flush=True)
+
+    def record(self, line: str) -> None:
+        """A line said elsewhere (the run's end on stderr, by the command line or the caller), in train.log too."""
+        try:
+            self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {printable(line, keep=chr(10))}\n")
+            self._train_log.flush()
+        except (OSError, ValueError, RuntimeError):  # (closed, a full disk, a write it interrupts: said anyway)
+            pass
 
     def log_trace(self, trace: list[list[float]]) -> None:
         """Per-layer energies at each inference step of one batch (for the plots)."""

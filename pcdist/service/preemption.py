@@ -64,8 +64,10 @@ def _on_stop_signal(got: dict, signum: int, frame) -> None:
     if signum == signal.SIGINT and got["signal"]:
         where = f"after the checkpoint of step {got['saved']}" if got.get("saved") else \
             "before the checkpoint of this step (the run directory keeps its newest checkpoint)"
-        print(f"second Ctrl-C: stopped at once, {where}{'; to resume: ' + got['resume'] if got.get('resume') else ''}",
-              file=sys.stderr, flush=True)
+        line = f"second Ctrl-C: stopped at once, {where}{'; to resume: ' + got['resume'] if got.get('resume') else ''}"
+        print(line, file=sys.stderr, flush=True)
+        if got.get("record"):  # (train.log: the run's record)
+            got["record"](line)
         os._exit(stop_status(ctrl_c=True))
     got["signal"] = got["signal"] or signum
 

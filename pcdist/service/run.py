@@ -141,6 +141,9 @@ def _run(c: Config, passed: dict[str, str] | None, data, user: UserLayers | None
         except Preempted:
             failed = False
             raise
+        except Exception as e:  # the run's end, which the caller says on stderr, in its record too
+            trainer.record(f"error: {str(e).splitlines()[0] if str(e).strip() else type(e).__name__}")
+            raise
         finally:
             trainer.close()
             if distributed and not failed:  # the logging rank's last writes (its line, plots, wandb) done before

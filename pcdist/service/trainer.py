@@ -251,7 +251,8 @@ class ServiceTrainer:
             return self._nothing_to_train()
         if self._signals is None:  # caught from the start (a stop then: after the first steps) until ``close``
             self._signals = catch_stop_signals()
-            self._signals[0]["resume"] = resume_command(self.config, self.run_dir)  # (said by a second Ctrl-C)
+            self._signals[0]["resume"] = resume_command(self.config, self.run_dir)  # (said by a second Ctrl-C,
+            self._signals[0]["record"] = self.record  # in train.log too)
         self.start()
         self._steps(self.end if until is None else until, self._signals[0])
         if until is None:  # finished and checkpointed: a Ctrl-C in the trace and pictures below stops at once
@@ -438,6 +439,11 @@ class ServiceTrainer:
                 "data": self.data_identity}  # and the data (datachecks.check_same_data)
         return save_checkpoint(self.run_dir, done, self.network, self.optimizer, meta, c.trainer.ckpt_keep,
                                writer=self.parallel.data_rank == 0, leader=self.is_rank0)
+
+    def record(self, line: str) -> None:
+        """``line`` in train.log (the logging rank's), where the run's logger is open."""
+        if self.logger is not None:
+            self.logger.record(line)
 
     def close(self) -> None:
         """Close the logger (wandb, the progress line, metrics.jsonl), stop the data's worker processes and give the
