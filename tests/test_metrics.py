@@ -224,3 +224,27 @@ def test_metrics_with_a_last_line_cut_short_read_as_a_resume_keeps_them(tmp_path
 
     rows = [{"step": 5, "val/accuracy": 0.5}, {"step": 10, "val/accuracy": "x", "train/energy": "y"}]
     assert _summary(rows)["val/accuracy"] == 0.5 and _summary(rows)["train/energy"] is None
+
+
+def test_the_step_time_leaves_out_the_evaluations_and_checkpoints_between_log_points(tmp_path, monkeypatch):
+    """perf/step_s (and samples_per_s, comm_fraction) are the training steps' own: the evaluation and checkpoint
+    of the previous logged step were counted in (a generative run's step_s went from 0.002 s to 0.19 s after each
+    evaluation). Each evaluation here is made to take 1 s more (a sleep): the step after it still takes well under
+    that, however busy the machine (a step of this network takes milliseconds)."""
+    import time
+
+    from pcdist.service.trainer import ServiceTrainer
+
+    slow = ServiceTrainer._evaluate
+
+    def evaluate(self, done):
+        time.sleep(1.0)
+        return slow(self, done)
+
+    monkeypatch.setattr(ServiceTrainer, "_evaluate", evaluate)
+    run_dir = tmp_path / "run"
+    pcdist.train({"run_dir": str(run_dir), "logger": "none", "logger.plots": False, "model.dims": [64, 16, 10],
+                  "trainer": {"max_steps": 4, "log_every": 1, "eval_every": 2, "ckpt_every": 4, "progress": "off"}})
+    rows = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "perf/step_s" in r}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert rows[3]["perf/step_s"] < 0.5, rows[3]  # the step after step 2's evaluation

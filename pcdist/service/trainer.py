@@ -287,7 +287,7 @@ class ServiceTrainer:
         (``catch_stop_signals``), which every rank votes on (``StopVote``) so that all stop after the same step."""
         c = self.config
         self._clock = {"t": time.perf_counter(), "step": self.step, "comm": self.parallel.comm_seconds,
-                       "skipped": self.engine.skipped_updates}
+                       "skipped": self.engine.skipped_updates, "aside": 0.0, "comm_aside": 0.0}
         if self._vote is None:  # every rank makes it at the same call, as a new group must be
             self._vote = StopVote(self.parallel.logging_rank is not None, self.device,
                                   self.parallel.timeout)
@@ -310,7 +310,7 @@ class ServiceTrainer:
         t_cfg = self.config.trainer
         step = self.step
         done = step + 1
-        t0 = time.perf_counter()
+        t0, comm0 = time.perf_counter(), self.parallel.comm_seconds
         # Steps that end in a checkpoint are always checked: no diverged weights are ever checkpointed.
         ckpt = done % t_cfg.ckpt_every == 0 or done == self.end or stop
         evaluates = done % t_cfg.eval_every == 0 or done == self.end
@@ -318,11 +318,13 @@ class ServiceTrainer:
         log = done % t_cfg.log_every == 0 or ckpt or (evaluates and isinstance(self.data, Streamed))
         if self._diagnostics is not None and self._diagnostics.due(step):  # before the update: PC against backprop
             self._diagnostics(step, self.engine, x, y, t_cfg.batch_size)
+            self._aside(t0, comm0)
         lr = self.optimizer.param_groups[0]["lr"]  # what this step trains with (under ipc: its first weight step)
         stats = self.engine.step(*clamps(self.config.pc.mode, x, y), log=log, global_batch=t_cfg.batch_size)
         if stats:
             stats["lr"] = lr
         metrics = self._log_step(stats, x, y, done) if log else None
+        t1, comm1 = time.perf_counter(), self.parallel.comm_seconds
         try:
             val = self._evaluate(done) if evaluates else None
         except DataError:  # a bad validation sample, found as streamed data is read: keep the training done
@@ -336,6 +338,7 @@ class ServiceTrainer:
         elif done == self._first:  # not a logged step: a line all the same, so that a slow run shows it trains
             self.logger.progress(done, first_step_s=time.perf_counter() - t0)
         path = self._checkpoint(done) if ckpt else None
+        self._aside(t1, comm1)  # (the evaluation and the checkpoint: not the step's time)
         self.step = self.result["step"] = done
         if stop and self._signals is not None:
             self._signals[0]["saved"] = done
@@ -364,6 +367,12 @@ class ServiceTrainer:
         self.result.update(metrics)
         return metrics
 
+    def _aside(self, since: float, comm: float) -> None:
+        """The time (and the communication's) since ``since`` and ``comm`` (an evaluation, a checkpoint, a
+        diagnosis) left out of the steps' perf/*."""
+        self._clock["aside"] += time.perf_counter() - since
+        self._clock["comm_aside"] += self.parallel.comm_seconds - comm
+
     def _check_and_log(self, stats: dict, done: int) -> dict:
         """Stop on a diverged energy (naming step, layer, value); else log the step's metrics."""
         t_cfg, par, clock = self.config.trainer, self.parallel, self._clock
@@ -377,12 +386,12 @@ class ServiceTrainer:
                 + (f"the last good checkpoint is {last}" if last else "no checkpoint was written before it")
                 + ". Lower optim.lr or pc.x_lr")
         now = time.perf_counter()
-        elapsed, steps = now - clock["t"], max(1, done - clock["step"])
+        elapsed, steps = max(now - clock["t"] - clock["aside"], 1e-9), max(1, done - clock["step"])
         metrics = {"train/energy": energy, **({"train/accuracy": stats["accuracy"]} if "accuracy" in stats else {}),
                    "train/lr": stats["lr"],
                    "train/skipped_updates": stats["skipped_updates"],
                    "perf/samples_per_s": steps * t_cfg.batch_size / elapsed, "perf/step_s": elapsed / steps,
-                   "perf/comm_fraction": (par.comm_seconds - clock["comm"]) / elapsed,
+                   "perf/comm_fraction": (par.comm_seconds - clock["comm"] - clock["comm_aside"]) / elapsed,
                    **{f"train/layer_energy/{l}": e for l, e in enumerate(layers, 1)},
                    **({"train/prior_energy": stats["prior_energy"]} if "prior_energy" in stats else {}),
                    **{f"perf/{k}_s": v for k, v in stats.get("phase_s", {}).items()}}
@@ -393,7 +402,8 @@ class ServiceTrainer:
                             f"an energy above trainer.max_energy={t_cfg.max_energy} or not finite, "
                             f"trainer.on_divergence=skip): the weights are not training; lower optim.lr or pc.x_lr, "
                             f"or raise trainer.max_energy")
-        clock.update(t=now, step=done, comm=par.comm_seconds, skipped=stats["skipped_updates"])
+        clock.update(t=now, step=done, comm=par.comm_seconds, skipped=stats["skipped_updates"], aside=0.0,
+                     comm_aside=0.0)
         return metrics
 
     def _evaluate(self, done: int) -> dict | None:
