@@ -248,3 +248,35 @@ def test_the_step_time_leaves_out_the_evaluations_and_checkpoints_between_log_po
     rows = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "perf/step_s" in r}
     assert sorted(rows) == [1, 2, 3, 4]
     assert rows[3]["perf/step_s"] < 0.5, rows[3]  # the step after step 2's evaluation
+
+
+def test_the_reconstructions_drawn_are_those_the_metric_scores(tmp_path, monkeypatch):
+    """reconstructions.png inferred h_0 with the training solver (pc.solver) while val/reconstruction_mse used
+    pc.eval_solver: with eval_solver=rk4 the picture showed reconstructions the metric did not score. The drawn
+    row now equals the evaluator's own reconstruction of those held-out samples."""
+    import pcdist.service.evaluators as evaluators
+    import pcdist.service.validate as validate
+
+    drawn, scored = [], []
+    draw, add = validate.draw_grid, evaluators.Unsupervised.add
+
+    def capture_draw(rows, labels, title, path):
+        drawn.append((rows[1].detach().clone(), title))
+        return draw(rows, labels, title, path)
+
+    def capture_add(self, x, labels):
+        own = self.trainer.infer(None, x, self.c.pc.eval_T, gather=False, solver=self.c.pc.eval_solver,
+                                 tol=self.c.pc.eval_tol)
+        scored.append(evaluators.forward_mean(self.trainer, own.get(0, x)))
+        return add(self, x, labels)
+
+    monkeypatch.setattr(validate, "draw_grid", capture_draw)
+    monkeypatch.setattr(evaluators.Unsupervised, "add", capture_add)
+    pcdist.train(["experiment=unsupervised_digits", "trainer.max_steps=2", "trainer.eval_every=2",
+                  "trainer.dtype=float64", "pc.x_momentum=0", "pc.eval_T=12", "pc.eval_solver=rk4", "logger=none",
+                  "trainer.progress=off",
+                  f"hydra.run.dir={tmp_path / 'run'}"])
+    (row, title), = drawn
+    torch.testing.assert_close(row.reshape(len(row), -1), scored[0][:len(row)].reshape(len(row), -1), atol=1e-10,
+                               rtol=0)
+    assert "h_0 inferred in 12 rk4 steps" in title

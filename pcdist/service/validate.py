@@ -92,13 +92,16 @@ def pictures(c, held_out: Callable[[], torch.Tensor], trainer: PCTrainer, image_
                                            Path(run_dir) / "samples.png")
             return out
         x = held_out()[:10]  # unsupervised
-        own = trainer.infer(None, x, c.pc.eval_T, gather=False)
-        recon = forward_mean(trainer, own.get(0, x))
+        own = trainer.infer(None, x, c.pc.eval_T, gather=False, solver=c.pc.eval_solver, tol=c.pc.eval_tol)  # (as
+        recon = forward_mean(trainer, own.get(0, x))  # val/reconstruction_mse infers: evaluators.Unsupervised)
         if par.is_logging:
             out["reconstructions"] = draw_grid([x.reshape(-1, *image_shape), recon.reshape(-1, *image_shape)],
                                                ["held-out", "reconstruction"],
-                                               f"Held-out images and their reconstructions (h_0 inferred in "
-                                               f"{c.pc.eval_T or c.pc.T} steps, fed forward)",
+                                               "Held-out images and their reconstructions (h_0 inferred "
+                                               + (f"by the adaptive solver, tol {c.pc.eval_tol}" if
+                                                  c.pc.eval_solver == "adaptive" else
+                                                  f"in {c.pc.eval_T or c.pc.T} {c.pc.eval_solver or c.pc.solver} "
+                                                  f"steps") + ", fed forward)",
                                                Path(run_dir) / "reconstructions.png")
     return out
 
