@@ -24,6 +24,31 @@ def test_evaluating_a_supervised_run_reproduces_its_logged_accuracy(tmp_path):
     assert got["loss"] == pytest.approx(result["val/energy"], rel=1e-5)
 
 
+def test_eval_jsons_energy_and_confusion_matrix_equal_an_independent_count(tmp_path):
+    """eval.json's energy (the label-clamped network's after pc.T steps, a mean per sample) against the engine's own
+    trace of the whole validation set, and its confusion matrix (rows: the true class, columns: the predicted one)
+    against a count of the loaded run's predictions (the energy off by the number of samples, or the matrix
+    transposed, passed: the test recomputed the per-class values from the matrix written)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from pcdist.service.data import load_dataset
+
+    pcdist.train({**QUICK, "run_dir": str(tmp_path / "run")})
+    got = evaluate(tmp_path / "run", ["pc.T=5"], write=False)
+    run, val = pcdist.load(tmp_path / "run"), load_dataset("digits")
+    conf = np.zeros((10, 10), dtype=np.int64)
+    np.add.at(conf, (val.y_val.numpy(), run.predict(val.x_val).argmax(1).numpy()), 1)
+    assert np.array_equal(np.array(got["confusion"]), conf)
+    net = run.network
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=5, x_lr=run.config.pc.x_lr)
+    x = val.x_val.reshape(len(val.x_val), -1).to(next(net.parameters()).dtype)
+    y = torch.nn.functional.one_hot(val.y_val, 10).to(x.dtype)
+    assert got["energy"] == pytest.approx(math.fsum(trainer.trace(x, y)[-1]), rel=1e-5)
+
+
 def test_evaluates_loss_is_the_feed_forward_loss_whatever_the_init(tmp_path):
     """eval.json's loss is the label-clamped energy at the feed-forward state, as val/energy is: from a run whose
     pc.init is newton too (it took the energy after that init, a smaller number)."""
