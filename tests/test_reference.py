@@ -124,6 +124,19 @@ def run_and_compare(seq, make_opt, T, x_lr, x_momentum, algorithm, energy, seed)
     return net, trainer, ref
 
 
+@pytest.mark.parametrize("algorithm", ["pc", "ipc"])
+def test_value_momentum_starts_from_zero_at_every_batch_of_one_size(algorithm):
+    """Consecutive batches of one size keep one Stage (BATCH_SIZES' sizes differ, so each step had a fresh one,
+    whose velocities are zeros anyway): the value momentum must start from zero at each batch all the same (one
+    carried over from the previous batch passed every reference test)."""
+    seq = make_seq([6, 8, 8, 8, 4], ["tanh", "relu", "gelu"], seed=3)
+    net, trainer, ref = make_pair(seq, OPTIMIZERS["sgd_momentum"], 5, 0.1, 0.5, algorithm, "se")
+    gen = torch.Generator().manual_seed(7)
+    for s in range(3):
+        x, y = make_batch(6, 6, 4, gen)
+        assert_matches(net, trainer, ref, trainer.step(x, y), ref.step(x, y), x, what=f"{algorithm} step {s}")
+
+
 # -- every activation x both energies (pc, no value momentum); two equal 8x8 hidden layers
 @pytest.mark.parametrize("energy", ["se", "ce"])
 @pytest.mark.parametrize("act", ACT_NAMES)
