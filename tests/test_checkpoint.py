@@ -184,6 +184,18 @@ def test_a_step_damaged_twice_is_set_aside_twice_and_the_run_resumes_each_time(t
         "step-00000004", "step-00000008", "step-00000008.damaged", "step-00000008.damaged-2"]
 
 
+def _run_of_two_checkpoints(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
+    """A one-slice run with checkpoints at steps 4 and 8: (the run, its newest checkpoint, that checkpoint's one
+    layer file, its manifest as a dict)."""
+    run = tmp_path / "run"
+    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": TANH,
+                  "parallel": {"layer": 1}, "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8,
+                                                         "progress": "off"}})
+    newest = run / "checkpoints" / "step-00000008"
+    (layers,) = newest.glob("layers-*.pt")
+    return run, newest, layers, json.loads((newest / "manifest.json").read_text())
+
+
 @pytest.mark.parametrize("manifest", ["with the layer count", "of an older pcdist"])
 def test_a_checkpoint_whose_files_leave_out_a_layer_is_damaged(tmp_path, manifest):
     """A checkpoint whose manifest matches its files but whose layer files leave out layers (a slice's file
@@ -192,17 +204,9 @@ def test_a_checkpoint_whose_files_leave_out_a_layer_is_damaged(tmp_path, manifes
     KeyError). A manifest of an older pcdist, without the layer count, is held to files from layer 1 on, and a
     file that lacks the model's layers is one line naming the checkpoint."""
     import hashlib
-    import json
 
-    run = tmp_path / "run"
-    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": TANH,
-                  "parallel": {"layer": 1}, "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8,
-                                                         "progress": "off"}})
-    newest = run / "checkpoints" / "step-00000008"
-    (layers,) = newest.glob("layers-*.pt")
-    assert layers.name == "layers-0001-0004.pt"
-    body = json.loads((newest / "manifest.json").read_text())
-    assert body["layers"] == 3
+    run, newest, layers, body = _run_of_two_checkpoints(tmp_path)
+    assert layers.name == "layers-0001-0004.pt" and body["layers"] == 3
     if manifest == "of an older pcdist":
         del body["layers"]
     # the slice of layers 1..3 rewritten as a file of layers 2..3, and its manifest entry with it
@@ -227,15 +231,8 @@ def test_a_checkpoint_whose_files_end_short_or_overlap_is_damaged(tmp_path, edit
     """The other ends of the same check: layer files that stop before the last layer (a slice's file missing from
     the listing) or that hold a layer twice (one would win silently): skipped as damaged, saying so."""
     import hashlib
-    import json
 
-    run = tmp_path / "run"
-    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": TANH,
-                  "parallel": {"layer": 1}, "trainer": {"max_steps": 8, "ckpt_every": 4, "eval_every": 8,
-                                                         "progress": "off"}})
-    newest = run / "checkpoints" / "step-00000008"
-    (layers,) = newest.glob("layers-*.pt")
-    body = json.loads((newest / "manifest.json").read_text())
+    run, newest, layers, body = _run_of_two_checkpoints(tmp_path)
     part = torch.load(layers, weights_only=True)
     if edit == "the last layer left out":
         part["layers"] = {k: v for k, v in part["layers"].items() if not k.startswith("layers.3.")}
