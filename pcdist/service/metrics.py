@@ -144,7 +144,7 @@ class RunLogger(NullLogger):
         an attempt (so that a slow run shows at once that it trains); the bar shows the latest accuracy
         throughout."""
         line = progress_line(step, self.max_steps, energy, accuracy, samples_per_s, reconstruction, first_step_s)
-        self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
+        self._to_train_log(line)
         if self._lines:
             print(line, flush=True)
         if self._bar is not None:
@@ -157,16 +157,19 @@ class RunLogger(NullLogger):
     def say(self, line: str) -> None:
         """A line about the run (mesh, new run or resume, the end): on stdout and in train.log."""
         line = printable(line, keep="\n")  # names read from the run folder: never a control sequence
-        self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
+        self._to_train_log(line)
         if self._bar is not None:
             self._bar.write(line)
         else:
             print(line, flush=True)
 
+    def _to_train_log(self, line: str) -> None:
+        self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {line}\n")
+
     def record(self, line: str) -> None:
         """A line said elsewhere (the run's end on stderr, by the command line or the caller), in train.log too."""
         try:
-            self._train_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {printable(line, keep=chr(10))}\n")
+            self._to_train_log(printable(line, keep="\n"))
             self._train_log.flush()
         except (OSError, ValueError, RuntimeError):  # (closed, a full disk, a write it interrupts: said anyway)
             pass

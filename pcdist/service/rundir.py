@@ -559,8 +559,7 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
     found = links_in(run_dir)
     if found:
         raise ConfigError(links_refusal(run_dir, found, "a run continued there"))
-    special = [n for n in (*RUN_FILES, LOCK) if (Path(run_dir) / n).exists() and not (Path(run_dir) / n).is_file()
-               and not (Path(run_dir) / n).is_dir()]
+    special = [n for n in (*RUN_FILES, LOCK) if (p := Path(run_dir) / n).exists() and not (p.is_file() or p.is_dir())]
     if special:  # (a named pipe: its open for appending waited forever, silently, with the directory held)
         raise ConfigError(f"{run_dir} holds {', '.join(special)}, which {'is' if len(special) == 1 else 'are'} not "
                           f"a regular file (a named pipe, a socket, a device): a run continued there would write "
