@@ -163,7 +163,10 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
                                                  allow_unused=True))) if free else {}
         g_h = {n: torch.zeros_like(hs[n]) if g is None else g for n, g in g_h.items()}
         g_w = torch.autograd.grad(E.mean(), params, allow_unused=True)
-        g_w = [torch.zeros_like(p) if g is None else g for p, g in zip(params, g_w)]
+        # a clamped h_0 has no prior term: a learned mean gets no gradient (None: no update, as PyTorch leaves a
+        # parameter the loss does not use); a layer whose energy is zero gets a zero gradient
+        g_w = [None if p is prior_mean and x is not None else torch.zeros_like(p) if g is None else g
+               for p, g in zip(params, g_w)]
         stats = {"energy": E.mean().item(), "layer_energies": [e.mean().item() for e in energies],
                  "prior_energy": prior.mean().item()}
         return g_h, list(g_w), stats
@@ -196,7 +199,7 @@ def pc_step(predict, L, params, opt, x, y, T, x_lr, x_momentum, algorithm, energ
     def weight_step(g_w):
         opt.zero_grad()
         for p, g in zip(params, g_w):
-            p.grad = g.detach().clone()
+            p.grad = None if g is None else g.detach().clone()
         opt.step()
 
     tableau = {"heun": ([[1.0]], [0.5, 0.5]),

@@ -87,6 +87,8 @@ FEATURES = {
     "precision-per-layer-ce": dict(precision=[0.5, 1.5, 2.0, 1.0, 3.0], energy="ce"),
     "top-down-schedule-zero-energy-noise": dict(schedule=top_down(0.3), energy="zero", noise=0.05),
     "noise-unsupervised": dict(bottom="free", noise=0.05, prior=Prior(1.0, "learned")),
+    # h_0 free, then clamped, then free: the clamped step has no prior term, so the learned mean stays put
+    "semi-supervised-learned-prior": dict(bottom="mixed", prior=Prior(0.5, "learned")),
     "noise-free-top-schedule": dict(top="free", noise=0.02, schedule=top_down(0.5), precision=1.5),
 }
 KINDS = ("dense", "residual", "conv", "module")
@@ -101,7 +103,8 @@ def fit_precision(p, L):
 
 
 def batches(feature, shape, steps, gen):
-    """(x, y) per step: x one-hot for the generative cases, None where h_0 / h_L are free."""
+    """(x, y) per step: x one-hot for the generative cases, None where h_0 / h_L are free (bottom "mixed": free at
+    even steps, clamped at odd ones)."""
     out = []
     for B in (5, 7, 6)[:steps]:
         energy = feature.get("energy", "se")
@@ -114,7 +117,8 @@ def batches(feature, shape, steps, gen):
             y = torch.rand(B, OUT, generator=gen, dtype=DT)
         else:
             y = torch.randn(B, OUT, generator=gen, dtype=DT)
-        out.append((None if feature.get("bottom") == "free" else x, None if feature.get("top") == "free" else y))
+        free_bottom = feature.get("bottom") == "free" or feature.get("bottom") == "mixed" and len(out) % 2 == 0
+        out.append((None if free_bottom else x, None if feature.get("top") == "free" else y))
     return out
 
 
@@ -274,3 +278,20 @@ def test_top_down_acts_only_where_layers_have_errors_before_the_front_and_says_s
         moved = max(float((a - b).abs().max()) for a, b in zip(with_it[1], without[1]))
         assert (moved < 1e-14) == inert and (inert or moved > 1e-6), (kw, moved)  # (round-off: the ff state's errors)
         assert len(said) == int(inert), (kw, said)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_clamped_step_leaves_a_learned_prior_mean_alone_in_every_precision(precision):
+    """Semi-supervised use: a step with h_0 free trains the mean, one with h_0 clamped has no prior term, so the
+    mean neither moves nor keeps a gradient (bf16: the float32 master's, cast from the bfloat16 copy's)."""
+    torch.manual_seed(0)
+    net = pcdist.PCNetwork.from_dims([3, 6, 5], prior=Prior(1.0, "learned"))
+    (mean,) = [p for n, p in net.named_parameters() if n.endswith("mean")]
+    trainer = pcdist.PCTrainer(net, torch.optim.AdamW(net.parameters(), lr=0.1), T=5, x_lr=0.1, precision=precision)
+    x, y = torch.randn(4, 3), torch.randn(4, 5)
+    trainer.step(None, y)
+    trained = mean.detach().clone()
+    assert trained.abs().max() > 1e-3  # the free step moved it
+    trainer.step(x, y)
+    assert torch.equal(mean.detach(), trained)
+    assert mean.grad is None

@@ -117,7 +117,7 @@ def diagnose(trainer: PCTrainer, x: Tensor, y: Tensor, T: int | None = None,
     par.reduce_grads()
     # Compare in the master network (float32 under precision="bf16", whose products run on a bfloat16 copy):
     # the copy's weight gradients go into the master's .grad, and backprop runs through the master's layers.
-    trainer.mixed.grads()
+    trainer.mixed.grads(st.idle)
     master = dict(zip(map(id, trainer.mixed.compute.groups), net.groups))
     groups = [master.get(id(gr.g), gr.g) for gr in st.groups if gr.g.first > 0]
     pc = {l: v for g in groups for l, v in _layer_grads(g, [p.grad for p in g.parameters()]).items()}

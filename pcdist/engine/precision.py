@@ -179,9 +179,13 @@ class MixedPrecision:
             c.copy_(m)
 
     @torch.no_grad()
-    def grads(self) -> None:
-        """The compute copy's weight gradients cast into the master weights' .grad."""
+    def grads(self, idle: set[int] = frozenset()) -> None:
+        """The compute copy's weight gradients cast into the master weights' .grad (none for ``idle``: the ids of
+        copies the step does not train)."""
         for m, c in self.pairs:
+            if id(c) in idle:
+                m.grad = None
+                continue
             if m.grad is None:
                 m.grad = torch.empty_like(m)
             m.grad.copy_(c.grad)

@@ -85,9 +85,11 @@ class Stage:
         if free_bottom and first == 1 and not (groups and groups[0].first == 0):
             groups.insert(0, net.prior_group(dtype))  # a fixed prior: a constant group of this Stage's own
         self.groups: list[BoundGroup] = []
+        self.idle: set[int] = set()  # ids of the parameters this stage does not train: no gradient, no update
         for g in groups:
-            if g.first == 0 and not free_bottom:
-                continue  # a learned prior's group, idle while h_0 is clamped
+            if g.first == 0 and not free_bottom:  # a learned prior's group, idle while h_0 is clamped
+                self.idle.update(id(q) for q in g.parameters())
+                continue
             self.groups.append(self._bind(g, static_weights, free_top))
         self.output = self.groups[-1] if stop == L + 1 else None
         nd = self.nodes

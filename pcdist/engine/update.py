@@ -167,10 +167,10 @@ class WeightUpdate:
         ``st.energy_log`` diverged (with ``skip_above``)."""
         self.par.reduce_grads()
         if self.grads is not None:
-            self.grads()
-        for g in self.optimizer.param_groups:  # frozen (requires_grad_(False)): no gradient, so no update
-            for p in g["params"]:
-                if not p.requires_grad:
+            self.grads(st.idle)
+        for g in self.optimizer.param_groups:  # frozen (requires_grad_(False)), or not in this stage's energy (a
+            for p in g["params"]:  # learned prior while h_0 is clamped): no gradient, so no update
+                if not p.requires_grad or id(p) in st.idle:
                     p.grad = None
         if self.skip_above is None:
             self._step(i)
