@@ -24,9 +24,10 @@ def test_evaluating_a_supervised_run_reproduces_its_logged_accuracy(tmp_path):
     assert got["loss"] == pytest.approx(result["val/energy"], rel=1e-5)
 
 
-def test_eval_jsons_energy_and_confusion_matrix_equal_an_independent_count(tmp_path):
-    """eval.json's energy (the label-clamped network's after pc.T steps, a mean per sample) against the engine's own
-    trace of the whole validation set, and its confusion matrix (rows: the true class, columns: the predicted one)
+def test_eval_jsons_energies_and_confusion_matrix_equal_an_independent_count(tmp_path):
+    """eval.json's energy (the label-clamped network's after pc.T steps, a mean per sample) and loss (the same at
+    the feed-forward init) against the engine's own trace of the whole validation set, under an output precision
+    of 3 (the loss left it out), and its confusion matrix (rows: the true class, columns: the predicted one)
     against a count of the loaded run's predictions (the energy off by the number of samples, or the matrix
     transposed, passed: the test recomputed the per-class values from the matrix written)."""
     import math
@@ -36,7 +37,7 @@ def test_eval_jsons_energy_and_confusion_matrix_equal_an_independent_count(tmp_p
 
     from pcdist.service.data import load_dataset
 
-    pcdist.train({**QUICK, "run_dir": str(tmp_path / "run")})
+    result = pcdist.train({**QUICK, "pc.precision": [1.0, 1.0, 3.0], "run_dir": str(tmp_path / "run")})
     got = evaluate(tmp_path / "run", ["pc.T=5"], write=False)
     run, val = pcdist.load(tmp_path / "run"), load_dataset("digits")
     conf = np.zeros((10, 10), dtype=np.int64)
@@ -46,7 +47,9 @@ def test_eval_jsons_energy_and_confusion_matrix_equal_an_independent_count(tmp_p
     trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=5, x_lr=run.config.pc.x_lr)
     x = val.x_val.reshape(len(val.x_val), -1).to(next(net.parameters()).dtype)
     y = torch.nn.functional.one_hot(val.y_val, 10).to(x.dtype)
-    assert got["energy"] == pytest.approx(math.fsum(trainer.trace(x, y)[-1]), rel=1e-5)
+    trace = trainer.trace(x, y)
+    assert got["energy"] == pytest.approx(math.fsum(trace[-1]), rel=1e-5)
+    assert got["loss"] == pytest.approx(math.fsum(trace[0]), rel=1e-5) == pytest.approx(result["val/energy"])
 
 
 def test_evaluates_loss_is_the_feed_forward_loss_whatever_the_init(tmp_path):

@@ -118,7 +118,9 @@ class Supervised(Evaluator):
         if logits is not None:
             self._classified(logits.argmax(1).cpu(), labels)
             y = torch.nn.functional.one_hot(labels.to(logits.device), logits.shape[1]).to(logits.dtype)
-            ff = float(OutputEnergy(self.c.model.energy).value(logits, y, y - logits))  # the feed-forward loss
+            # the label-clamped energy at the feed-forward init: pi_L E_out (every hidden error 0 there)
+            pi_L = (self.trainer.net.precision or (1.0,))[-1]
+            ff = pi_L * float(OutputEnergy(self.c.model.energy).value(logits, y, y - logits))
             if self.full:
                 self.loss += ff  # whatever pc.init starts inference from
             else:
