@@ -167,6 +167,8 @@ def test_the_conv_decoder_preset_trains_on_mnist_shaped_files(tmp_path):
     ({"pc.mode": "generative", "model.energy": "se", "model.dims": [10, 64], "pc.precision_schedule": "bottom_up"},
      "pc.precision_schedule='bottom_up' is invalid: allowed none, top_down"),
     ({"model": "deconv", "model.energy": "se"}, "model.name='deconv' is invalid"),
+    ({"experiment": "generative_digits", "pc.prior_mean": "learned"},
+     "pc.prior_mean='learned' is invalid: allowed auto, uniform or zero with pc.mode=generative (training clamps h_0"),
 ])
 def test_what_cannot_work_is_one_line_naming_the_key(overrides, message, tmp_path):
     with pytest.raises(ValueError) as info:
@@ -219,11 +221,16 @@ def test_a_resume_that_would_add_or_drop_a_learned_prior_mean_is_refused_naming_
 
 def test_a_resume_into_another_mode_of_the_same_shape_says_so(tmp_path, capsys):
     """An unsupervised run (latent dim 10, as many as the classes) resumed as generative: the network's shapes agree,
-    so it runs, but h_0 then holds labels instead of a latent, learned prior mean and all; it had been applied without
-    a word."""
+    so it runs, but h_0 then holds labels instead of a latent; it had been applied without a word. With a learned
+    prior mean it is refused: generative training clamps h_0, so the mean would never train."""
     short = {"pc.T": 3, "pc.eval_T": 3, "trainer.max_steps": 2, "trainer.eval_every": 2, "trainer.ckpt_every": 2,
-             "logger.plots": False, "pc.prior_mean": "learned"}
+             "logger.plots": False}
     _, run_dir = train(tmp_path, experiment="unsupervised_digits", **short)
+    _, learned = train(tmp_path, name="learned", experiment="unsupervised_digits", **short,
+                       **{"pc.prior_mean": "learned"})
+    with pytest.raises(pcdist.ConfigError, match=r"^config pc.prior_mean='learned' is invalid: allowed auto, uniform "
+                                                 r"or zero with pc.mode=generative"):
+        pcdist.train({"run_dir": str(learned), "pc.mode": "generative", "trainer.max_steps": 3})
     capsys.readouterr()
     assert pcdist.train({"run_dir": str(run_dir), "pc.mode": "generative", "trainer.max_steps": 3})["step"] == 3
     assert "resume: pc.mode changed 'unsupervised' -> 'generative': applied, with a warning (h_0 and h_L now hold " \

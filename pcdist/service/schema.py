@@ -518,6 +518,9 @@ def check_combination(c: Config) -> None:
     _check(pc.mode != "unsupervised" or pc.prior_precision > 0 or o.weight_decay > 0, "pc.prior_precision",
            pc.prior_precision, "> 0 in unsupervised training without optim.weight_decay (nothing else fixes the scale "
            "of the latent: W grows while h_0 shrinks)")
+    _check(pc.prior_mean != "learned" or pc.mode == "unsupervised", "pc.prior_mean", pc.prior_mean,
+           f"auto, uniform or zero with pc.mode={pc.mode} (training clamps h_0 there, so a learned prior mean would "
+           f"never train)")
     _check(pc.mode == "supervised" or m.energy != "ce", "model.energy", m.energy,
            f"se, bce or zero with pc.mode={pc.mode}: data sit at h_L (ce is for labels there)")
     _check(pc.mode != "supervised" or m.energy != "zero", "model.energy", m.energy,
