@@ -162,6 +162,55 @@ def test_float32_matmuls_on_a_cpu_are_ieee_whatever_the_process_set():
         torch.set_float32_matmul_precision(before)
 
 
+def test_cpu_convolutions_are_ieee_whatever_the_process_set_and_every_switch_reads_as_before():
+    """oneDNN's own ``fp32_precision = "bf16"`` (torch >= 2.9) had an fp32 trainer's CPU convolutions run in
+    bfloat16 (matmuls were guarded, convolutions not); and a caller's ``cuda.matmul.allow_tf32 = True`` left oneDNN's
+    matmul switch at TF32 after any CPU step (the guard put back through torch's older switch, which writes both).
+    Every switch reads as it did before after each step, the older ones included."""
+    from torch import nn
+
+    from pcdist.engine.precision import restore_tf32, tf32_state
+
+    if not hasattr(torch.backends.mkldnn, "conv") or not hasattr(torch.backends.mkldnn.conv, "fp32_precision"):
+        pytest.skip("this torch has no oneDNN float32 precision switches (torch < 2.9)")
+
+    def step():
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 4))
+        net = pcdist.PCNetwork.from_sequential(seq, input_shape=(1, 8, 8))
+        tr = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), T=4, x_lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        tr.step(torch.randn(32, 1, 8, 8, generator=g), torch.randn(32, 4, generator=g))
+        return [p.detach().clone() for p in net.parameters()]
+
+    def switches():
+        out = {}
+        for name, read in (("matmul", torch.get_float32_matmul_precision),
+                           ("cuda", lambda: torch.backends.cuda.matmul.allow_tf32),
+                           ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
+            try:
+                out[name] = read()
+            except RuntimeError:
+                out[name] = "unreadable"
+        out.update((n, getattr(torch.backends.mkldnn, n).fp32_precision) for n in ("matmul", "conv"))
+        return out
+
+    before = tf32_state()
+    try:
+        reference = step()
+        for setup in (lambda: setattr(torch.backends.mkldnn.conv, "fp32_precision", "bf16"),
+                      lambda: setattr(torch.backends, "fp32_precision", "bf16"),
+                      lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True)):
+            restore_tf32(before)
+            setup()
+            caller = switches()
+            assert all(torch.equal(a, b) for a, b in zip(step(), reference))
+            assert switches() == caller
+    finally:
+        torch.backends.fp32_precision = "none"
+        restore_tf32(before)
+
+
 def test_a_bf16_trainer_uses_its_networks_buffers_and_refuses_a_cast_network():
     """bf16 computes on a copy of the network: a buffer loaded into the network after the trainer was made (a
     BatchNorm's statistics) was ignored (energy 0.59 against a fresh trainer's 2.60), and a network cast to float64

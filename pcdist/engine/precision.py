@@ -50,61 +50,98 @@ _BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.
 
 
 def _switch(name: str):
-    backend, op = name.split(".")
-    return getattr(getattr(torch.backends, backend, None), op, None)
+    """``torch.backends.<name>`` ("" the global one, "cudnn" a backend's, "cudnn.conv" an operation's)."""
+    obj = torch.backends
+    for part in filter(None, name.split(".")):
+        obj = getattr(obj, part, None)
+    return obj
 
 
-def tf32_state() -> tuple[str, bool] | dict:
-    """The TF32 switches now, for ``restore_tf32``: torch's older two where it can read them (the state of a caller
-    who set them, or nothing); else (a caller who wrote torch >= 2.9's per-backend switches alone, which makes
-    the older unreadable) every per-backend switch."""
-    try:
-        return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        return {"": torch.backends.fp32_precision,
-                **{n: _switch(n).fp32_precision for n in _BACKENDS if hasattr(_switch(n), "fp32_precision")}}
+_NEWER = ("", "cudnn", "mkldnn", *_BACKENDS)
+"""Every float32 precision switch of torch >= 2.9 (``fp32_precision``), those that inherit first."""
+
+
+def _newer() -> list[str]:
+    return [n for n in _NEWER if hasattr(_switch(n), "fp32_precision")]
+
+
+def tf32_state() -> dict:
+    """The float32 precision switches now, for ``restore_tf32``: torch's older two, each where it can be read (a
+    caller who wrote only the newer per-backend switches makes the older unreadable), and every newer one."""
+    older = {}
+    for name, read in (("matmul", torch.get_float32_matmul_precision),
+                       ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
+        try:
+            older[name] = read()
+        except RuntimeError:
+            pass
+    return {"older": older, "newer": {n: _switch(n).fp32_precision for n in _newer()}}
 
 
 def restore_tf32(state: tuple[str, bool] | dict | None) -> None:
-    """Put back the switches ``tf32_state`` returned, through the API they were read with."""
-    if isinstance(state, dict):
-        torch.backends.fp32_precision = state[""]  # (the default of the others: first)
-        for n in _BACKENDS:
-            if n in state:
-                _switch(n).fp32_precision = state[n]
-    elif state is not None:
-        torch.set_float32_matmul_precision(state[0])
-        torch.backends.cudnn.allow_tf32 = state[1]
+    """Put back the switches ``tf32_state`` returned (or a tuple: the older two): the older ones that were
+    readable, then every newer one, so that each reads as it did, and what could not be read still cannot."""
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        state = {"older": {"matmul": state[0], "cudnn": state[1]}, "newer": {}}
+    older = state["older"]
+    if "matmul" in older:
+        torch.set_float32_matmul_precision(older["matmul"])
+    if "cudnn" in older:
+        torch.backends.cudnn.allow_tf32 = older["cudnn"]
+    for n, value in state["newer"].items():
+        _switch(n).fp32_precision = value
 
 
 def cpu_is_ieee() -> bool:
-    """True if float32 matmuls on CPUs run in IEEE float32 (torch's default; a process-wide
-    ``set_float32_matmul_precision("medium")`` has oneDNN compute them in bfloat16, 2e-3 off)."""
+    """True if float32 matmuls and convolutions on CPUs run in IEEE float32 (torch's default; a process-wide
+    ``set_float32_matmul_precision("medium")`` or oneDNN's ``fp32_precision = "bf16"`` computes them in bfloat16,
+    2e-3 off)."""
+    cpu = [n for n in ("mkldnn.matmul", "mkldnn.conv") if hasattr(_switch(n), "fp32_precision")]
+    if cpu:  # (a "none" inherits oneDNN's backend-wide switch, which inherits the global one)
+        return all(_effective(n) in ("ieee", "none") for n in cpu) and _legacy_highest()
+    return _legacy_highest()
+
+
+def _effective(name: str) -> str:
+    for n in (name, name.split(".")[0], ""):
+        value = _switch(n).fp32_precision
+        if value != "none":
+            return value
+    return "none"
+
+
+def _legacy_highest() -> bool:
     try:
         return torch.get_float32_matmul_precision() == "highest"
-    except RuntimeError:  # set through the newer per-backend switches
-        return _switch("mkldnn.matmul").fp32_precision in ("ieee", "none")
+    except RuntimeError:  # set through the newer switches alone: those rule
+        return True
 
 
 @contextlib.contextmanager
 def cpu_float32():
-    """While active, float32 matmuls on CPUs in IEEE float32 (a trainer of any precision asks for no less); the
-    process's setting put back after, through the API it was set with (the older one also sets CUDA's)."""
-    try:
+    """While active, float32 matmuls and convolutions on CPUs in IEEE float32 (a trainer of any precision asks for no
+    less); the process's switches as they were after. Through oneDNN's own switches where torch has them (torch's
+    older matmul switch also writes CUDA's, and its put-back left oneDNN's at TF32 after a caller's
+    ``cuda.matmul.allow_tf32 = True``); else through the older one."""
+    cpu = [n for n in ("mkldnn.matmul", "mkldnn.conv") if hasattr(_switch(n), "fp32_precision")]
+    if not cpu:
         before = torch.get_float32_matmul_precision()
-    except RuntimeError:  # set through the newer per-backend switches: the CPU's alone
-        switch = _switch("mkldnn.matmul")
-        before, switch.fp32_precision = switch.fp32_precision, "ieee"
+        torch.set_float32_matmul_precision("highest")
         try:
             yield
         finally:
-            switch.fp32_precision = before
+            torch.set_float32_matmul_precision(before)
         return
-    torch.set_float32_matmul_precision("highest")
+    before = {n: _switch(n).fp32_precision for n in cpu}
+    for n in cpu:
+        _switch(n).fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        for n, value in before.items():
+            _switch(n).fp32_precision = value
 
 
 def tf32_convolutions() -> bool:
