@@ -6,6 +6,8 @@ what a run writes and what comes back from it are float32, and a bf16 run stoppe
 uninterrupted bf16 run ends (the same products, from the same master weights, in the same order).
 """
 
+import warnings
+
 import pytest
 import torch
 import yaml
@@ -282,3 +284,22 @@ def test_the_float64_backprop_twin_computes_in_float64(energy):
     BackpropTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0)).step(x, y)
     for p, g in zip(net.parameters(), want):
         torch.testing.assert_close(p.grad, g, rtol=1e-13, atol=1e-15)
+
+
+def test_bf16_on_a_network_without_bfloat16_products_says_it_runs_in_float32():
+    """Every layer of the module kind (any nn.Module computes in float32): precision='bf16' ran bitwise as fp32 with
+    no word, and a run's config said bf16; now a warning says so (the service's note line: "changes nothing here").
+    A network with a dense layer has bfloat16 products and gets none."""
+    from torch import nn
+
+    def made(net):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1), precision="bf16")
+        return [str(w.message) for w in caught]
+
+    modules = [nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6)), nn.Sequential(nn.Linear(6, 3), nn.LayerNorm(3))]
+    assert made(pcdist.PCNetwork.from_layers(modules, input_shape=(4,))) == [
+        "precision='bf16' changes nothing here: no layer has bfloat16 products (the module kind computes in "
+        "float32), so this network runs in float32"]
+    assert made(pcdist.PCNetwork.from_dims([4, 6, 3])) == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 
@@ -180,6 +181,9 @@ class MixedPrecision:
                         self.pairs.append((param, twin_param))
                     else:  # the master's own parameter: its updates and gradients need no copy
                         setattr(twin, name_, param)
+            if not self.pairs:  # (every layer of the module kind, say)
+                warnings.warn("precision='bf16' changes nothing here: no layer has bfloat16 products (the module "
+                              "kind computes in float32), so this network runs in float32", stacklevel=3)
 
     def apply(self) -> None:
         """This precision's TF32 switches (CUDA: each step sets them, before its core runs or is captured; a CPU
