@@ -36,6 +36,13 @@ def run(cmd, timeout=300, **env):
     ("model=mlp,cnnn", "model=cnnn: no such option in conf/model/ (options: cnn, deconv, mlp, mupc, vgg); did you "
                        "mean cnn?"),  # each value a sweep lists (its --multirun got Hydra's report of the search path)
     ("model=choice(mlp,cnnn)", "model=cnnn: no such option"),  # an Optuna search space's too
+    # a group set to null, a number or a list: Hydra's traceback (conf/config.yaml writes "experiment: null")
+    ("experiment=null", "experiment=null: a config group takes the name of one of its options (options: "),
+    ("trainer=5", "trainer=5: a config group takes the name of one of its options (options: default)"),
+    ("pc=[1,2]", "pc=[1,2]: a config group takes the name of one of its options (options: default)"),
+    # a group's name mistyped near one of its keys: the group (optim.name=sgd kept AdamW's rate and warm-up)
+    ("optimm=sgd", "unknown config key optimm; did you mean the config group optim=sgd?"),
+    ("parallell=cpu_sim", "unknown config key parallell; did you mean the config group parallel=cpu_sim?"),
 ])
 def test_overrides_are_checked_against_the_known_keys_and_groups(override, problem):
     """A key or option that does not exist is named with the nearest existing one; Hydra's own
@@ -502,6 +509,9 @@ cli.main()
      "error: data digits has 64 input features (1 x 8 x 8) but model.dims[0]=100"),
     (["trainer.batch_size=5000", "--check"], {}, "error: data digits has 1437 training samples, fewer than "
                                                  "trainer.batch_size=5000"),
+    (["data.val_fraction=0.9999", "--check"], {}, "error: data digits has 0 training samples"),  # (an IndexError)
+    (["data=synthetic", "data.synthetic_val=0", "--check"], {},  # (it named data.synthetic_train=2048)
+     "error: config data.synthetic_val=0 is invalid: allowed an integer >= 1"),
 ])
 def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, env, says, capsys, monkeypatch):
     """An empty hydra.run.dir= (an unset variable) made the current folder the run directory; run_dir= on the
@@ -516,3 +526,12 @@ def test_command_lines_that_would_write_elsewhere_or_crash_are_one_line(argv, en
         before_hydra(CONF_DIR, argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err
+
+
+def test_a_size_that_does_not_fit_in_memory_is_one_line_and_leaves_no_run_directory(tmp_path):
+    """A width typed with extra zeros asked for 25 TB: torch's allocator's traceback (41 lines)."""
+    r = run([sys.executable, "train.py", "model.dims=[64,100000000000,10]", "logger=none",
+             f"hydra.run.dir={tmp_path}/new/run"])
+    assert r.returncode == 1 and r.stderr.startswith("error: out of memory: can't allocate memory: you tried to "
+                                                     "allocate ") and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "model.*" in r.stderr and not (tmp_path / "new").exists()

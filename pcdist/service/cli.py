@@ -285,6 +285,14 @@ def _train(cfg) -> float | None:
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
+    except (RuntimeError, MemoryError) as e:  # a size that does not fit: one line (a config's width typed with extra
+        why = str(e).strip().split("\n")[0]  # zeros, say), the run directory removed where nothing was written
+        if not isinstance(e, MemoryError) and "out of memory" not in why and "can't allocate memory" not in why:
+            raise
+        _remove_new_dirs()
+        why = why[why.find("can't allocate memory"):] if "can't allocate memory" in why else why  # (not its C++)
+        fail(f"out of memory: {why or type(e).__name__} (the config's sizes: model.*, trainer.batch_size, "
+             f"data.synthetic_*; {command()} --cfg job shows them)", status=1)
     except FloatingPointError as e:  # the run diverged (trainer.on_divergence=stop): one line
         if sweep:  # a sweep goes on to its next job (and ends with status 1); an Optuna study counts the trial failed
             print(f"error: {run_dir}: {e}", file=sys.stderr, flush=True)  # (no value: a NaN ended the whole study)

@@ -407,7 +407,11 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
             continue
         if key in options:
             for v in override_values(o):  # each of a sweep's too (model=mlp,cnnn: Hydra's report of its search path)
-                if isinstance(v, str) and v not in options[key]:
+                if not isinstance(v, str):  # null, a number, a list: Hydra's own traceback
+                    shown = o.input_line.split("=", 1)[1] if "=" in o.input_line else v
+                    return (f"{key}={shown}: a config group takes the name of one of its options (options: "
+                            f"{', '.join(options[key])}){'; leave it out for none' if key == 'experiment' else ''}")
+                if v not in options[key]:
                     return (f"{key}={v}: no such option in conf/{key}/ (options: {', '.join(options[key])})"
                             f"{did_you_mean(v, options[key])}")
             continue
@@ -419,7 +423,7 @@ def check_overrides(conf_dir: Path, overrides: list[str]) -> str | None:
             continue
         hint = did_you_mean(key, keys)
         group = [] if "." in key else difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
-        if not hint and group:
+        if group:  # a name without a dot near a group's (optimm=sgd): the group, not one of its keys (optim.name)
             value = o.input_line.split("=", 1)[1] if "=" in o.input_line else "..."
             hint = f"; did you mean the config group {group[0]}={value}?"
         return f"unknown config key {key}{hint} ({command()} --help lists every key and group)"

@@ -177,7 +177,8 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
         members = members.take(rng.permutation(len(members)), mode="clip")
         train.extend(members[:k_train])
         val.extend(members[k_train:k_train + k_val])
-    return rng.permutation(train), rng.permutation(val)
+    # (as integer indices also where a side is empty: val_fraction=0.9999 leaves no training sample)
+    return rng.permutation(train).astype(np.int64), rng.permutation(val).astype(np.int64)
 
 
 def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:

@@ -152,8 +152,8 @@ class DataConfig:
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
         _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "an integer >= 1")
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a fraction in (0, 1)")
-        _check(self.synthetic_train >= 1 and self.synthetic_val >= 1, "data.synthetic_train", self.synthetic_train,
-               "sizes >= 1")
+        _check(self.synthetic_train >= 1, "data.synthetic_train", self.synthetic_train, "an integer >= 1")
+        _check(self.synthetic_val >= 1, "data.synthetic_val", self.synthetic_val, "an integer >= 1")
 
     def check_reads(self) -> None:
         """Refuse a key the chosen data set does not read (``check_combination``)."""
