@@ -237,6 +237,8 @@ def test_help_shows_every_key_with_its_value_and_the_docstring_from_config_py():
     (["pc.T=7", "--info"], 0, "\nDefaults List\n"),  # a bare --info last (it takes an optional value)
     (["--cfg", "job", "trainer.mx_steps=3"], 2, "error: unknown config key trainer.mx_steps; did you mean "
                                                  "trainer.max_steps?"),  # (Hydra's report, advising +key, status 1)
+    (["--cfg", "job", "pc.T=abc"], 2, "error: invalid value for config key pc.T: Value 'abc' of type 'str' could "
+                                      "not be converted"),  # (Hydra's six-line report, status 1)
     (["--version"], 0, f"pcdist {pcdist.__version__} (Hydra "),  # (Hydra's own version alone, before)
     (["pc.T=7", "--help"], 0, "  pc.T = 7\n"),  # options after the overrides, as Hydra takes them (the service's
     (["pc.T=7", "--cfg", "job"], 0, "\n  T: 7\n"),  # own overrides, appended after them, were an argparse error)

@@ -96,6 +96,14 @@ def before_hydra(conf_dir: Path, argv: list[str]) -> bool:
         problem = check_overrides(conf_dir, args.overrides) if own_tree and (args.cfg or args.info) else None
         if problem:  # (a mistyped key: Hydra's report, advising +key, status 1)
             fail(problem)
+        if own_tree and (args.cfg or args.info) and not args.multirun:  # a value of the wrong type: Hydra's report
+            from hydra.errors import HydraException
+
+            from .config import composition_error
+            try:
+                _compose(conf_dir, args.overrides)
+            except HydraException as e:
+                fail(str(composition_error(e)))
         return False
     if not own_tree:
         return True
