@@ -512,6 +512,8 @@ cli.main()
     (["trainer.batch_size=5000", "--check"], {}, "error: data digits has 1437 training samples, fewer than "
                                                  "trainer.batch_size=5000"),
     (["data.val_fraction=0.9999", "--check"], {}, "error: data digits has 0 training samples"),  # (an IndexError)
+    (["data=synthetic", "model.dims=[64,1]", "--check"], {},  # (trained, reporting an accuracy of 1.0)
+     "error: data=synthetic labels by argmax over model.dims[-1]=1 classes: a classifier needs at least 2"),
     (["data=synthetic", "data.synthetic_val=0", "--check"], {},  # (it named data.synthetic_train=2048)
      "error: config data.synthetic_val=0 is invalid: allowed an integer >= 1"),
 ])

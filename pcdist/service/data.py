@@ -200,6 +200,9 @@ def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState
 
 def synthetic(dims: list[int], n_train: int, n_val: int, seed: int) -> Dataset:
     """Inputs N(0, 1) labelled by argmax of a random tanh teacher MLP with widths ``dims``."""
+    if dims[-1] < 2:  # (one class: every label 0, the ce energy 0, an accuracy of 1.0 reported)
+        raise DataError(f"data=synthetic labels by argmax over model.dims[-1]={dims[-1]} classes: a classifier needs "
+                        f"at least 2")
     g = torch.Generator().manual_seed(seed + 12345)
     x = torch.randn(n_train + n_val, dims[0], generator=g)
     h = x
