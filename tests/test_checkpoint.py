@@ -296,6 +296,21 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_a_checkpoint_error_naming_it(two_checkpoints, tmp_path):
+    """A step-N.tmp/ that cannot be made (a read-only folder, a full disk; here a file in its place) ended the run in
+    a traceback, and under torchrun the peers' line blamed a dead rank; now a CheckpointError naming the folder,
+    which the service prints in one line and passes to the peers."""
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    (run / "checkpoints/step-00000099.tmp").write_text("in the way")
+    net = pcdist.PCNetwork.from_dims([64, 128, 128, 10], activation="tanh")
+    meta = torch.load(run / "checkpoints/step-00000008/meta.pt", weights_only=True)
+    with pytest.raises(CheckpointError, match=rf"^writing the checkpoint {run}/checkpoints/step-00000099 failed: "
+                                              rf"cannot make {run}/checkpoints/step-00000099.tmp: File exists"):
+        save_checkpoint(run, 99, net, torch.optim.AdamW(net.parameters()), {**meta, "step": 99}, keep=2, writer=True,
+                        leader=True)
+    assert latest_checkpoint(run) == run / "checkpoints/step-00000008"
+
+
 def test_a_failed_write_never_damages_the_previous_checkpoint(two_checkpoints, tmp_path):
     """A writer that hits a file-size limit mid-checkpoint (disk full) leaves the previous one intact."""
     run = copy_run(two_checkpoints, tmp_path / "run")

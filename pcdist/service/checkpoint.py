@@ -121,7 +121,11 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
     distributed = dist.is_available() and dist.is_initialized()
     if leader:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only folder, a full disk: one line (the run's peers are told, and stop)
+            raise CheckpointError(f"writing the checkpoint {final} failed: cannot make {tmp}: {e.strerror or e} "
+                                  f"(a read-only or full disk?)") from e
     if distributed:
         barrier("the checkpoint barrier", group)
     if writer:
@@ -138,8 +142,11 @@ def save_checkpoint(run_dir: str | Path, step: int, net: PCNetwork, optimizer: t
         manifest = {"step": step, "layers": net.num_layers, "files": {n: _sha256(tmp / n) for n in files}}
         _atomic_save(manifest, tmp / "manifest.json", lambda m, f: f.write(json.dumps(m, indent=1).encode()))
         _fsync_dir(tmp)  # its files' names on disk before it is published
-        _remove(final)
-        os.replace(tmp, final)
+        try:
+            _remove(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            raise CheckpointError(f"publishing the checkpoint {final} failed: {e.strerror or e}") from e
         _fsync_dir(ckdir)  # published on disk before an older checkpoint is pruned (a power loss between: one stays)
         # keep the newest `keep` up to this step; those after it (damaged ones a resume skipped) stay until
         # the run writes their steps again: pruning never removes what it has just written
