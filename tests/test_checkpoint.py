@@ -296,6 +296,27 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def test_a_checksum_valid_meta_without_the_resume_state_is_one_error_and_changes_nothing(two_checkpoints, tmp_path):
+    """A meta.pt without its schedule, rate or RNG state (no pcdist wrote one: a file made elsewhere, its manifest
+    signed again) ended a resume in a KeyError traceback; now a CheckpointError naming the file, before any write."""
+    import hashlib
+    import json
+
+    run = copy_run(two_checkpoints, tmp_path / "run")
+    newest = run / "checkpoints/step-00000008"
+    meta = torch.load(newest / "meta.pt", weights_only=True)
+    del meta["rng"], meta["lr"]
+    torch.save(meta, newest / "meta.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["meta.pt"] = hashlib.sha256((newest / "meta.pt").read_bytes()).hexdigest()
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(run)
+    with pytest.raises(CheckpointError, match=rf"^{newest}/meta.pt holds no lr, rng: not a checkpoint file pcdist "
+                                              r"wrote; nothing in the run directory was changed$"):
+        pcdist.train({"run_dir": str(run), "logger": "none", "trainer.max_steps": 12})
+    assert snapshot(run) == before
+
+
 def test_a_checkpoint_folder_that_cannot_be_made_is_a_checkpoint_error_naming_it(two_checkpoints, tmp_path):
     """A step-N.tmp/ that cannot be made (a read-only folder, a full disk; here a file in its place) ended the run in
     a traceback, and under torchrun the peers' line blamed a dead rank; now a CheckpointError naming the folder,

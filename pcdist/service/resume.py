@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint
 from .config import PYTHON_DATA, PYTHON_MODEL, Config, command, run_dir_override
 from .diagnostics import FILE as DIAGNOSTICS_FILE
 from .metrics import truncate_jsonl
@@ -96,6 +96,10 @@ def restore_checkpoint(resume: Resume, net, opt, sched) -> None:
     if resume.checkpoint is None:
         return
     meta = load_checkpoint(resume.checkpoint, net, opt)
+    missing = [k for k in ("scheduler", "lr", "rng") if k not in meta]
+    if missing:  # (every pcdist wrote them: a file made elsewhere, its manifest signed again)
+        raise CheckpointError(f"{resume.checkpoint / 'meta.pt'} holds no {', '.join(missing)}: not a checkpoint file "
+                              f"pcdist wrote; nothing in the run directory was changed")
     if resume.schedule_changed:  # this run's schedule, at the resumed step
         position_schedule(sched, opt, resume.step * optimizer_steps(resume.config))
     else:
