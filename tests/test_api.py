@@ -124,6 +124,33 @@ def test_batch_size_change_reallocates():
                                                nn.Sequential(nn.Flatten(), nn.Linear(72, 2))]),
          r"(?s)^layer 1 .* is a convolution on an input of unknown shape: give input_shape=\(channels, height, "
          r"width\)"),
+        # (review rv116) a block given twice: its weights were untied silently, or (from_sequential) left out
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), *[nn.Sequential(nn.Linear(4, 4), nn.Tanh())] * 2,
+                                               nn.Linear(4, 2)]),
+         r"^layers 2 and 3 share the parameter '0.weight' \(one module given twice\?\)"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.Tanh(),
+                                                                *[nn.Sequential(nn.Linear(4, 4), nn.Tanh())] * 2,
+                                                                nn.Linear(4, 2))),
+         r"^module 4 \(Linear\) is module 2 again"),
+        (lambda: pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Conv3d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2))),
+         r"^module 0 \(Conv3d\) comes before the first nn.Linear, nn.Conv1d or nn.Conv2d"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2))]),
+         r"(?s)^the output layer .* is the first layer and the shape of its input is unknown: give input_shape"),
+        # running statistics, randomness, a compiled module, an input written in place: each changed under inference
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.Sequential(nn.Unflatten(1, (1, 4)),
+                                                                              nn.InstanceNorm1d(1, affine=True,
+                                                                                                track_running_stats=True),
+                                                                              nn.Flatten()), nn.Linear(4, 2)]),
+         r"^layer 2 \(Sequential.1: InstanceNorm1d\) is in training mode with track_running_stats"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.RReLU()),
+                                               nn.Linear(4, 2)]),
+         r"^layer 2 \(Sequential\) gives another output for the same input at each call"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), torch.compile(nn.Sequential(nn.Linear(4, 4))),
+                                               nn.Linear(4, 2)]),
+         r"^layer 2 \(OptimizedModule: OptimizedModule\) is compiled by torch.compile"),
+        (lambda: pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)),
+                                               nn.Linear(4, 2)]),
+         r"^layer 2 \(Sequential\) writes its input in place"),
     ],
 )
 def test_bad_networks_name_the_problem(build, message):
@@ -605,3 +632,49 @@ def test_a_live_optimizer_given_a_group_or_a_saved_state_trains_as_compile_none(
             tr.step(x, y, log=s % 4 == 0)
         weights[compile] = [p.detach().clone() for p in params]
     assert all(torch.equal(a, b) for a, b in zip(weights["none"], weights["graph"]))
+
+
+class _Scaled(nn.Module):
+    """A block whose function and scale are plain attributes (a repr does not show them)."""
+
+    def __init__(self, fn, scale: float):
+        super().__init__()
+        self.lin, self.fn, self.scale = nn.Linear(4, 4), fn, torch.tensor(scale)
+
+    def forward(self, h):
+        return self.fn(self.lin(h)) * self.scale
+
+
+class _Counter(nn.Module):
+    """Counts its calls in a buffer (a record of its own: written at every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, h):
+        self.calls += 1
+        return torch.tanh(self.lin(h))
+
+
+def test_the_network_computes_what_the_modules_compute_whatever_a_repr_hides_or_a_reuse():
+    """(review rv116) Module layers differing only in a function or tensor attribute were stacked into one group,
+    each running the first one's (tanh for all); a Sequential reusing one activation instance lost its second
+    use (seq.modules() yields it once); a module's probe call at from_layers changed the user's buffers."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    blocks = [_Scaled(torch.tanh, 1.0), _Scaled(torch.sin, 1.0), _Scaled(torch.tanh, 2.0)]
+    layers = [nn.Linear(3, 4), *blocks, nn.Linear(4, 2)]
+    net = pcdist.PCNetwork.from_layers(layers)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), nn.Sequential(*layers)(x), rtol=0, atol=1e-6)
+    act = nn.Tanh()
+    seq = nn.Sequential(nn.Linear(3, 4), act, nn.Linear(4, 4), act, nn.Linear(4, 2))
+    net = pcdist.PCNetwork.from_sequential(seq)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), seq(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(net.to_sequential()(x), seq(x), rtol=0, atol=1e-6)
+    counter = _Counter()
+    pcdist.PCNetwork.from_layers([nn.Linear(3, 4), counter, nn.Linear(4, 2)])
+    assert counter.calls.item() == 0

@@ -38,6 +38,14 @@ def from_layers(cls, layers: Sequence[nn.Module], energy: str = "se", input_shap
     if energy == "ce" and isinstance(tail, (nn.Softmax, nn.LogSoftmax)):
         raise ValueError(f"the output layer ends with {type(tail).__name__}: leave it out; energy='ce' applies the "
                          f"softmax to the output layer's u_L (the logits) itself")
+    owner: dict[int, tuple[int, str]] = {}  # each parameter's first layer (a module passed twice ties weights)
+    for l, m in enumerate(mods, start=1):
+        for name, t in m.named_parameters():
+            if id(t) in owner and owner[id(t)][0] != l:
+                raise ValueError(f"layers {owner[id(t)][0]} and {l} share the parameter {owner[id(t)][1]!r} (one "
+                                 f"module given twice?): each PC layer trains weights of its own, so they would be "
+                                 f"untied silently; give each layer its own module (copy.deepcopy)")
+            owner.setdefault(id(t), (l, name))
     picked, shape = [], None if input_shape is None else tuple(int(d) for d in input_shape)
     for l, m in enumerate(mods, start=1):
         kind, params = kind_from_module(m, l, l == len(mods), shape)
@@ -192,7 +200,14 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
     [nn.Flatten,] (nn.Linear | nn.Conv1d | nn.Conv2d) [, activation] [, pooling]. The modules are
     shared, not copied. A module that fits nowhere is named in a ValueError. ``stacklevel``: the
     warning's about unfused activations (3: the caller of the function that calls this one)."""
-    mods = [m for m in seq.modules() if not isinstance(m, nn.Sequential)]
+    mods = list(_leaves(seq))
+    seen: dict[int, int] = {}
+    for i, m in enumerate(mods):  # (seq.modules() yields a module used twice once: it was left out silently)
+        if id(m) in seen and next(m.parameters(), None) is not None:
+            raise ValueError(f"module {i} ({type(m).__name__}) is module {seen[id(m)]} again: its weights would "
+                             f"serve two PC layers, which each train weights of their own; give each place a module "
+                             f"of its own (copy.deepcopy)")
+        seen.setdefault(id(m), i)
     blocks: list[list[nn.Module]] = []
     flatten: tuple[int, nn.Flatten] | None = None
     hint = ("from_sequential puts a value node after each nn.Linear / nn.Conv with its activation and pooling; "
@@ -209,7 +224,8 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
             raise ValueError(f"module {i} ({type(m).__name__}) follows the nn.Flatten at module {flatten[0]}: "
                              f"a Flatten goes right before an nn.Linear; {hint}")
         elif not blocks:
-            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear or nn.Conv; {hint}")
+            raise ValueError(f"module {i} ({type(m).__name__}) comes before the first nn.Linear, nn.Conv1d or "
+                             f"nn.Conv2d; {hint}")
         else:
             cur = blocks[-1]
             layer = cur[1] if isinstance(cur[0], nn.Flatten) else cur[0]
@@ -249,6 +265,15 @@ def split_sequential(seq: nn.Sequential, stacklevel: int = 3) -> list[nn.Sequent
                       f"fused activations ({SUPPORTED_MODULES}); such a layer runs through the module kind "
                       f"(autograd's VJPs, slower than a fused activation)", stacklevel=stacklevel)
     return [nn.Sequential(*b) for b in blocks]
+
+
+def _leaves(seq: nn.Sequential):
+    """The modules of ``seq`` in order, nested Sequentials flattened, a module used twice at each of its places."""
+    for m in seq._modules.values():
+        if isinstance(m, nn.Sequential):
+            yield from _leaves(m)
+        elif m is not None:
+            yield m
 
 
 def _elementwise(m: nn.Module) -> bool:

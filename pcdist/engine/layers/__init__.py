@@ -180,6 +180,9 @@ def kind_from_module(m: nn.Module, index: int, is_output: bool,
         raise ValueError(f"{what} ({type(m).__name__}: {m}) is a convolution on an input of unknown shape: give "
                          f"input_shape=(channels, {'length' if isinstance(first, nn.Conv1d) else 'height, width'}) "
                          f"(one sample's, without the batch)")
+    if in_shape is None and index == 1 and not isinstance(first, (nn.Linear, nn.Flatten)):
+        raise ValueError(f"{what} ({type(m).__name__}: {m}) is the first layer and the shape of its input is unknown: "
+                         f"give input_shape=(...) (one sample's, without the batch)")
     raise ValueError(
         f"{what} ({type(m).__name__}: {m}) has no PC layer kind: supported are nn.Linear "
         "([nn.Flatten,] nn.Linear [, activation]; no activation on the output layer), nn.Conv1d/2d [+ activation] "

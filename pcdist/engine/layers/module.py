@@ -24,6 +24,7 @@ running statistics as constants, Dropout is the identity).
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -50,13 +51,21 @@ class AnyModule(nn.Module):
 
 
 def check_module(m: nn.Module, index: int) -> None:
-    """Refuse what would drift silently: running statistics and randomness in training mode."""
+    """Refuse what would drift silently: running statistics and randomness in training mode (by type here; any
+    other by its probe calls, ``ModuleKind.of``), a module compiled by torch.compile."""
     for name, sub in m.named_modules():
         what = f"layer {index} ({type(m).__name__}{'.' + name if name else ''}: {type(sub).__name__})"
+        if hasattr(sub, "_orig_mod") and type(sub).__name__ == "OptimizedModule":
+            raise ValueError(f"{what} is compiled by torch.compile, whose backward cannot serve PC's repeated "
+                             f"gradients; give the module itself (on a GPU pcdist captures the whole step)")
         if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
             raise ValueError(f"{what} is in training mode: its batch statistics (and running averages) would change "
                              "at every inference step. Call .eval() on it (its running statistics become constants) "
                              "or leave it out")
+        if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training and sub.track_running_stats:
+            raise ValueError(f"{what} is in training mode with track_running_stats: its running averages would "
+                             "change at every inference step (and so its eval-mode output). Call .eval() on it or "
+                             "leave it out")
         if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0:
             raise ValueError(f"{what} draws a new mask at every inference step, so the energy PC minimises would "
                              "change under it; call .eval() on it (the identity) or leave it out")
@@ -71,11 +80,41 @@ def _structure(m: nn.Module) -> str:
 
 
 def _attributes(m: nn.Module) -> str:
-    """The plain settings (numbers, strings, flags) of ``m`` and its submodules that a repr may not show (a
-    ``self.c = 5.0`` of the user's): modules that differ in one do not stack, whatever their repr."""
-    plain = (bool, int, float, str, type(None), tuple)
-    return "\n".join(f"{name} {k}={v!r}" for name, sub in m.named_modules() for k, v in sorted(vars(sub).items())
-                     if not k.startswith("_") and isinstance(v, plain))
+    """The settings of ``m`` and its submodules that a repr may not show (a ``self.c = 5.0``, a ``self.f =
+    torch.sin``, a plain tensor of the user's): modules that differ in one do not stack, whatever their repr (a
+    stacked group runs its first layer's)."""
+    return "\n".join(f"{name} {k}={_token(v)}" for name, sub in m.named_modules()
+                     for k, v in sorted(vars(sub).items()) if not k.startswith("_"))
+
+
+def _token(v) -> str:
+    """``v`` as text that is equal for equal settings: plain values and tensors by content, containers by their
+    items, anything else (a function, an object) by identity."""
+    if isinstance(v, (bool, int, float, str, type(None))):
+        return repr(v)
+    if isinstance(v, Tensor):
+        data = v.detach().cpu().reshape(-1)
+        digest = hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+        return f"tensor{tuple(v.shape)}{v.dtype}:{digest}"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}[{', '.join(_token(x) for x in v)}]"
+    if isinstance(v, dict):
+        return f"dict{{{', '.join(f'{_token(k)}: {_token(x)}' for k, x in v.items())}}}"
+    return f"{type(v).__name__}@{id(v):x}"
+
+
+def _check_probe(m: nn.Module, probe: nn.Module, index: int, x: Tensor, out: Tensor, again: Tensor) -> None:
+    """Refuse a module whose two probe calls on one input show what PC's inference loop cannot run: its input
+    written in place (the value node it reads), or another output (randomness in training mode: an RReLU, a noise
+    layer). (A buffer its forward writes, a record of its own, is written at every call: docs/layers.md.)"""
+    what = f"layer {index} ({type(m).__name__})"
+    if x._version != 0:
+        raise ValueError(f"{what} writes its input in place (an inplace=True activation first?), which is the value "
+                         f"node it reads; make that operation out of place")
+    if out.shape != again.shape or not torch.allclose(out, again, rtol=1e-4, atol=1e-5, equal_nan=True):
+        raise ValueError(f"{what} gives another output for the same input at each call (randomness in training "
+                         f"mode: an RReLU, a noise layer?): the energy PC minimises would change under it; call "
+                         f".eval() on it or leave it out")
 
 
 @dataclass(frozen=True)
@@ -98,9 +137,14 @@ class ModuleKind(LayerKind):
         p = next(iter(m.parameters()), None)
         kw = dict(dtype=p.dtype if p is not None else torch.get_default_dtype(),
                   device=p.device if p is not None else "cpu")
-        with torch.no_grad():
+        x = torch.randn(2, *in_shape, generator=torch.Generator().manual_seed(0)).to(**kw)
+        if any(nn.parameter.is_lazy(t) for t in (*m.parameters(), *m.buffers())):
+            with torch.no_grad():  # a lazy module's first call makes its weights (on the user's module, as torch's)
+                m(x.clone())
+        probe = copy.deepcopy(m)  # (the user's module stays as it is: a forward may write its buffers)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # (the global RNG stays untouched)
             try:
-                out = m(torch.zeros(2, *in_shape, **kw))
+                out, again = probe(x), probe(x.clone())
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a width that does not fit, mostly
                 node, why = f"layer {index - 1}'s output" if index > 1 else "the input", str(e).strip()
                 raise ValueError(f"layer {index} ({type(m).__name__}) fails on the node it is given, "
@@ -109,6 +153,7 @@ class ModuleKind(LayerKind):
         if not isinstance(out, Tensor) or out.shape[0] != 2:
             raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
                              f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
+        _check_probe(m, probe, index, x, out, again)
         return cls(_structure(m), tuple(in_shape), tuple(out.shape[1:]), copy.deepcopy(m),
                    sum(q.numel() for q in m.parameters()), _attributes(m))
 
