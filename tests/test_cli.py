@@ -3,6 +3,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -539,3 +540,32 @@ def test_a_size_that_does_not_fit_in_memory_is_one_line_and_leaves_no_run_direct
     assert r.returncode == 1 and r.stderr.startswith("error: out of memory: can't allocate memory: you tried to "
                                                      "allocate ") and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "model.*" in r.stderr and not (tmp_path / "new").exists()
+
+
+def _disk_full():
+    """In the child: every write beyond 0 bytes fails (EFBIG, as a full disk's ENOSPC) instead of killing it."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+def test_a_full_disk_is_one_line_for_a_new_run_and_for_evaluate_and_leaves_nothing_half_written(tmp_path):
+    """(review rv117) A disk full as a run starts (its lock, config.yaml, model.json) was a traceback, and could
+    leave an empty config.yaml that the rerun refused as files pcdist did not write; evaluate on a read-only or
+    full disk was a traceback. Each is one line, status 2; the new run's directory is gone, and a run's files
+    are as they were."""
+    full = dict(os.environ, WANDB_SILENT="true")
+    r = subprocess.run([sys.executable, "train.py", "logger=none", f"hydra.run.dir={tmp_path}/new/run"], cwd=ROOT,
+                       env=full, capture_output=True, text=True, timeout=300, preexec_fn=_disk_full)
+    assert r.returncode == 2 and r.stderr.startswith("error: cannot write ") and r.stderr.count("\n") == 1, \
+        r.stderr[-2000:]
+    assert "File too large (a full or read-only disk?)" in r.stderr and not (tmp_path / "new").exists()
+    run_dir = tmp_path / "run"
+    pcdist.train({"run_dir": str(run_dir), "logger": "none", "trainer.max_steps": 2, "trainer.progress": "off"})
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = subprocess.run([sys.executable, "-m", "pcdist", "evaluate", str(run_dir)], cwd=tmp_path, env=full,
+                       capture_output=True, text=True, timeout=300, preexec_fn=_disk_full)
+    assert r.returncode == 2 and r.stderr == "error: cannot write its files: File too large (a full or read-only " \
+                                             "disk?)\n", r.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before

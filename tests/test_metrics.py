@@ -280,3 +280,19 @@ def test_the_reconstructions_drawn_are_those_the_metric_scores(tmp_path, monkeyp
     torch.testing.assert_close(row.reshape(len(row), -1), scored[0][:len(row)].reshape(len(row), -1), atol=1e-10,
                                rtol=0)
     assert "h_0 inferred in 12 rk4 steps" in title
+
+
+def test_pictures_that_cannot_be_written_are_a_warning_not_the_runs_end(tmp_path, capsys):
+    """(review rv117) A full disk as a finished run drew its pictures ended it in a traceback, status 1 (and,
+    where a checkpoint's write had failed first, hid that error's one line): the run's record is whole, so the
+    pictures' failure is one warning line. (Here a folder stands where a picture goes.)"""
+    run = tmp_path / "run"
+    short = {"run_dir": str(run), "logger": "none", "trainer.progress": "off", "trainer.ckpt_every": 2}
+    pcdist.train({**short, "logger.plots": False, "trainer.max_steps": 2})
+    (run / "accuracy_energy.png").mkdir()
+    capsys.readouterr()
+    assert pcdist.train({**short, "trainer.max_steps": 4})["step"] == 4
+    err = capsys.readouterr().err
+    assert "warning: the run's pictures were not drawn (Is a directory: " in err and \
+        "metrics.jsonl and the checkpoints are complete" in err
+    assert not list(run.glob(".*.part"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import gc
 import io
 import os
@@ -293,6 +294,12 @@ def _train(cfg) -> float | None:
         fail(str(e))
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
+    except OSError as e:  # a full or read-only disk (the run's lock, its first files): one line
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG):
+            raise
+        _remove_new_dirs()
+        fail(f"cannot write {e.filename or 'the run directory'}: {e.strerror} (a full or read-only disk?)"
+             f"{f' (run directory: {run_dir})' if run_dir and os.path.isdir(run_dir) else ''}")
     except (RuntimeError, MemoryError) as e:  # a size that does not fit: one line (a config's width typed with extra
         why = str(e).strip().split("\n")[0]  # zeros, say), the run directory removed where nothing was written
         if not isinstance(e, MemoryError) and "out of memory" not in why and "can't allocate memory" not in why:

@@ -18,6 +18,7 @@ of the folder one stands in is imported implicitly.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 __all__ = ["COMMANDS", "main"]
@@ -116,6 +117,12 @@ def main(argv: list[str]) -> int:
         _run(args)
     except USER_ERRORS as e:  # (a name from a run folder in it reaches the terminal escaped)
         print(f"error: {printable(' '.join(str(e).split()))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only or full disk where a command writes its files
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG):
+            raise
+        where = f" {printable(e.filename)}" if e.filename else " its files"
+        print(f"error: cannot write{where}: {e.strerror} (a full or read-only disk?)", file=sys.stderr)
         return 2
     return 0
 

@@ -106,7 +106,7 @@ class RunLogger(NullLogger):
         self._train_log = open(self.run_dir / "train.log", "a", buffering=1)
         import yaml
 
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        replace_file(self.run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))  # (never half a file)
         self.config = config
         self.plots = logger_cfg.plots  # draw the pictures at close (logger.plots)
         self.max_steps = max_steps
@@ -193,6 +193,10 @@ class RunLogger(NullLogger):
         try:
             if self.plots:
                 self.plot()
+        except OSError as e:  # a full or read-only disk: the run's record is whole; an error being raised stays it
+            where = f": {e.filename}" if e.filename else ""
+            print(f"warning: the run's pictures were not drawn ({e.strerror or e}{where}); metrics.jsonl and the "
+                  f"checkpoints are complete", file=sys.stderr, flush=True)
         finally:
             if self._wandb is not None:
                 self._wandb.finish()

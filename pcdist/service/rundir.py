@@ -419,10 +419,15 @@ def lock_run_dir(run_dir: Path, wait_s: float | None = None) -> None:
             break
         os.close(fd)
     since = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.ftruncate(fd, 0)
     launch = _launch_name()
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}"
-                  f"{'' if launch is None else f' (launch {launch})'}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}"
+                      f"{'' if launch is None else f' (launch {launch})'}\n".encode(), 0)
+    except OSError:  # a full disk: no empty lock left behind (the caller says why in one line)
+        os.unlink(path)
+        os.close(fd)
+        raise
     _held[:] = [fd, path, run_dir if made else None]
 
 
