@@ -285,11 +285,12 @@ def test_a_stop_voted_at_the_last_step_ends_the_run_as_finished(tmp_path):
 CTRL_C_AT_IMPORT = textwrap.dedent("""
     import os, runpy, signal, sys
     module, entry, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    class CtrlC:  # Ctrl-C as `module` starts importing, the first time
+    stop = getattr(signal, os.environ.get("STOP_SIGNAL", "SIGINT"))
+    class CtrlC:  # Ctrl-C (or STOP_SIGNAL) as `module` starts importing, the first time
         def find_spec(self, name, path=None, target=None):
             if name == module:
                 sys.meta_path.remove(self)
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), stop)
     sys.meta_path.insert(0, CtrlC())
     if entry == "-m":  # as python -m pcdist: argv[0] is "-m" while the package imports
         sys.argv = ["-m", *args]
@@ -316,6 +317,19 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line_and_leaves_nothing(tmp
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert (out.returncode, out.stderr) == (130, said + "\n"), out.stdout[-2000:] + out.stderr[-3000:]
     assert not run_dir.exists() and "new run in" not in out.stdout
+
+
+def test_sigterm_while_the_data_loads_is_one_line_and_leaves_nothing(tmp_path):
+    """(review rv117) SIGTERM before the first training step (here as the digits are split: a data set that takes
+    minutes to load, a SLURM pre-emption there) ended the process by the signal without a word; Ctrl-C said so."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT, "numpy.random", str(ROOT / "train.py"),
+                          "trainer.max_steps=5", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", STOP_SIGNAL="SIGTERM"))
+    assert (out.returncode, out.stderr) == (-signal.SIGTERM, "stopped by SIGTERM while starting (before the first "
+                                            "training step): nothing was trained\n"), out.stdout + out.stderr[-3000:]
+    assert not run_dir.exists()
 
 
 def test_a_ctrl_c_after_the_last_step_stops_the_end_of_run_trace_at_once(tmp_path, monkeypatch):

@@ -380,6 +380,10 @@ def _remove_new_dirs_on_sigterm() -> None:
     then ends the process by the signal as before: a launch stopped before training leaves nothing either."""
     def handler(signum, frame):
         _remove_new_dirs()
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # (torchrun stops the others so where one failed: its line)
+            with contextlib.suppress(OSError):
+                print(f"stopped by {signal.Signals(signum).name} while starting (before the first training step): "
+                      f"nothing was trained", file=sys.stderr, flush=True)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
