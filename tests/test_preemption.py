@@ -332,6 +332,17 @@ def test_sigterm_while_the_data_loads_is_one_line_and_leaves_nothing(tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_ctrl_c_while_the_finished_run_draws_its_pictures_names_the_checkpoint_kept(tmp_path):
+    """(review rv117) The line said "without a checkpoint of its own", as if the finished run's were lost."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT, "matplotlib", str(ROOT / "train.py"),
+                          "trainer.max_steps=3", "pc.T=2", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert (out.returncode, out.stderr) == (130, f"interrupted (Ctrl-C) outside the training steps: stopped at once; "
+                                                 f"the run's newest checkpoint is kept: {run_dir}/checkpoints/"
+                                                 f"step-00000003\n"), out.stdout + out.stderr[-3000:]
+
+
 def test_a_ctrl_c_after_the_last_step_stops_the_end_of_run_trace_at_once(tmp_path, monkeypatch):
     """Once the last step is checkpointed, what is left (the trace of the inference, the pictures, the last line)
     can stop at once: a Ctrl-C there was caught as in training, then ignored (the next one stopped the process).

@@ -286,8 +286,8 @@ def _train(cfg) -> float | None:
         sys.exit(preempted_status(e.signal))
     except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, the end-of-run evaluation): at once
         _remove_new_dirs()
-        print(f"interrupted (Ctrl-C) outside the training steps: stopped at once, without a checkpoint of its own"
-              f"{f' (run directory: {run_dir})' if run_dir else ''}", file=sys.stderr, flush=True)
+        print(f"interrupted (Ctrl-C) outside the training steps: stopped at once{_kept(run_dir)}",
+              file=sys.stderr, flush=True)
         sys.exit(preempted_status(signal.SIGINT))
     except USER_ERRORS as e:  # the user's input, not a bug: one line, status 2
         _remove_new_dirs()  # now: torchrun may stop this rank while fail() waits
@@ -319,6 +319,16 @@ def _train(cfg) -> float | None:
     # the objective of a sweeper (Optuna): val/accuracy (direction maximize), or unsupervised the reconstruction's
     # error (direction minimize)
     return result.get("val/accuracy", result.get("val/reconstruction_mse"))
+
+
+def _kept(run_dir) -> str:
+    """What a run stopped outside its training steps keeps: its newest checkpoint, or nothing."""
+    from .checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir) if run_dir and os.path.isdir(run_dir) else None
+    if newest is None:
+        return ", nothing trained or checkpointed"
+    return f"; the run's newest checkpoint is kept: {newest}"
 
 
 _diverged: list[str] = []
