@@ -273,8 +273,11 @@ def _train(cfg) -> float | None:
     from .config import passed_settings
     from .run import run
 
+    from . import resume
+
     run_dir = None
     sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    resume.SWEEP[:] = _given if sweep else []  # (a stopped job's line gives the sweep's command to continue)
     try:
         c = load_config(cfg)
         c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
@@ -333,6 +336,9 @@ def _kept(run_dir) -> str:
 
 _diverged: list[str] = []
 """The run directories of this sweep's jobs that diverged."""
+
+_given: list[str] = []
+"""The command line's arguments as given (before the service adds Hydra's settings of its own)."""
 
 
 @contextlib.contextmanager
@@ -549,6 +555,7 @@ def _main() -> None:
              f"overrides: {command()} --help)")
     # Hydra writes none of its own files (.hydra/, a log): the run directory holds the run's files only, and
     # a resume that does not continue (refused, or nothing left to train) changes nothing in it.
+    _given[:] = sys.argv[1:]
     at = _overrides_at(sys.argv)
     sys.argv[at:at] = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     if not before_hydra(CONF_DIR, sys.argv[1:]):  # --help, --check, mistyped keys: without torch where it can

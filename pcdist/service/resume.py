@@ -19,10 +19,15 @@ from .optimizer import optimizer_steps
 from .rundir import Resume, position_schedule, write_attempt
 
 
-def resume_command(c: Config, run_dir) -> str:
+SWEEP: list[str] = []
+"""While a ``--multirun`` runs: its command line's arguments (cli.py), the way to continue a job of it."""
+
+
+def resume_command(c: Config, run_dir, alone: bool = False) -> str:
     """How to continue the run in ``run_dir``: its command line (in a launch/slurm.sbatch job, which sets
     PCDIST_LAUNCHER=slurm and refuses hydra.run.dir=, its resubmission; under launch/local.sh, PCDIST_LAUNCHER=local,
-    that script), or for data or layers passed from Python the call that passes them again."""
+    that script), or for data or layers passed from Python the call that passes them again; in a sweep the sweep's
+    command line (``alone``: the job's own)."""
     if c.data.name == PYTHON_DATA or c.model.name == PYTHON_MODEL:
         given = ", ".join(k for k, on in (("data=...", c.data.name == PYTHON_DATA),
                                           ("layers=...", c.model.name == PYTHON_MODEL)) if on)
@@ -33,6 +38,8 @@ def resume_command(c: Config, run_dir) -> str:
     if os.environ.get("PCDIST_LAUNCHER") == "local":  # launch/local.sh's workers: the script again, by its path
         script = os.environ.get("PCDIST_LOCAL_SCRIPT", "launch/local.sh")  # (python train.py: none in the caller's
         return f"{shlex.quote(script)} {shlex.quote(run_dir_override(run_dir))}"  # folder, and one process)
+    if SWEEP and not alone:  # the sweep again: it resumes this job, then runs those after it
+        return f"{command()} {shlex.join(SWEEP)} (the same sweep: it continues this job, then runs the rest)"
     return f"{command()} {shlex.quote(run_dir_override(run_dir))}"  # (a folder with spaces: one argument)
 
 
@@ -42,7 +49,7 @@ def nothing_to_train(c: Config, run_dir: Path, step: int, sweep: bool = False) -
     if step >= t.max_steps:
         way = (f"a sweep's jobs keep their settings: to train longer, launch the sweep with a larger "
                f"trainer.max_steps into a new hydra.sweep.dir, or continue this run on its own: "
-               f"{resume_command(c, run_dir)} trainer.max_steps=..." if sweep else
+               f"{resume_command(c, run_dir, alone=True)} trainer.max_steps=..." if sweep else
                "raise trainer.max_steps to train on, or leave out the run directory for a new run")
         return (f"{run_dir} is already finished: its newest checkpoint is step {step} and trainer.max_steps="
                 f"{t.max_steps}; nothing to train ({way})")
