@@ -327,3 +327,27 @@ def test_a_sweep_stopped_in_a_job_says_to_launch_the_sweep_again_which_runs_the_
     again = train_py(*args, cwd=tmp_path)  # the line's command: job 0 resumed, then job 1
     assert f"resumed from {sweep}/0/checkpoints/step-" in again.stdout, again.stdout[-2000:]
     assert [p.name for p in jobs(sweep)] == ["0", "1"] and (sweep / "1" / "checkpoints" / "step-00000060").is_dir()
+
+
+def test_a_run_into_a_job_folder_of_a_running_sweep_is_refused(tmp_path):
+    """(review rv117) A single run into a job folder the running sweep had not reached yet was accepted; the sweep
+    then met that run's files there and stopped, losing that job and every one after it. While the sweep's claim
+    names a process that runs on this host, a run into one of its folders is refused; once it has ended, not."""
+    import json
+    import socket
+
+    import pcdist
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    claim = {"overrides": ["optim.lr=1e-3,2e-3"], "host": socket.gethostname()}
+    (sweep / ".pcdist-sweep.json").write_text(json.dumps({**claim, "pid": os.getppid()}))  # (a live process)
+    cfg = {"run_dir": str(sweep / "1"), "logger": "none", "logger.plots": False, "trainer.max_steps": 2,
+           "trainer.progress": "off"}
+    with pytest.raises(pcdist.ConfigError, match=rf"^{sweep}/1 is a job folder of the sweep running into {sweep} "
+                                                 rf"\(process {os.getppid()}: optim.lr=1e-3,2e-3\)"):
+        pcdist.train(cfg)
+    assert sorted(p.name for p in sweep.iterdir()) == [".pcdist-sweep.json"]
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (sweep / ".pcdist-sweep.json").write_text(json.dumps({**claim, "pid": int(ended.stdout)}))  # (it has ended)
+    assert pcdist.train(cfg)["step"] == 2

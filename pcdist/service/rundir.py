@@ -283,6 +283,36 @@ def sweep_in(run_dir: Path) -> list[str]:
     return [name for name in SWEEP_FILES if (run_dir / name).exists()] + [f"{name}/" for name in jobs]
 
 
+def _live_sweep(folder: Path) -> str | None:
+    """The sweep launching into ``folder`` now (its claim, sweep.py's ``.pcdist-sweep.json``, names a process that
+    runs on this host), as text naming it, else None."""
+    import socket
+
+    try:
+        claim = json.loads((folder / ".pcdist-sweep.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(claim, dict) or claim.get("host") != socket.gethostname():
+        return None
+    pid = claim.get("pid")
+    if pid == os.getpid() or not running(pid):
+        return None
+    return f"process {pid}: {printable(' '.join(map(str, claim.get('overrides') or [])))}"
+
+
+def running(pid) -> bool:
+    """Whether process ``pid`` of this host runs."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def links_in(run_dir: Path) -> list[str]:
     """What in ``run_dir`` is a symbolic link, or a file with another hard link: pcdist would write through it
     into a file outside the run (a run folder one was sent, with ``eval.json -> ~/.bashrc``). Below wandb/
@@ -575,6 +605,11 @@ def find_resume(c: Config, run_dir: Path, passed: dict[str, str] | None = None, 
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
         raise ConfigError(f"{run_dir} is a sweep's folder ({shown}), whose runs a run there would mix with; to resume "
                           f"one of its jobs name its folder ({Path(run_dir) / '<job>'}), or choose another directory")
+    live = None if sweep else _live_sweep(Path(run_dir).absolute().parent)
+    if live:  # (a run there now: the sweep, on reaching this job, found another run's files and stopped)
+        raise ConfigError(f"{run_dir} is a job folder of the sweep running into {Path(run_dir).absolute().parent} "
+                          f"({live}): a run there would mix with it; nothing was changed: choose another directory, "
+                          f"or wait until the sweep has ended")
     for rows in ("metrics.jsonl", "diagnostics.jsonl"):  # whole rows, but for a last one cut short (a resume keeps
         if (Path(run_dir) / rows).is_file():  # those of its steps, drops the rest and that one)
             try:

@@ -28,7 +28,7 @@ from omegaconf import open_dict
 
 from ..errors import USER_ERRORS, ConfigError, printable
 from .config import CONF_DIR, load_config, override_values, passed_settings
-from .rundir import run_files
+from .rundir import run_files, running
 
 __all__ = ["check_sweep"]
 
@@ -122,26 +122,13 @@ def claim_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
     theirs = theirs if isinstance(theirs, dict) else {}
     if theirs.get("overrides") == mine:
         return
-    if theirs.get("host") != socket.gethostname() or _running(theirs.get("pid")):
+    if theirs.get("host") != socket.gethostname() or running(theirs.get("pid")):
         said = printable(" ".join(map(str, theirs.get("overrides") or [])))
         raise ConfigError(f"sweep directory {sweep_dir}: another sweep is launching into it (process "
                           f"{printable(theirs.get('pid'))} on {printable(theirs.get('host'))}: {said}), which this "
                           f"sweep would mix with its own; give the sweep a new hydra.sweep.dir, or remove {path} if "
                           f"that sweep has ended (no job was started)")
     path.write_text(record)
-
-
-def _running(pid) -> bool:
-    """Whether process ``pid`` of this host runs."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _check_job(compose, num: int, job: list[str], swept: set[str], loaded: dict) -> Path | None:
