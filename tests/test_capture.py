@@ -632,3 +632,29 @@ def test_bfloat16_steps_track_float32_steps_with_float32_master_weights(kind, al
     assert all(p.dtype == torch.float32 for p in nets["bf16"].parameters())
     assert all(v.dtype == torch.float32 for st in trs["bf16"].optimizer.state.values() for v in st.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def test_a_stage_beyond_the_plan_runs_eagerly_in_one_line_whatever_changes_between_steps():
+    """(review rv115) compile="graph" with a momentum-cycling scheduler and x_lr annealed at every step: each step's
+    new key printed the "runs eagerly" line again and kept an entry of its own (30 and 30 after 30 steps); the
+    stage now runs eagerly as a whole, said once, and letting the trainer go forgets it. Also: torch.equal is a
+    host read (a blocking read on a GPU), and compile="auto" is none on a CPU."""
+    from pcdist.engine.capture import compile_mode
+
+    torch.manual_seed(0)
+    net = pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+    notes = []
+    trainer = pcdist.PCTrainer(net, opt, T=3, x_lr=0.1, scheduler=sched, compile="graph", say=notes.append)
+    for s in range(12):
+        trainer.x_lr = 0.1 * (1 - s / 100)
+        trainer.step(torch.randn(8, 4), torch.randn(8, 3))
+    assert len(trainer.runner.eager) == 1 and len(notes) == 1 and "cycles momentum" in notes[0], notes
+    for stage in [st for _, st in trainer._stages.values()]:
+        trainer.runner.forget(stage)
+    assert not trainer.runner.eager and not trainer.runner.calls
+    with HostReads(strict=True) as reads:
+        torch.equal(torch.zeros(3), torch.zeros(3))
+    assert reads.reads, "torch.equal was not counted"
+    assert compile_mode("auto", torch.device("cpu")) == "none"

@@ -296,3 +296,15 @@ def test_pictures_that_cannot_be_written_are_a_warning_not_the_runs_end(tmp_path
     assert "warning: the run's pictures were not drawn (Is a directory: " in err and \
         "metrics.jsonl and the checkpoints are complete" in err
     assert not list(run.glob(".*.part"))
+
+
+def test_the_throughput_and_the_step_time_describe_the_same_steps(tmp_path):
+    """(review rv115) perf/samples_per_s counted one step's samples over log_every steps' time (off by log_every):
+    with steps between log points, samples_per_s x step_s is the batch size in every row."""
+    run = tmp_path / "run"
+    pcdist.train({"logger": {"name": "none", "plots": False}, "run_dir": str(run), "model": {"dims": [64, 16, 10]},
+                  "trainer": {"max_steps": 12, "batch_size": 32, "log_every": 4, "eval_every": 100, "progress": "off"}})
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if "perf/samples_per_s" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["perf/samples_per_s"] * r["perf/step_s"] == pytest.approx(32, rel=1e-9)

@@ -295,3 +295,21 @@ def test_a_clamped_step_leaves_a_learned_prior_mean_alone_in_every_precision(pre
     trainer.step(x, y)
     assert torch.equal(mean.detach(), trained)
     assert mean.grad is None
+
+
+def test_value_noise_is_drawn_anew_at_every_step_and_every_sampling_call():
+    """(review rv115) tests/reference.py takes noise_seed from pcdist, so a seed that ignored the call index (the
+    same noise at every step: correlated, not Langevin noise; every infer(noise=) the same "sample") passed every
+    reference test. Independent checks: distinct seeds, two sampling calls differ, two lr-0 steps on one batch
+    log different energies."""
+    from pcdist.engine.values import noise_seed
+
+    assert len({noise_seed(0, c) for c in range(-50, 50)}) == 100
+    torch.manual_seed(0)
+    net = pcdist.PCNetwork.from_sequential(nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 4)).to(DT))
+    x, y = torch.randn(4, 6, dtype=DT), torch.randn(4, 4, dtype=DT)
+    sampler = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=3, x_lr=0.1, noise_seed=5)
+    assert not torch.equal(sampler.infer(x, None, noise=0.5)[1], sampler.infer(x, None, noise=0.5)[1])
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=3, x_lr=0.1, value_noise=0.5,
+                               noise_seed=5)
+    assert trainer.step(x, y)["energy"] != trainer.step(x, y)["energy"]

@@ -176,3 +176,32 @@ def test_solvers_refuse_what_they_cannot_take():
                  dict(name="adam", eps=float("nan"))):  # infinite ones trained into NaN weights, or froze the values
         with pytest.raises(ValueError, match=r"eps > 0 and decay >= 0 \(finite\)"):
             pcdist.ValueRule(**rule)
+
+
+def test_the_adaptive_solvers_error_estimate_is_heuns_step_against_eulers():
+    """(review rv115) The documented estimate, dt/2 (k_1 - k_0) over tol (1 + |h|), RMS over the free nodes, is
+    exactly the difference of one Euler and one Heun step of x_lr: computed from those two fixed-step inferences,
+    a tol that puts the first step's error at 0.8 accepts it, one at 1.25 rejects it (an estimate twice too large
+    took smaller steps and more evaluations than the tolerance asks for, and passed every test)."""
+    import math
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(),
+                        nn.Linear(12, 4)).double()
+    net = pcdist.PCNetwork.from_sequential(seq)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+    trainer = pcdist.PCTrainer(net, torch.optim.SGD(net.parameters(), lr=0.0), T=1, x_lr=0.3)
+    with torch.no_grad():  # the feed-forward init the step starts from
+        h0, a = [x], x
+        for m in seq:
+            a = m(a)
+            if not isinstance(m, nn.Tanh):
+                h0.append(a)
+    euler, heun = trainer.infer(x, y, T=1, solver="euler"), trainer.infer(x, y, T=1, solver="heun")
+    free = range(1, len(euler) - 1)
+    sq = sum(((euler[n] - heun[n]) / (1 + h0[n].abs())).square().sum().item() for n in free)
+    rms = math.sqrt(sq / sum(euler[n].numel() for n in free))  # the error at tol 1
+    for err, accepted in ((0.8, True), (1.25, False)):
+        trainer.infer(x, y, T=1, solver="adaptive", tol=rms / err)
+        assert (trainer.last_infer["rejected"] == 0) == accepted, (err, trainer.last_infer)

@@ -359,7 +359,7 @@ class Runner:
             self._run(key, fn)
 
     def _run(self, key, fn: Callable[[], None]) -> None:
-        if key in self.eager:
+        if key in self.eager or key[:2] in self.eager:  # (a key, or its whole stage: ``fallback(key[:2], ...)``)
             fn()
             return
         n = self.calls[key]
@@ -456,7 +456,8 @@ class Runner:
         torch.cuda.empty_cache()
 
     def fallback(self, key, why: str) -> None:
-        """Run ``key`` eagerly from now on, said in one line naming ``why``."""
+        """Run ``key`` (or, given ``key[:2]``, every call of that stage) eagerly from now on, said in one line
+        naming ``why``."""
         self.eager[key] = why
         self.say(f"compile=graph: {describe(key)} runs eagerly: {why}")
 
