@@ -7,6 +7,7 @@ command line prints ConfigError, DataError, CheckpointError and RunError as one 
 """
 
 import difflib
+import errno
 
 
 def stop_status(ctrl_c: bool) -> int:
@@ -57,6 +58,9 @@ class RunError(ValueError):
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, RunError)
 """What the user's input (a setting, a file, a run directory) causes, not a bug: one line, status 2."""
+
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG})
+"""The errors of an OSError that a full or read-only disk (or a folder without permission) causes: one line."""
 
 
 class PeerError(RuntimeError):

@@ -678,3 +678,26 @@ def test_the_network_computes_what_the_modules_compute_whatever_a_repr_hides_or_
     counter = _Counter()
     pcdist.PCNetwork.from_layers([nn.Linear(3, 4), counter, nn.Linear(4, 2)])
     assert counter.calls.item() == 0
+
+
+class _Embedded(nn.Module):
+    """A first layer that reads its node as integer ids (an embedding of tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+
+    def forward(self, h):
+        return self.emb(h.long()).flatten(1)
+
+
+def test_module_probes_take_a_node_read_as_integers_and_name_a_lazy_layer_that_does_not_fit():
+    """(review rv118) The probe's random node refused a first layer that reads its node as ids (it trained before);
+    a lazy layer whose width does not fit was a raw RuntimeError, not the one line naming the layer."""
+    net = pcdist.PCNetwork.from_layers([_Embedded(), nn.Linear(12, 3)], input_shape=(3,))
+    x = torch.tensor([[0.0, 1.0, 4.0], [2.0, 3.0, 0.0]])
+    torch.testing.assert_close(net(x), net.to_sequential()(x))
+    with pytest.raises(ValueError, match=r"^layer 2 \(Sequential\) fails on the node it is given, \[B, 4\] \(layer "
+                                         r"1's output\): mat1 and mat2 shapes cannot be multiplied"):
+        pcdist.PCNetwork.from_layers([nn.Linear(3, 4), nn.Sequential(nn.LazyLinear(4), nn.Linear(5, 4)),
+                                      nn.Linear(4, 2)])

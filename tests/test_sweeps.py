@@ -302,31 +302,38 @@ def test_a_sweep_with_a_relative_data_path_continues_its_own_jobs(tmp_path, monk
 
 
 def test_a_sweep_stopped_in_a_job_says_to_launch_the_sweep_again_which_runs_the_rest(tmp_path):
-    """(review rv117) SIGTERM in job 0 printed job 0's own command line; pasted as printed, it finished job 0 and
-    the jobs after it never ran, without a word. The line now gives the sweep's command, which continues job 0
-    and then runs job 1."""
-    import signal
+    """(reviews rv117, rv118) SIGTERM in job 0 printed job 0's own command line; pasted as printed, it finished job 0
+    and the jobs after it never ran, without a word. The line gives the sweep's command, in the sweep's own folder
+    (the default one is new at every launch: the command as given started another sweep) and without
+    trainer.stop_at (which would stop it there again); pasted, it continues job 0 and runs job 1."""
+    import glob
     import shlex
+    import signal
     import time
 
-    sweep = tmp_path / "sweep"
     args = ["--multirun", "optim.lr=1e-3,2e-3", "trainer.max_steps=60", "trainer.log_every=1",
-            "trainer.eval_every=60", "trainer.ckpt_every=60", "logger=none", "logger.plots=false",
-            "trainer.progress=off", f"hydra.sweep.dir={sweep}"]
+            "trainer.eval_every=60", "trainer.ckpt_every=60", "trainer.stop_at=50", "logger=none",
+            "logger.plots=false", "trainer.progress=off"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log, deadline = sweep / "0" / "train.log", time.monotonic() + 300
-    while not (log.is_file() and "step 2/" in log.read_text()):  # (a line, not a time: the host's speed is not read)
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    deadline = time.monotonic() + 300
+    logs = f"{tmp_path}/runs/multirun/**/0/train.log"  # (runs/multirun/<date>/<time>-<hex>/0: conf/config.yaml)
+    while not any("step 2/" in Path(f).read_text() for f in glob.glob(logs, recursive=True)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()  # (a line, not a time)
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
+    (sweep,) = [Path(p).parents[1] for p in glob.glob(logs, recursive=True)]
     assert proc.returncode == 3 and not (sweep / "1").exists(), out[-2000:] + err[-2000:]
-    said = f"to resume: python train.py {shlex.join(args)} (the same sweep: it continues this job, then runs the rest)"
-    assert said in out + err, out[-2000:] + err[-2000:]
-    again = train_py(*args, cwd=tmp_path)  # the line's command: job 0 resumed, then job 1
-    assert f"resumed from {sweep}/0/checkpoints/step-" in again.stdout, again.stdout[-2000:]
+    said = re.search(r"to resume: python train.py (.*) \(the same sweep: it continues this job, then runs the rest\)",
+                     out + err)
+    assert said, out[-2000:] + err[-2000:]
+    again = shlex.split(said.group(1))
+    assert again == [a for a in args if not a.startswith("trainer.stop_at=")] + [f"hydra.sweep.dir={sweep}"]
+    out = train_py(*again, cwd=tmp_path)  # the line's command: job 0 resumed, then job 1, each to its end
+    assert f"resumed from {sweep}/0/checkpoints/step-" in out.stdout, out.stdout[-2000:]
     assert [p.name for p in jobs(sweep)] == ["0", "1"] and (sweep / "1" / "checkpoints" / "step-00000060").is_dir()
+    assert len(glob.glob(logs, recursive=True)) == 1, "no other sweep was started"
 
 
 def test_a_run_into_a_job_folder_of_a_running_sweep_is_refused(tmp_path):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import errno
 import gc
 import io
 import os
@@ -41,7 +40,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # CPU results independent of m
 
 from .config import (CONF_DIR, Config, check_overrides, command, config_keys, did_you_mean, groups,  # noqa: E402
                      load_config)
-from ..errors import USER_ERRORS, PeerError, printable, stop_status  # noqa: E402
+from ..errors import DISK_ERRNOS, USER_ERRORS, PeerError, printable, stop_status  # noqa: E402
 
 __all__ = ["main", "fail", "before_hydra", "check_overrides", "help_text"]
 
@@ -277,7 +276,7 @@ def _train(cfg) -> float | None:
 
     run_dir = None
     sweep = HydraConfig.get().mode == RunMode.MULTIRUN
-    resume.SWEEP[:] = _given if sweep else []  # (a stopped job's line gives the sweep's command to continue)
+    resume.SWEEP[:] = _sweep_again() if sweep else []  # (a stopped job's line gives the sweep's command to continue)
     try:
         c = load_config(cfg)
         c.run_dir = run_dir = HydraConfig.get().runtime.output_dir
@@ -298,11 +297,11 @@ def _train(cfg) -> float | None:
     except PeerError as e:  # a neighbour rank died or hung: one line (the cause is in that rank's own log)
         fail(str(e).split("\n")[0], status=1)
     except OSError as e:  # a full or read-only disk (the run's lock, its first files): one line
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG):
+        if e.errno not in DISK_ERRNOS:
             raise
         _remove_new_dirs()
-        fail(f"cannot write {e.filename or 'the run directory'}: {e.strerror} (a full or read-only disk?)"
-             f"{f' (run directory: {run_dir})' if run_dir and os.path.isdir(run_dir) else ''}")
+        fail(f"{e.filename or 'writing the run directory'}: {e.strerror} (a full or read-only disk, or no "
+             f"permission?){f' (run directory: {run_dir})' if run_dir and os.path.isdir(run_dir) else ''}")
     except (RuntimeError, MemoryError) as e:  # a size that does not fit: one line (a config's width typed with extra
         why = str(e).strip().split("\n")[0]  # zeros, say), the run directory removed where nothing was written
         if not isinstance(e, MemoryError) and "out of memory" not in why and "can't allocate memory" not in why:
@@ -322,6 +321,21 @@ def _train(cfg) -> float | None:
     # the objective of a sweeper (Optuna): val/accuracy (direction maximize), or unsupervised the reconstruction's
     # error (direction minimize)
     return result.get("val/accuracy", result.get("val/reconstruction_mse"))
+
+
+def _sweep_again() -> list[str]:
+    """The command line that continues this sweep: as given, in this sweep's folder (a default one is new at every
+    launch), without trainer.stop_at (which would stop it again where it stopped); none for an Optuna study (its
+    trials are drawn again: each job is continued on its own)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from .config import run_dir_override
+
+    if any("sweeper=optuna" in a for a in _given):
+        return []
+    keep = [a for a in _given if a.lstrip("+").partition("=")[0] not in ("trainer.stop_at", "hydra.sweep.dir")]
+    folder = run_dir_override(os.path.abspath(HydraConfig.get().sweep.dir))  # (quoted as Hydra reads it back)
+    return [*keep, folder.replace("hydra.run.dir=", "hydra.sweep.dir=", 1)]
 
 
 def _kept(run_dir) -> str:

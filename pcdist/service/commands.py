@@ -18,7 +18,6 @@ of the folder one stands in is imported implicitly.
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 
 __all__ = ["COMMANDS", "main"]
@@ -110,7 +109,7 @@ def _run(args) -> None:
 
 def main(argv: list[str]) -> int:
     """Run one command; user errors as one line and status 2."""
-    from ..errors import USER_ERRORS, printable  # (no torch: compare needs none)
+    from ..errors import DISK_ERRNOS, USER_ERRORS, printable  # (no torch: compare needs none)
 
     args = _parser().parse_args(argv)
     try:
@@ -119,10 +118,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {printable(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only or full disk where a command writes its files
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG):
+        if e.errno not in DISK_ERRNOS:
             raise
-        where = f" {printable(e.filename)}" if e.filename else " its files"
-        print(f"error: cannot write{where}: {e.strerror} (a full or read-only disk?)", file=sys.stderr)
+        where = printable(e.filename) if e.filename else "writing its files"
+        print(f"error: {where}: {e.strerror} (a full or read-only disk, or no permission?)", file=sys.stderr)
         return 2
     return 0
 

@@ -87,34 +87,38 @@ def _attributes(m: nn.Module) -> str:
                      for k, v in sorted(vars(sub).items()) if not k.startswith("_"))
 
 
-def _token(v) -> str:
-    """``v`` as text that is equal for equal settings: plain values and tensors by content, containers by their
-    items, anything else (a function, an object) by identity."""
+def _token(v, within: frozenset = frozenset()) -> str:
+    """``v`` as text that is equal for equal settings: plain values and dense tensors by content, containers by
+    their items, anything else (a function, an object, a sparse tensor, a container that holds itself) by
+    identity."""
     if isinstance(v, (bool, int, float, str, type(None))):
         return repr(v)
-    if isinstance(v, Tensor):
+    if isinstance(v, Tensor) and v.layout == torch.strided:
         data = v.detach().cpu().reshape(-1)
         digest = hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
         return f"tensor{tuple(v.shape)}{v.dtype}:{digest}"
-    if isinstance(v, (list, tuple)):
-        return f"{type(v).__name__}[{', '.join(_token(x) for x in v)}]"
-    if isinstance(v, dict):
-        return f"dict{{{', '.join(f'{_token(k)}: {_token(x)}' for k, x in v.items())}}}"
+    if isinstance(v, (list, tuple, dict)) and id(v) not in within:
+        inner = within | {id(v)}
+        if isinstance(v, dict):
+            return f"dict{{{', '.join(f'{_token(k, inner)}: {_token(x, inner)}' for k, x in v.items())}}}"
+        return f"{type(v).__name__}[{', '.join(_token(x, inner) for x in v)}]"
     return f"{type(v).__name__}@{id(v):x}"
 
 
-def _check_probe(m: nn.Module, probe: nn.Module, index: int, x: Tensor, out: Tensor, again: Tensor) -> None:
-    """Refuse a module whose two probe calls on one input show what PC's inference loop cannot run: its input
-    written in place (the value node it reads), or another output (randomness in training mode: an RReLU, a noise
-    layer). (A buffer its forward writes, a record of its own, is written at every call: docs/layers.md.)"""
+def _check_probe(m: nn.Module, index: int, inputs: tuple[Tensor, ...], seen: tuple[Tensor, Tensor] | None) -> None:
+    """Refuse a module whose probe calls show what PC's inference loop cannot run: an input written in place (the
+    value node it reads), or (``seen``: two calls on one node) another output at each call (randomness or a state
+    its forward moves in training mode). (A buffer its forward writes, a record of its own, is written at every
+    call: docs/layers.md.)"""
     what = f"layer {index} ({type(m).__name__})"
-    if x._version != 0:
+    if any(x._version != 0 for x in inputs):
         raise ValueError(f"{what} writes its input in place (an inplace=True activation first?), which is the value "
                          f"node it reads; make that operation out of place")
-    if out.shape != again.shape or not torch.allclose(out, again, rtol=1e-4, atol=1e-5, equal_nan=True):
-        raise ValueError(f"{what} gives another output for the same input at each call (randomness in training "
-                         f"mode: an RReLU, a noise layer?): the energy PC minimises would change under it; call "
-                         f".eval() on it or leave it out")
+    if seen is not None and (seen[0].shape != seen[1].shape or
+                             not torch.allclose(*seen, rtol=1e-4, atol=1e-5, equal_nan=True)):
+        raise ValueError(f"{what} gives another output for the same input at each call (in training mode: an RReLU's "
+                         f"or a noise layer's draws, spectral_norm's power iteration?): the energy PC minimises would "
+                         f"change under it; call .eval() on it or leave it out")
 
 
 @dataclass(frozen=True)
@@ -137,23 +141,27 @@ class ModuleKind(LayerKind):
         p = next(iter(m.parameters()), None)
         kw = dict(dtype=p.dtype if p is not None else torch.get_default_dtype(),
                   device=p.device if p is not None else "cpu")
-        x = torch.randn(2, *in_shape, generator=torch.Generator().manual_seed(0)).to(**kw)
-        if any(nn.parameter.is_lazy(t) for t in (*m.parameters(), *m.buffers())):
-            with torch.no_grad():  # a lazy module's first call makes its weights (on the user's module, as torch's)
-                m(x.clone())
-        probe = copy.deepcopy(m)  # (the user's module stays as it is: a forward may write its buffers)
+        zeros = torch.zeros(2, *in_shape, **kw)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):  # (the global RNG stays untouched)
             try:
-                out, again = probe(x), probe(x.clone())
+                if any(nn.parameter.is_lazy(t) for t in (*m.parameters(), *m.buffers())):
+                    m(zeros.clone())  # a lazy module's first call makes its weights (on the user's module, as torch's)
+                probe = copy.deepcopy(m)  # (the user's module stays as it is: a forward may write its buffers)
+                out = probe(zeros)
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a width that does not fit, mostly
                 node, why = f"layer {index - 1}'s output" if index > 1 else "the input", str(e).strip()
                 raise ValueError(f"layer {index} ({type(m).__name__}) fails on the node it is given, "
                                  f"[B, {', '.join(map(str, in_shape))}] ({node}): "
                                  f"{why.splitlines()[0] if why else type(e).__name__}") from e
-        if not isinstance(out, Tensor) or out.shape[0] != 2:
-            raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
-                             f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
-        _check_probe(m, probe, index, x, out, again)
+            if not isinstance(out, Tensor) or out.shape[0] != 2:
+                raise ValueError(f"layer {index} ({type(m).__name__}) must map a batch "
+                                 f"[B, {', '.join(map(str, in_shape))}] to one tensor [B, ...]")
+            x = torch.randn(2, *in_shape, generator=torch.Generator().manual_seed(0)).to(**kw)
+            try:  # twice on one random node (zeros hide an RReLU's draws)
+                seen = probe(x), probe(x.clone())
+            except (RuntimeError, ValueError, TypeError, IndexError):  # (a node read as integers: an embedding's)
+                seen = None
+        _check_probe(m, index, (zeros, x), seen)
         return cls(_structure(m), tuple(in_shape), tuple(out.shape[1:]), copy.deepcopy(m),
                    sum(q.numel() for q in m.parameters()), _attributes(m))
 
