@@ -220,7 +220,7 @@ class MixedPrecision:
             c.copy_(m)
 
     @torch.no_grad()
-    def grads(self, idle: set[int] = frozenset()) -> None:
+    def grads(self, idle=frozenset()) -> None:
         """The compute copy's weight gradients cast into the master weights' .grad (none for ``idle``: the ids of
         copies the step does not train)."""
         for m, c in self.pairs:

@@ -85,10 +85,10 @@ class Stage:
         if free_bottom and first == 1 and not (groups and groups[0].first == 0):
             groups.insert(0, net.prior_group(dtype))  # a fixed prior: a constant group of this Stage's own
         self.groups: list[BoundGroup] = []
-        self.idle: set[int] = set()  # ids of the parameters this stage does not train: no gradient, no update
+        self.idle: dict[int, Tensor] = {}  # the parameters this stage does not train, by id: no gradient, no update
         for g in groups:
             if g.first == 0 and not free_bottom:  # a learned prior's group, idle while h_0 is clamped
-                self.idle.update(id(q) for q in g.parameters())
+                self.idle.update((id(q), q) for q in g.parameters())
                 continue
             self.groups.append(self._bind(g, static_weights, free_top))
         self.output = self.groups[-1] if stop == L + 1 else None
@@ -125,6 +125,11 @@ class Stage:
         gr.v_in = v_in  # where the group's back-projection accumulates (the value gradient)
         gr.params = list(g.parameters())
         return gr
+
+    def drop_idle_grads(self) -> None:
+        """No gradient on the parameters this stage does not train (``idle``), as the eager update leaves them."""
+        for p in self.idle.values():
+            p.grad = None
 
     def node(self, n: int) -> Tensor:
         """The value node h_n [B, *shape] (a view)."""

@@ -280,6 +280,7 @@ class PCTrainer(LiveSettings):
         except BaseException:
             self.update.unprepare()  # (a step that raised, Ctrl-C in it: the schedule stays where it was)
             raise
+        st.drop_idle_grads()  # (a replay leaves the .grad another stage's replay put back: none, as eager)
         clock.append(time.perf_counter())
         self.steps_done += 1
         if not log:
