@@ -303,3 +303,65 @@ def test_bf16_on_a_network_without_bfloat16_products_says_it_runs_in_float32():
         "precision='bf16' changes nothing here: no layer has bfloat16 products (the module kind computes in "
         "float32), so this network runs in float32"]
     assert made(pcdist.PCNetwork.from_dims([4, 6, 3])) == []
+
+
+def test_every_float32_switch_reads_as_before_after_a_trainer_set_tf32_whatever_api_the_caller_used():
+    """(reviews rv111, rv118) A GPU trainer sets TF32 at each step (set_tf32) and a run puts the caller's switches
+    back (restore_tf32). With torch's older and newer switches mixed by the caller (cudnn.conv.fp32_precision =
+    "ieee", mkldnn.matmul = "bf16", cuda.matmul.allow_tf32 = True), 7 of 24 round trips changed a switch or made a
+    read raise. Each switch now reads as before; one that could not be read (torch refuses to mix) may read after."""
+    from pcdist.engine.precision import restore_tf32, set_tf32, tf32_state
+
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no per-backend float32 precision switches (torch < 2.9)")
+    ops = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+    def switch(name):
+        backend, op = name.split(".")
+        return getattr(getattr(torch.backends, backend), op)
+
+    def reads():
+        out = {n: switch(n).fp32_precision for n in ops}
+        out.update(("backend " + b, getattr(torch.backends, b).fp32_precision) for b in ("cudnn", "mkldnn"))
+        out["global"] = torch.backends.fp32_precision
+        for name, read in (("matmul", torch.get_float32_matmul_precision),
+                           ("cuda", lambda: torch.backends.cuda.matmul.allow_tf32),
+                           ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
+            try:
+                out[name] = read()
+            except RuntimeError:
+                out[name] = "unreadable"
+        return out
+
+    def default():
+        torch.backends.fp32_precision = torch.backends.cudnn.fp32_precision = "none"
+        torch.backends.mkldnn.fp32_precision = "none"
+        for n in ops:
+            switch(n).fp32_precision = "none"
+        restore_tf32(("highest", True))
+
+    callers = [lambda: None, lambda: torch.set_float32_matmul_precision("high"),
+               lambda: torch.set_float32_matmul_precision("medium"),
+               lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+               lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+               lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "tf32"),
+               lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+               lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+               lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+               lambda: setattr(torch.backends.mkldnn.conv, "fp32_precision", "bf16")]
+    before = tf32_state()
+    try:
+        for i, caller in enumerate(callers):
+            for on in (True, False):
+                default()
+                caller()
+                want = reads()
+                state = tf32_state()
+                set_tf32(on)
+                restore_tf32(state)
+                got = reads()
+                assert {k: v for k, v in got.items() if want[k] != "unreadable"} == \
+                    {k: v for k, v in want.items() if v != "unreadable"}, (i, on)
+    finally:
+        default()
+        restore_tf32(before)

@@ -67,10 +67,11 @@ def _newer() -> list[str]:
 
 
 def tf32_state() -> dict:
-    """The float32 precision switches now, for ``restore_tf32``: torch's older two, each where it can be read (a
+    """The float32 precision switches now, for ``restore_tf32``: torch's older three, each where it can be read (a
     caller who wrote only the newer per-backend switches makes the older unreadable), and every newer one."""
     older = {}
-    for name, read in (("matmul", torch.get_float32_matmul_precision),
+    for name, read in (("cuda", lambda: torch.backends.cuda.matmul.allow_tf32),
+                       ("matmul", torch.get_float32_matmul_precision),
                        ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
         try:
             older[name] = read()
@@ -87,6 +88,8 @@ def restore_tf32(state: tuple[str, bool] | dict | None) -> None:
     if not isinstance(state, dict):
         state = {"older": {"matmul": state[0], "cudnn": state[1]}, "newer": {}}
     older = state["older"]
+    if "cuda" in older:  # (first: the matmul precision below writes it too, agreeing with the rest)
+        torch.backends.cuda.matmul.allow_tf32 = older["cuda"]
     if "matmul" in older:
         torch.set_float32_matmul_precision(older["matmul"])
     if "cudnn" in older:
